@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) with the tested working set; idempotent. Used by .ci/run and examples/demo.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+# torch first and pinned: an open range would pull a multi-GB CUDA build.
+.venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
+.venv/bin/pip install -q --disable-pip-version-check -e ".[test]" \
+  "transformers==5.17.0" "accelerate==1.15.0" "safetensors==0.8.0" "msgspec==0.23.*" "psutil==7.2.*"

@@ -1,0 +1,264 @@
+"""Child worker entry point: `python -m child --read-fd R --write-fd W --parent-pid P`.
+
+Handshake (Hello → Ready), then a loop of `match` on messages from the supervisor; one long-lived process
+exports many layers (importing torch + llm-compressor costs seconds, so a process per layer is too slow).
+Talks only over the two dedicated pipe fds: stdout/stderr belong to the libraries and go to a log file.
+It exits on Stop, on EOF from the supervisor, or when its parent dies (parent-death signal, plus a check of
+the parent pid in the heartbeat thread), and it writes nothing after its parent is gone.
+It must never import the supervisor package.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import faulthandler
+import gc
+import os
+import resource
+import signal
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from child import faults
+from shared import layout
+from shared.framing import EndOfStream, FrameError, Reader, Writer
+from shared.messages import (NON_LAYER, PROTOCOL_VERSION, ConfigWritten, ExportLayer, Failed, Heartbeat, Hello,
+                             LayerWritten, Ready, Stop, ToChild, WriteConfig)
+
+HEARTBEAT_SECONDS = 1.0
+PR_SET_PDEATHSIG = 1
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Beat(threading.Thread):
+    """Sends a Heartbeat every second with the current stage; exits the process if the parent is gone."""
+
+    def __init__(self, writer: Writer, parent_pid: int):
+        super().__init__(daemon=True, name="heartbeat")
+        self.writer, self.parent_pid = writer, parent_pid
+        self.index: int | None = None
+        self.stage = "starting"
+
+    def set(self, index: int | None, stage: str) -> None:
+        self.index, self.stage = index, stage
+
+    def run(self) -> None:
+        while True:
+            time.sleep(HEARTBEAT_SECONDS)
+            parent_alive()  # exits if not
+            if faults.hanging:
+                continue
+            try:
+                self.writer.send(Heartbeat(index=self.index, stage=self.stage, rss=_rss()))
+            except OSError:
+                os._exit(3)  # the supervisor's end of the pipe is gone
+
+
+_parent_pid = 0
+
+
+def parent_alive() -> None:
+    """Exit at once if the supervisor that started us is gone (we must not write after it died)."""
+    if _parent_pid and os.getppid() != _parent_pid:
+        os._exit(3)
+
+
+def _set_parent_death_signal() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except OSError:
+        pass  # not Linux: the heartbeat thread's parent check still applies
+
+
+class Exporter:
+    """What one worker does with ExportLayer / WriteConfig: read, quantize, write."""
+
+    def __init__(self, hello: Hello, beat: Beat):
+        from child.quantize import LayerQuantizer  # heavy: torch, transformers, llm-compressor
+        from child.source import Checkpoint
+        from shared.job import effective_ignore
+
+        job = hello.job
+        if job.resources.torch_threads:
+            import torch
+            torch.set_num_threads(job.resources.torch_threads)
+        self.job, self.output, self.device, self.beat = job, hello.output, hello.device, beat
+        self.ignore = effective_ignore(job)
+        self.source = Checkpoint(job.source.path)
+        self.quantizer = LayerQuantizer(job.source.path, job.export.scheme, self.ignore, device=hello.device)
+        self.prefix = self.quantizer.layer_prefix
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        self._ahead: dict[int, Future] = {}
+
+    def _names(self, index: int) -> list[str]:
+        if index == NON_LAYER:
+            return self.source.non_layer_names(self.prefix)
+        return self.source.layer_names(self.prefix, index)
+
+    def _read(self, index: int) -> dict:
+        fut = self._ahead.pop(index, None)
+        return fut.result() if fut is not None else self.source.read(self._names(index))
+
+    def _prefetch(self, index: int | None) -> None:
+        # Overlap reading the next layer with quantizing this one; keep at most one layer in flight.
+        for stale in [k for k in self._ahead if k != index]:
+            self._ahead.pop(stale).cancel()
+        if index is not None and index not in self._ahead:
+            self._ahead[index] = self._pool.submit(self.source.read, self._names(index))
+
+    def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:
+        from child.writer import write_shard
+
+        index, t0 = msg.index, time.perf_counter()
+        gpu = self._gpu_reset()
+        self.beat.set(index, "read")
+        tensors = self._read(index)
+        self._prefetch(msg.prefetch)
+        source_bytes = self.source.nbytes(tensors)
+        faults.hit("read", index, writer)
+        self.beat.set(index, "quantize")
+        if index == NON_LAYER:
+            out = self.quantizer.quantize_non_layer(tensors)
+        else:
+            out = self.quantizer.quantize_layer(index, tensors)
+        del tensors
+        faults.hit("quantize", index, writer)
+        self.beat.set(index, "write")
+        parent_alive()
+
+        def checkpoint(stage: str) -> None:
+            parent_alive()
+            faults.hit(stage, index, writer)
+
+        name = layout.shard_name(index)
+        sha, nbytes = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint)
+        del out
+        gc.collect()
+        self.beat.set(None, "idle")
+        return LayerWritten(index=index, file=name, sha256=sha, nbytes=nbytes,
+                            seconds=time.perf_counter() - t0, source_bytes=source_bytes,
+                            peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu))
+
+    def write_config(self, msg: WriteConfig, writer: Writer) -> ConfigWritten:
+        from child.quantize import write_config
+
+        self.beat.set(None, "config")
+        faults.hit("config", None, writer)
+        os.makedirs(msg.dest, exist_ok=True)
+        path = write_config(os.path.join(self.job.source.path, "config.json"), msg.dest,
+                            self.job.export.scheme, self.ignore)
+        self.beat.set(None, "idle")
+        return ConfigWritten(path=path)
+
+    def _gpu_reset(self):
+        if not self.device.startswith("cuda"):
+            return None
+        import torch
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch
+
+    def _gpu_peak(self, torch) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device)) if torch is not None else 0
+
+
+def _failed(index: int | None, exc: BaseException) -> Failed:
+    return Failed(index=index, kind=type(exc).__name__, message=str(exc) or type(exc).__name__,
+                  traceback="".join(traceback.format_exception(exc)),
+                  errno=exc.errno if isinstance(exc, OSError) else None)
+
+
+def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
+    try:
+        hello = reader.recv()
+    except EndOfStream:
+        return 0
+    if not isinstance(hello, Hello) or hello.version != PROTOCOL_VERSION:
+        got = getattr(hello, "version", type(hello).__name__)
+        writer.send(Failed(kind="ProtocolError", message=f"expected Hello version {PROTOCOL_VERSION}, got {got}"))
+        return 2
+    global HEARTBEAT_SECONDS
+    HEARTBEAT_SECONDS = hello.heartbeat_seconds
+    beat = Beat(writer, parent_pid)
+    beat.start()
+    faults.hit("start", None, writer)
+    try:
+        exporter = Exporter(hello, beat)
+    except Exception as exc:  # noqa: BLE001 - every failure crosses the pipe as data
+        writer.send(_failed(None, exc))
+        return 1
+    writer.send(Ready(version=PROTOCOL_VERSION, pid=os.getpid(), device=hello.device,
+                      layer_prefix=exporter.prefix, num_layers=exporter.quantizer.num_layers,
+                      versions=_versions()))
+    beat.set(None, "idle")
+    while True:
+        try:
+            msg = reader.recv()
+        except EndOfStream:
+            return 0
+        match msg:
+            case ExportLayer():
+                try:
+                    reply = exporter.export(msg, writer)
+                except Exception as exc:  # noqa: BLE001 - MemoryError included: report, then the supervisor decides
+                    reply = _failed(msg.index, exc)
+                writer.send(reply)
+            case WriteConfig():
+                try:
+                    reply = exporter.write_config(msg, writer)
+                except Exception as exc:  # noqa: BLE001
+                    reply = _failed(None, exc)
+                writer.send(reply)
+            case Stop():
+                return 0
+            case _:
+                writer.send(Failed(kind="ProtocolError", message=f"unexpected message {type(msg).__name__}"))
+                return 2
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+    out = {}
+    for pkg in ("torch", "transformers", "llmcompressor", "compressed-tensors", "safetensors"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    global _parent_pid
+    ap = argparse.ArgumentParser(prog="python -m child")
+    ap.add_argument("--read-fd", type=int, required=True)
+    ap.add_argument("--write-fd", type=int, required=True)
+    ap.add_argument("--parent-pid", type=int, default=0)
+    args = ap.parse_args(argv)
+    # Ctrl-C reaches the whole process group; the supervisor decides how we stop, not the terminal.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _parent_pid = args.parent_pid
+    faulthandler.enable()  # a segfault leaves a Python traceback in the worker log
+    _set_parent_death_signal()
+    parent_alive()
+    faults.load()
+    reader, writer = Reader(args.read_fd, ToChild), Writer(args.write_fd)
+    try:
+        return serve(reader, writer, args.parent_pid)
+    except (FrameError, BrokenPipeError) as exc:
+        print(f"child: pipe error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

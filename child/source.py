@@ -1,0 +1,62 @@
+"""The source checkpoint on disk: which file holds each tensor, and mmap reads of one layer at a time.
+
+Reads go through safetensors' `safe_open` (mmap), so several children share the page cache and nothing is ever
+unpickled. Owns reading only: it never writes, and never resolves a file outside the checkpoint folder (the
+supervisor refuses such sources before a child starts; this is the second line of defence).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+
+from safetensors import safe_open
+
+INDEX = "model.safetensors.index.json"
+
+
+def _inside(folder: str, name: str) -> str:
+    path = os.path.realpath(os.path.join(folder, name))
+    if os.path.commonpath([path, os.path.realpath(folder)]) != os.path.realpath(folder):
+        raise ValueError(f"checkpoint file {name!r} is outside the checkpoint folder")
+    return path
+
+
+class Checkpoint:
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.weight_map: dict[str, str] = {}  # tensor name -> file name
+        index = os.path.join(folder, INDEX)
+        if os.path.exists(index):
+            with open(index) as f:
+                self.weight_map = dict(json.load(f)["weight_map"])
+        else:
+            for fn in sorted(os.listdir(folder)):
+                if fn.endswith(".safetensors"):
+                    with safe_open(_inside(folder, fn), "pt") as f:
+                        for k in f.keys():
+                            self.weight_map[k] = fn
+
+    def layer_names(self, prefix: str, index: int) -> list[str]:
+        p = f"{prefix}{index}."
+        return sorted(k for k in self.weight_map if k.startswith(p))
+
+    def non_layer_names(self, prefix: str) -> list[str]:
+        rx = re.compile(re.escape(prefix) + r"\d+\.")
+        return sorted(k for k in self.weight_map if not rx.match(k))
+
+    def read(self, names: list[str]):
+        """name -> CPU tensor, as stored (dtype and shape of the checkpoint)."""
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for n in names:
+            by_file[self.weight_map[n]].append(n)
+        out = {}
+        for fn, keys in sorted(by_file.items()):
+            with safe_open(_inside(self.folder, fn), "pt", device="cpu") as f:
+                for k in keys:
+                    out[k] = f.get_tensor(k)
+        return out
+
+    def nbytes(self, tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors.values())

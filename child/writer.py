@@ -1,0 +1,37 @@
+"""Durable shard writes: safetensors into a temp file under OUT/.export/tmp, fsync, rename, fsync the folder.
+
+A shard is visible at its final name only once it is complete; its sha256 is computed from the bytes on disk.
+Owns writing one shard; it never decides what goes in it and never touches the journal (the supervisor's).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from safetensors.torch import save_file
+
+from shared import durable
+
+# safetensors writes this metadata too when transformers saves; keep it so shards look like any HF shard.
+METADATA = {"format": "pt"}
+
+
+def write_shard(tensors: dict, output: str, tmp_dir: str, name: str,
+                checkpoint: Callable[[str], None] = lambda stage: None) -> tuple[str, int]:
+    """Write `tensors` as OUT/name; returns (sha256, size). `checkpoint(stage)` is the fault-injection hook."""
+    os.makedirs(tmp_dir, exist_ok=True)
+    tmp = os.path.join(tmp_dir, name + ".tmp")
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=METADATA)
+        os.chmod(tmp, 0o644)  # safetensors creates 0600 files; shards are meant to be shared like any checkpoint
+        checkpoint("write_tmp")
+        dest = os.path.join(output, name)
+        durable.replace(tmp, dest)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    checkpoint("after_rename")
+    return durable.sha256_file(dest), os.path.getsize(dest)

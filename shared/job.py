@@ -1,0 +1,112 @@
+"""The export job: what `job.toml` parses into, shared by the supervisor and the child.
+
+Owns the schema and its parsing (tomllib + msgspec, unknown keys refused). It checks shapes and names only; it
+must never touch the source or output folders (that is the supervisor's validation) and never import torch.
+New fields always get defaults, so journals written by an older version still decode.
+"""
+from __future__ import annotations
+
+import tomllib
+from typing import Literal
+
+import msgspec
+
+from shared import schemes
+
+
+class Source(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    path: str
+    # config.json with auto_map asks for code from the checkpoint; refused unless this is set.
+    allow_remote_code: bool = False
+
+
+class Export(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    scheme: str
+    output: str
+    # None means the defaults: lm_head and MoE routers (see child.quantize.DEFAULT_IGNORE).
+    ignore: list[str] | None = None
+    format: Literal["compressed-tensors"] = "compressed-tensors"
+
+
+class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    max_attempts: int = 3  # attempts per layer before the export fails
+    heartbeat_timeout: float = 120.0  # seconds of silence after which a child counts as hung
+    startup_timeout: float = 300.0  # seconds a child may take to import and answer the handshake
+    recycle_after_layers: int = 0  # restart the worker after this many layers (0: never)
+    recycle_above_rss_mb: int = 0  # restart the worker when its RSS exceeds this (0: never)
+    torch_threads: int = 0  # torch.set_num_threads in the child (0: leave torch's default)
+
+
+class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    source: Source
+    export: Export
+    resources: Resources = msgspec.field(default_factory=Resources)
+
+
+DEFAULT_IGNORE: tuple[str, ...] = (
+    "lm_head",
+    "re:.*mlp\\.gate$",  # MoE routers (Qwen-MoE, DeepSeek)
+    "re:.*block_sparse_moe\\.gate$",  # MoE routers (Mixtral)
+    "re:.*mlp\\.shared_expert_gate$",
+)
+
+
+def effective_ignore(job: Job) -> list[str]:
+    return list(DEFAULT_IGNORE if job.export.ignore is None else job.export.ignore)
+
+
+class JobSyntaxError(ValueError):
+    """job.toml could not be parsed or validated; the message is one line."""
+
+
+_DEVICE_FORMS = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+
+
+def _check_values(job: Job) -> None:
+    problem = schemes.check(job.export.scheme)
+    if problem:
+        raise JobSyntaxError(f"[export] {problem}")
+    dev = job.resources.device
+    if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        raise JobSyntaxError(f"[resources] device = {dev!r} is not valid; use {_DEVICE_FORMS}")
+    r = job.resources
+    if r.max_attempts < 1:
+        raise JobSyntaxError("[resources] max_attempts must be at least 1")
+    if r.heartbeat_timeout <= 0 or r.startup_timeout <= 0:
+        raise JobSyntaxError("[resources] heartbeat_timeout and startup_timeout must be positive")
+    if r.recycle_after_layers < 0 or r.recycle_above_rss_mb < 0 or r.torch_threads < 0:
+        raise JobSyntaxError("[resources] recycle_after_layers, recycle_above_rss_mb and torch_threads "
+                             "must be 0 or more")
+    if not job.source.path.strip():
+        raise JobSyntaxError("[source] path is empty; set it to a Hugging Face checkpoint folder")
+    if not job.export.output.strip():
+        raise JobSyntaxError("[export] output is empty; set it to the folder to export into")
+
+
+def _one_line(err: msgspec.ValidationError) -> str:
+    # msgspec says e.g. "Object contains unknown field `x` - at `$.export`"; make the path TOML-like.
+    text = str(err).replace("`$.", "`").replace("`$`", "the top level")
+    return " ".join(text.split())
+
+
+def parse_job(data: dict) -> Job:
+    """Validate a dict (from TOML or from code) into a Job; raises JobSyntaxError."""
+    try:
+        job = msgspec.convert(data, Job)
+    except msgspec.ValidationError as exc:
+        raise JobSyntaxError(_one_line(exc)) from exc
+    _check_values(job)
+    return job
+
+
+def parse_toml(text: str) -> Job:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise JobSyntaxError(f"not valid TOML: {exc}") from exc
+    return parse_job(data)
+
+
+def to_dict(job: Job) -> dict:
+    return msgspec.to_builtins(job)

@@ -1,0 +1,38 @@
+"""The output folder's layout: file names both sides agree on.
+
+    OUT/
+      config.json, model.safetensors.index.json, generation_config.json, tokenizer files
+      model-layer-00000.safetensors …   one shard per decoder layer
+      model-non-layer.safetensors       embeddings, final norm, lm_head
+      .export/                          state, not output: journal, lock, logs, staging, done marker
+
+Everything that is not part of the model lives under `.export/`, so the rest of the folder is exactly what a
+loader reads and is byte-identical from run to run. Owns names only; never touches the disk.
+"""
+from __future__ import annotations
+
+import os
+
+from shared.messages import NON_LAYER
+
+STATE_DIR = ".export"
+JOURNAL = "journal.jsonl"
+LOCK = "lock"
+DONE = "done.json"
+LOGS = "logs"
+TMP = "tmp"  # shard tmp files; on the output's filesystem so rename is atomic
+STAGING = "staging"  # config.json staging before it is moved into place
+INDEX = "model.safetensors.index.json"
+NON_LAYER_FILE = "model-non-layer.safetensors"
+
+
+def shard_name(index: int) -> str:
+    return NON_LAYER_FILE if index == NON_LAYER else f"model-layer-{index:05d}.safetensors"
+
+
+def state_dir(output: str) -> str:
+    return os.path.join(output, STATE_DIR)
+
+
+def state_path(output: str, *names: str) -> str:
+    return os.path.join(output, STATE_DIR, *names)

@@ -1,0 +1,98 @@
+"""The pipe protocol between the supervisor and a child worker: every message, in one file.
+
+Data flow (one worker)::
+
+    supervisor                                   child (python -m child)
+      Hello(version, job, device) ────────────▶  imports torch/llm-compressor, builds the meta skeleton
+      ◀──────────── Ready(pid, versions, layer_prefix, num_layers)   (Heartbeat while importing)
+      ExportLayer(index, attempt, prefetch) ──▶  read (mmap) → quantize → write tmp → fsync → rename
+      ◀──────────── Heartbeat(index, stage) …  then  LayerWritten(index, file, sha256, …) | Failed(…)
+      WriteConfig(dest) ──────────────────────▶  config.json with quantization_config into dest
+      ◀──────────── ConfigWritten(path) | Failed(…)
+      Stop() ─────────────────────────────────▶  exits 0
+
+Rules: Structs with `tag=True`, one Union per direction, one typed Decoder per direction made once; failures
+travel as data (`Failed.kind/message/traceback` text), never pickled. New fields get defaults. Bump
+PROTOCOL_VERSION on any incompatible change; the child refuses a Hello with another version.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from shared.job import Job
+
+PROTOCOL_VERSION = 1
+
+NON_LAYER = -1  # the index used for the non-layer shard (embeddings, final norm, lm_head)
+
+
+# ---- supervisor → child -------------------------------------------------------------------------------------
+class Hello(msgspec.Struct, tag=True, kw_only=True):
+    version: int
+    job: Job
+    output: str  # absolute output folder
+    device: str  # "cpu" or "cuda:N" as the child sees it
+    worker: int = 0
+    heartbeat_seconds: float = 1.0
+
+
+class ExportLayer(msgspec.Struct, tag=True, kw_only=True):
+    index: int  # decoder layer index, or NON_LAYER
+    attempt: int = 1
+    prefetch: int | None = None  # the index the supervisor will ask for next (read ahead)
+
+
+class WriteConfig(msgspec.Struct, tag=True, kw_only=True):
+    dest: str  # folder to write config.json into (a staging folder under OUT/.export)
+
+
+class Stop(msgspec.Struct, tag=True):
+    pass
+
+
+ToChild = Union[Hello, ExportLayer, WriteConfig, Stop]
+
+
+# ---- child → supervisor -------------------------------------------------------------------------------------
+class Ready(msgspec.Struct, tag=True, kw_only=True):
+    version: int
+    pid: int
+    device: str
+    layer_prefix: str  # e.g. "model.layers."
+    num_layers: int
+    versions: dict[str, str] = {}
+
+
+class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
+    index: int | None = None  # the part in progress, None while starting
+    stage: str = ""  # "starting" | "read" | "quantize" | "write" | "config"
+    rss: int = 0
+
+
+class LayerWritten(msgspec.Struct, tag=True, kw_only=True):
+    index: int
+    file: str  # name relative to the output folder
+    sha256: str
+    nbytes: int
+    seconds: float
+    source_bytes: int = 0  # bytes read from the source for this part
+    peak_rss: int = 0  # the child's peak RSS so far, bytes
+    rss: int = 0  # the child's RSS after the layer, bytes
+    peak_gpu: int = 0  # torch.cuda.max_memory_allocated during this part, bytes
+
+
+class ConfigWritten(msgspec.Struct, tag=True, kw_only=True):
+    path: str
+
+
+class Failed(msgspec.Struct, tag=True, kw_only=True):
+    index: int | None = None
+    kind: str  # exception class name, e.g. "MemoryError"
+    message: str
+    traceback: str = ""
+    errno: int | None = None  # set for OSError (ENOSPC is not worth retrying)
+
+
+ToSupervisor = Union[Ready, Heartbeat, LayerWritten, ConfigWritten, Failed]

@@ -1,0 +1,461 @@
+"""The embedding API: `Supervisor(job, model=...)`, its events and cancel; the CLI calls the same thing.
+
+    caller ──job──▶ Supervisor.__init__   validate job, source, output, fingerprint (writes nothing)
+                    .start / __enter__    lock OUT, release the live model's GPU memory, start the run thread
+                    run thread            journal → parts to do → worker(s) → journal each shard → finalize
+                                          finally: stop the worker, restore the live model, unlock, terminal event
+                    .events()             typed events (supervisor.events) until Finished | Failed | Cancelled
+                    .cancel()             from any thread: stop soon, leave a resumable state
+                    __exit__              cancel if still running, join, restore (idempotent) on every path
+
+Owns the run's control flow and retry policy. It never quantizes (the child does), never parses the wire
+format (shared.framing), and imports torch only when a live model is handed to it (supervisor.offload).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import traceback as tb
+from dataclasses import dataclass
+
+from shared import durable, layout
+from shared.job import Job, JobSyntaxError, parse_toml
+from shared.messages import NON_LAYER, PROTOCOL_VERSION, ConfigWritten, ExportLayer, Failed, Heartbeat, Hello, LayerWritten, WriteConfig
+from supervisor import events as ev
+from supervisor import finalize, journal
+from supervisor.errors import (Cancelled, ExportFailed, InputError, JobError, OutputError, SourceError,
+                               SupervisorError)
+from supervisor.lock import Lock, probe
+from supervisor.source import SourceInfo, inspect
+from supervisor.worker import CancelledWait, Worker, WorkerLost
+
+ENOSPC = 28
+
+
+def load_job(path: str | os.PathLike) -> Job:
+    """Read and validate a job.toml; raises JobError with a one-line message."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode()
+    except FileNotFoundError:
+        raise JobError(f"job file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise JobError(f"job file {str(path)!r} cannot be read: {exc}") from exc
+    try:
+        job = parse_toml(text)
+    except JobSyntaxError as exc:
+        raise JobError(f"{path}: {exc}") from exc
+    # Relative paths in a job file are relative to the file, so a job runs the same from any cwd.
+    base = os.path.dirname(os.path.abspath(path))
+    job.source.path = os.path.normpath(os.path.join(base, os.path.expanduser(job.source.path)))
+    job.export.output = os.path.normpath(os.path.join(base, os.path.expanduser(job.export.output)))
+    return job
+
+
+@dataclass
+class Plan:
+    job: Job
+    output: str
+    source: SourceInfo
+    fingerprint: str
+    state: journal.State
+    device: str
+
+
+def _is_within(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or os.path.commonpath([path, folder]) == folder
+
+
+def _check_writable(output: str) -> None:
+    probe_dir = output
+    while not os.path.exists(probe_dir):
+        probe_dir = os.path.dirname(probe_dir)
+    if not os.path.isdir(probe_dir):
+        raise OutputError(f"output {output!r} cannot be created: {probe_dir!r} is not a folder")
+    if not os.access(probe_dir, os.W_OK | os.X_OK):
+        raise OutputError(f"output {output!r} is not writable ({probe_dir!r} is read-only); "
+                          "choose a writable [export] output")
+
+
+def prepare(job: Job) -> Plan:
+    """Validate everything about the job before anything is written; raises InputError subclasses."""
+    from supervisor import devices
+
+    source = inspect(job.source.path, allow_remote_code=job.source.allow_remote_code)
+    output = os.path.abspath(job.export.output)
+    if _is_within(output, source.path):
+        raise OutputError(f"output {job.export.output!r} is inside the source folder (or is it); "
+                          "choose an output folder elsewhere")
+    if os.path.exists(output) and _is_within(source.path, output):
+        raise OutputError(f"the source folder is inside output {job.export.output!r}; choose another output")
+    probe(output)
+    fp, parts = journal.fingerprint(job, source.stats)
+    state = journal.check_owner(output, fp, parts)
+    _check_writable(output)
+    device = devices.resolve_device(job.resources.device)
+    return Plan(job, output, source, fp, state, device)
+
+
+class Supervisor:
+    """Runs one export in a supervised child; see the module docstring for the life cycle."""
+
+    def __init__(self, job: Job | str | os.PathLike, model=None, *, retry_delay: float = 0.5):
+        self.job = job if isinstance(job, Job) else load_job(job)
+        self.plan = prepare(self.job)
+        self.model = model
+        self.retry_delay = retry_delay
+        self._events: queue.Queue = queue.Queue()
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock: Lock | None = None
+        self._handle = None  # offload handle while the live model is released
+        self._journal: journal.Journal | None = None
+        self._worker: Worker | None = None
+        self._t0 = time.monotonic()
+        self._terminal: ev.Event | None = None
+        self._error: BaseException | None = None
+        self._cleanup_lock = threading.Lock()
+        self._started = False
+
+    # ---- public API --------------------------------------------------------------------------------------
+    def __enter__(self) -> "Supervisor":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb_) -> bool:
+        if self._thread is not None and self._thread.is_alive():
+            self.cancel()
+            self._thread.join()
+        self._cleanup()
+        return False
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        out = self.plan.output
+        try:
+            for d in (out, layout.state_dir(out), layout.state_path(out, layout.LOGS),
+                      layout.state_path(out, layout.TMP)):
+                os.makedirs(d, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"cannot create output {out!r}: {exc.strerror}") from exc
+        self._lock = Lock(out)
+        self._lock.acquire()
+        try:
+            self._release_model()
+        except BaseException:
+            self._cleanup()
+            raise
+        self._thread = threading.Thread(target=self._run, name="supervisor-run", daemon=True)
+        self._thread.start()
+
+    def events(self, timeout: float | None = None):
+        """Yield events until the terminal one (Finished, Failed or Cancelled), which is yielded last."""
+        while True:
+            try:
+                e = self._events.get(timeout=0.1 if timeout is None else timeout)
+            except queue.Empty:
+                if timeout is not None:
+                    return
+                continue
+            yield e
+            if isinstance(e, ev.TERMINAL):
+                return
+
+    def cancel(self) -> None:
+        """Stop the export soon (from any thread); what was written stays and a re-run resumes."""
+        self._cancel.set()
+
+    def wait(self) -> ev.Finished:
+        """Block until the run ends; return Finished or raise the error that ended it."""
+        if self._thread is not None:
+            self._thread.join()
+        self._cleanup()
+        if isinstance(self._terminal, ev.Finished):
+            return self._terminal
+        if self._error is not None:
+            raise self._error
+        raise Cancelled("export cancelled before it finished; run it again to resume")
+
+    # ---- run thread --------------------------------------------------------------------------------------
+    def _emit(self, e: ev.Event) -> None:
+        e.t = round(time.monotonic() - self._t0, 3)
+        self._events.put(e)
+
+    def _run(self) -> None:
+        terminal: ev.Event
+        try:
+            terminal = self._export()
+        except (Cancelled, CancelledWait) as exc:
+            self._error = exc if isinstance(exc, Cancelled) else Cancelled(
+                "export cancelled; run the same job again to resume")
+            terminal = ev.Cancelled()
+        except SupervisorError as exc:
+            self._error = exc
+            terminal = ev.Failed(kind=type(exc).__name__, message=str(exc), index=getattr(exc, "index", None),
+                                 traceback=getattr(exc, "traceback", ""), exit_code=exc.exit_code)
+        except BaseException as exc:  # noqa: BLE001 - an internal bug still restores the model and unlocks
+            self._error = exc
+            terminal = ev.Failed(kind=type(exc).__name__, message=f"internal error: {exc}",
+                                 traceback="".join(tb.format_exception(exc)), exit_code=1)
+        try:
+            self._cleanup()
+        except BaseException as exc:  # noqa: BLE001
+            self._error = exc
+            terminal = ev.Failed(kind=type(exc).__name__, message=str(exc),
+                                 traceback="".join(tb.format_exception(exc)))
+        self._terminal = terminal
+        self._emit(terminal)
+
+    def _cleanup(self) -> None:
+        """Stop the worker, close the journal, restore the model, unlock. Idempotent, safe from any thread."""
+        with self._cleanup_lock:
+            if self._worker is not None:
+                self._worker.stop(grace=2.0)
+                self._worker = None
+            if self._journal is not None:
+                self._journal.close()
+                self._journal = None
+            try:
+                self._restore_model()
+            finally:
+                if self._lock is not None:
+                    self._lock.release()
+                    self._lock = None
+
+    def _release_model(self) -> None:
+        if self.model is None:
+            return
+        from supervisor import offload
+
+        result = offload.release(self.model)
+        if isinstance(result, offload.NotReleased):
+            self._emit(ev.MemoryReleased(released=False, reason=result.reason))
+            return
+        self._handle = result
+        self._emit(ev.MemoryReleased(released=True, freed=dict(result.freed), moved_bytes=result.moved_bytes,
+                                     seconds=result.seconds))
+
+    def _restore_model(self) -> None:
+        if self._handle is None:
+            return
+        from supervisor import offload
+
+        t = time.monotonic()
+        handle, self._handle = self._handle, None
+        offload.restore(handle)
+        self._emit(ev.ModelRestored(seconds=round(time.monotonic() - t, 4)))
+
+    # ---- the export --------------------------------------------------------------------------------------
+    def _export(self) -> ev.Event:
+        plan, out = self.plan, self.plan.output
+        n = plan.source.num_layers
+        parts = list(range(n)) + [NON_LAYER]
+        st = journal.read(out)  # re-read under the lock: the journal may have grown since prepare()
+        if st.header is not None and st.header.fingerprint != plan.fingerprint:
+            raise OutputError(f"output {out!r} changed hands while starting; run again")
+        done, redo = {}, []
+        for idx, rec in st.shards.items():
+            problem = journal.verify_shard(out, rec)
+            if problem is None:
+                done[idx] = rec
+            else:
+                redo.append(idx)
+        self._journal = journal.Journal(out, st) if st.header else journal.start(out, self.job, plan.fingerprint, n)
+        self._clear_tmp()
+        todo = [p for p in parts if p not in done]
+        self._emit(ev.Started(output=out, total=len(parts), todo=len(todo), resumed=len(done), redo=sorted(redo)))
+        if not todo and st.finalized is not None and not redo and self._final_files_intact(st.finalized):
+            return ev.Finished(output=out, parts=len(parts), nbytes=sum(r.nbytes for r in done.values()),
+                               seconds=0.0, already_complete=True)
+        self._progress = _Progress(total=len(parts), done=len(done), source_bytes=plan.source.nbytes)
+        for i, idx in enumerate(todo):
+            nxt = todo[i + 1] if i + 1 < len(todo) else None
+            done[idx] = self._export_part(idx, nxt)
+        self._finalize(done)
+        total_bytes = sum(r.nbytes for r in done.values())
+        return ev.Finished(output=out, parts=len(parts), nbytes=total_bytes,
+                           seconds=round(time.monotonic() - self._t0, 3))
+
+    def _clear_tmp(self) -> None:
+        tmp = layout.state_path(self.plan.output, layout.TMP)
+        for fn in os.listdir(tmp):
+            os.unlink(os.path.join(tmp, fn))
+
+    def _final_files_intact(self, fin: journal.Finalized) -> bool:
+        for fn, sha in fin.files.items():
+            p = os.path.join(self.plan.output, fn)
+            if not os.path.isfile(p) or durable.sha256_file(p) != sha:
+                return False
+        return True
+
+    def _check_cancel(self) -> None:
+        if self._cancel.is_set():
+            raise Cancelled("export cancelled; run the same job again to resume")
+
+    def _ensure_worker(self) -> Worker:
+        if self._worker is not None:
+            return self._worker
+        from supervisor import devices
+
+        self._check_cancel()
+        plan, r = self.plan, self.job.resources
+        env = devices.child_env(plan.device, dict(os.environ))
+        env["PYTHONUNBUFFERED"] = "1"
+        child_device = "cpu" if plan.device == "cpu" else "cuda:0"
+        hello = Hello(version=PROTOCOL_VERSION, job=self.job, output=plan.output, device=child_device)
+        log = layout.state_path(plan.output, layout.LOGS, "worker-0.log")
+        w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout)
+        self._worker = w
+        t = time.monotonic()
+        ready = w.start(self._cancel.is_set, self._on_heartbeat)
+        if ready.num_layers != plan.source.num_layers or ready.layer_prefix != plan.source.layer_prefix:
+            raise SourceError(f"the model class sees {ready.num_layers} layers under {ready.layer_prefix!r} but the "
+                              f"weights hold {plan.source.num_layers} under {plan.source.layer_prefix!r}; "
+                              "this architecture is not supported")
+        self._emit(ev.WorkerStarted(pid=ready.pid, device=plan.device, seconds=round(time.monotonic() - t, 3)))
+        p = getattr(self, "_progress", None)
+        if p is not None and p.done == p.done_at_start:
+            p.start = time.monotonic()  # rates measure exporting, not the first worker's imports
+        return w
+
+    def _drop_worker(self, kill: bool) -> None:
+        if self._worker is not None:
+            self._worker.kill() if kill else self._worker.stop()
+            self._worker = None
+
+    def _on_heartbeat(self, hb: Heartbeat) -> None:
+        p = getattr(self, "_progress", None)
+        if p is not None and hb.index is not None:
+            self._emit(p.event(worker_rss=hb.rss, stage=hb.stage, index=hb.index))
+
+    def _export_part(self, index: int, prefetch: int | None) -> journal.Shard:
+        r = self.job.resources
+        last_reason, last_tb = "", ""
+        for attempt in range(1, r.max_attempts + 1):
+            self._check_cancel()
+            try:
+                w = self._ensure_worker()
+                self._emit(ev.LayerStarted(index=index, attempt=attempt))
+                reply = w.request(ExportLayer(index=index, attempt=attempt, prefetch=prefetch),
+                                  self._cancel.is_set, self._on_heartbeat)
+                match reply:
+                    case LayerWritten():
+                        return self._record(reply, w)
+                    case Failed():
+                        if reply.errno == ENOSPC:
+                            raise ExportFailed(f"disk full while writing {_part_name(index)} into "
+                                               f"{self.plan.output!r}: free some space and run again to resume",
+                                               index=index, traceback=reply.traceback)
+                        last_reason, last_tb = f"{reply.kind}: {reply.message}", reply.traceback
+                    case _:
+                        last_reason, last_tb = f"unexpected reply {type(reply).__name__}", ""
+            except WorkerLost as exc:
+                last_reason, last_tb = exc.reason, exc.log_tail
+            except CancelledWait:
+                raise Cancelled("export cancelled; run the same job again to resume") from None
+            # Whatever went wrong, the next attempt gets a fresh process: a failed child's state is suspect.
+            self._drop_worker(kill=True)
+            if attempt < r.max_attempts:
+                delay = min(self.retry_delay * 2 ** (attempt - 1), 10.0)
+                self._emit(ev.Retrying(index=index, attempt=attempt + 1, reason=last_reason, delay=delay))
+                if self._cancel.wait(delay):
+                    raise Cancelled("export cancelled; run the same job again to resume")
+        raise ExportFailed(f"{_part_name(index)} failed {r.max_attempts} times; last error: {last_reason}",
+                           index=index, traceback=last_tb)
+
+    def _record(self, reply: LayerWritten, w: Worker) -> journal.Shard:
+        path = os.path.join(self.plan.output, reply.file)
+        if reply.file != layout.shard_name(reply.index) or not os.path.isfile(path) \
+                or os.path.getsize(path) != reply.nbytes:
+            raise WorkerLost(f"worker reported {reply.file} but it is not on disk as described")
+        rec = journal.Shard(index=reply.index, file=reply.file, sha256=reply.sha256, nbytes=reply.nbytes,
+                            seconds=round(reply.seconds, 3))
+        self._journal.append(rec)
+        w.layers_done += 1
+        w.rss = reply.rss
+        self._emit(ev.LayerWritten(index=reply.index, file=reply.file, nbytes=reply.nbytes,
+                                   seconds=round(reply.seconds, 3), peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu))
+        self._progress.add(reply.source_bytes, reply.nbytes)
+        self._emit(self._progress.event(worker_rss=reply.rss))
+        self._maybe_recycle(w)
+        return rec
+
+    def _maybe_recycle(self, w: Worker) -> None:
+        r = self.job.resources
+        by_count = r.recycle_after_layers and w.layers_done >= r.recycle_after_layers
+        by_rss = r.recycle_above_rss_mb and w.rss > r.recycle_above_rss_mb * 1024 * 1024
+        if by_count or by_rss:
+            self._drop_worker(kill=False)
+
+    def _finalize(self, done: dict[int, journal.Shard]) -> None:
+        out = self.plan.output
+        staging = layout.state_path(out, layout.STAGING)
+        last_reason, last_tb = "", ""
+        for attempt in range(1, self.job.resources.max_attempts + 1):
+            self._check_cancel()
+            try:
+                w = self._ensure_worker()
+                reply = w.request(WriteConfig(dest=staging), self._cancel.is_set, self._on_heartbeat)
+                if isinstance(reply, ConfigWritten):
+                    break
+                last_reason, last_tb = f"{reply.kind}: {reply.message}", getattr(reply, "traceback", "")
+            except WorkerLost as exc:
+                last_reason, last_tb = exc.reason, exc.log_tail
+            except CancelledWait:
+                raise Cancelled("export cancelled; run the same job again to resume") from None
+            self._drop_worker(kill=True)
+        else:
+            raise ExportFailed(f"writing config.json failed; last error: {last_reason}", traceback=last_tb)
+        self._drop_worker(kill=False)
+        finalize.place_config(reply.path, out)
+        shards = finalize.shard_files(self.plan.source.num_layers)
+        finalize.write_index(out, shards)
+        finalize.copy_side_files(self.plan.source.path, out)
+        files = finalize.output_files(out, {r.file: r.sha256 for r in done.values()})
+        self._journal.append(journal.Finalized(files=files))
+        finalize.write_done(out, files)
+
+
+def _part_name(index: int) -> str:
+    return "the non-layer shard" if index == NON_LAYER else f"layer {index}"
+
+
+class _Progress:
+    def __init__(self, total: int, done: int, source_bytes: int):
+        self.total, self.done = total, done
+        self.source_total = source_bytes
+        self.start = time.monotonic()
+        self.done_at_start = done
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def add(self, read: int, written: int) -> None:
+        self.done += 1
+        self.bytes_read += read
+        self.bytes_written += written
+
+    def event(self, worker_rss: int = 0, stage: str = "", index: int | None = None) -> ev.Progress:
+        elapsed = max(time.monotonic() - self.start, 1e-6)
+        finished_now = self.done - self.done_at_start
+        eta = (elapsed / finished_now) * (self.total - self.done) if finished_now else None
+        return ev.Progress(done=self.done, total=self.total, bytes_written=self.bytes_written,
+                           mb_per_s=round(self.bytes_read / elapsed / 1e6, 2),
+                           eta_s=None if eta is None else round(eta, 1), worker_rss=worker_rss, stage=stage,
+                           index=index)
+
+
+def export(job: Job | str | os.PathLike, model=None, on_event=None) -> ev.Finished:
+    """Run one export to the end (blocking); `on_event` sees every event. Raises the error that ended it."""
+    with Supervisor(job, model=model) as run:
+        for e in run.events():
+            if on_event is not None:
+                on_event(e)
+        return run.wait()
+
+
+__all__ = ["Supervisor", "export", "load_job", "prepare", "InputError"]

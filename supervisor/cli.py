@@ -1,0 +1,126 @@
+"""`supervisor run | status | verify | demo`: a thin shell over the Python API.
+
+Prints progress (rich) or, with --json, one JSON event per line on stdout. Exit codes: 0 done, 1 failed,
+2 bad input (nothing written), 3 output locked by another supervisor, 130 interrupted (resumable).
+Errors are one line on stderr; a Python traceback only with --debug. Nothing else lives here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from supervisor.errors import SupervisorError
+
+EXIT_INTERRUPTED = 130
+
+
+def _err(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+
+
+def cmd_run(args) -> int:
+    from supervisor.api import Supervisor
+    from supervisor.progress import Display
+
+    run = Supervisor(args.job)
+    display = Display(json_lines=args.json, total_hint=run.plan.source.num_layers + 1)
+    with run, display:
+        for e in run.events():
+            display.show(e)
+    try:
+        done = run.wait()
+    except SupervisorError as exc:
+        if args.debug and getattr(exc, "traceback", ""):
+            print(exc.traceback, file=sys.stderr)
+        raise
+    if not args.json:
+        what = "already complete" if done.already_complete else f"{done.parts} shards, {done.nbytes / 1e6:.1f} MB"
+        print(f"exported {done.output} ({what}) in {done.seconds:.1f}s")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from supervisor.status import status
+
+    report = status(args.output)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for k, v in report.items():
+            if k == "left" and isinstance(v, list) and len(v) > 12:
+                v = f"{v[:12]} … ({len(v)} in all)"
+            print(f"{k:>12}: {v}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from supervisor.status import verify
+
+    problems = verify(args.output)
+    if args.json:
+        print(json.dumps({"output": args.output, "ok": not problems, "problems": problems}))
+    elif problems:
+        for fn, why in problems.items():
+            print(f"BAD  {fn}: {why}")
+        print(f"{len(problems)} problem(s); run the job again to redo those shards")
+    else:
+        print(f"ok: every journaled file in {args.output} matches its sha256")
+    return 1 if problems else 0
+
+
+def cmd_demo(args) -> int:
+    from supervisor.demo import run_demo
+
+    return run_demo(args.dir, scheme=args.scheme, json_lines=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="supervisor", description="Supervised, crash-safe, layerwise export of "
+                                 "quantized LLM checkpoints (compressed-tensors).")
+    ap.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run", parents=[common], help="export (or resume exporting) the job in job.toml")
+    p.add_argument("job", help="path to job.toml")
+    p.add_argument("--json", action="store_true", help="print one JSON event per line instead of a progress bar")
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("status", parents=[common], help="what is done and what is left in an output folder")
+    p.add_argument("output")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+    p = sub.add_parser("verify", parents=[common], help="check every journaled shard's sha256 (exit 1 if any is bad)")
+    p.add_argument("output")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_verify)
+    p = sub.add_parser("demo", parents=[common], help="build a small model locally, export it, load the result with transformers")
+    p.add_argument("dir", nargs="?", default="demo", help="working folder (default: ./demo)")
+    p.add_argument("--scheme", default="FP8_DYNAMIC")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        _err("interrupted; the export is resumable: run the same command again")
+        return EXIT_INTERRUPTED
+    except SupervisorError as exc:
+        if args.debug:
+            import traceback
+            traceback.print_exc()
+        _err(str(exc))
+        return exc.exit_code
+    except Exception as exc:  # noqa: BLE001 - an unexpected bug still gets one line without --debug
+        if args.debug:
+            raise
+        _err(f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Events the supervisor reports to its caller (a GUI backend, the CLI): typed, JSON-serializable.
+
+A Union separate from the wire protocol, so the embedding API never exposes it. Every event carries `t`, seconds
+since the run started. `Finished`, `Failed` and `Cancelled` are terminal: exactly one of them ends every run.
+Owns the event types only.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class Event(msgspec.Struct, tag=True, kw_only=True):
+    t: float = 0.0
+
+
+class Started(Event):
+    output: str
+    total: int  # parts: decoder layers + the non-layer shard
+    todo: int
+    resumed: int  # parts verified from an earlier run
+    redo: list[int] = []  # journaled parts that failed verification and are redone
+
+
+class MemoryReleased(Event):
+    released: bool
+    reason: str = ""  # why nothing was released, when released is False
+    freed: dict[str, int] = {}  # device -> bytes freed, from the CUDA allocator
+    moved_bytes: int = 0
+    seconds: float = 0.0
+
+
+class WorkerStarted(Event):
+    pid: int
+    device: str
+    seconds: float  # from spawn to Ready
+
+
+class LayerStarted(Event):
+    index: int  # -1 is the non-layer shard
+    attempt: int
+
+
+class LayerWritten(Event):
+    index: int
+    file: str
+    nbytes: int
+    seconds: float
+    peak_rss: int
+    peak_gpu: int = 0
+
+
+class Progress(Event):
+    done: int
+    total: int
+    bytes_written: int
+    mb_per_s: float  # source bytes processed per second in this run
+    eta_s: float | None
+    worker_rss: int = 0
+    stage: str = ""
+    index: int | None = None
+
+
+class Retrying(Event):
+    index: int | None
+    attempt: int  # the attempt about to start
+    reason: str
+    delay: float
+
+
+class ModelRestored(Event):
+    seconds: float
+    restored: bool = True
+
+
+class Finished(Event):
+    output: str
+    parts: int
+    nbytes: int
+    seconds: float
+    already_complete: bool = False
+
+
+class Failed(Event):
+    kind: str
+    message: str
+    index: int | None = None
+    traceback: str = ""
+    exit_code: int = 1
+
+
+class Cancelled(Event):
+    message: str = "cancelled; run the same job again to resume"
+
+
+AnyEvent = Union[Started, MemoryReleased, WorkerStarted, LayerStarted, LayerWritten, Progress, Retrying,
+                 ModelRestored, Finished, Failed, Cancelled]
+TERMINAL = (Finished, Failed, Cancelled)
+
+_json = msgspec.json.Encoder()
+
+
+def to_json(ev: Event) -> bytes:
+    return _json.encode(ev)

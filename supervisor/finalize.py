@@ -1,0 +1,81 @@
+"""Finalize an export: the index built from the shards on disk, config.json, tokenizer and generation files,
+and the done marker with every output file's sha256.
+
+Runs after every part is journaled; idempotent (a crash inside it is repaired by running it again, with identical
+bytes). Owns the files outside the shards; it never writes a shard and never quantizes anything (config.json's
+quantization_config comes from the child, which has the libraries loaded).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+
+from shared import durable, layout
+from shared.messages import NON_LAYER
+
+# Weights and the index are produced by the export; config.json is rewritten with quantization_config.
+_NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_NOT_COPIED = {"config.json", layout.INDEX, "pytorch_model.bin.index.json"}
+
+
+def shard_files(num_layers: int) -> list[str]:
+    return [layout.shard_name(i) for i in range(num_layers)] + [layout.shard_name(NON_LAYER)]
+
+
+def _header(path: str) -> dict:
+    # The safetensors format: 8-byte little-endian header length, then the JSON header. Reading only the
+    # header avoids mapping tensors (and needs no dtype table: data_offsets give each tensor's exact size).
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
+
+
+def write_index(output: str, files: list[str]) -> None:
+    weight_map: dict[str, str] = {}
+    total = 0
+    for fn in files:
+        for name, info in _header(os.path.join(output, fn)).items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            total += end - start
+            weight_map[name] = fn
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+    durable.write_bytes(os.path.join(output, layout.INDEX), data, layout.state_path(output, layout.TMP))
+
+
+def copy_side_files(source: str, output: str) -> list[str]:
+    """Tokenizer, generation config, chat template…: every top-level file that is not weights or config."""
+    copied = []
+    for fn in sorted(os.listdir(source)):
+        src = os.path.join(source, fn)
+        if fn.startswith(".") or not os.path.isfile(src) or fn in _NOT_COPIED or fn.endswith(_NOT_COPIED_SUFFIXES):
+            continue
+        tmp = layout.state_path(output, layout.TMP, fn + ".copy")
+        shutil.copyfile(src, tmp)
+        durable.replace(tmp, os.path.join(output, fn))
+        copied.append(fn)
+    return copied
+
+
+def place_config(staged: str, output: str) -> None:
+    durable.replace(staged, os.path.join(output, "config.json"))
+
+
+def output_files(output: str, known: dict[str, str]) -> dict[str, str]:
+    """Every file of the export (outside .export) -> sha256; `known` hashes (the journaled shards) are reused."""
+    out = {}
+    for fn in sorted(os.listdir(output)):
+        p = os.path.join(output, fn)
+        if fn == layout.STATE_DIR or not os.path.isfile(p):
+            continue
+        out[fn] = known.get(fn) or durable.sha256_file(p)
+    return out
+
+
+def write_done(output: str, files: dict[str, str]) -> None:
+    data = (json.dumps({"files": files}, indent=2, sort_keys=True) + "\n").encode()
+    durable.write_bytes(layout.state_path(output, layout.DONE), data)

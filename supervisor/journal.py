@@ -1,0 +1,184 @@
+"""The journal: the job's fingerprint, one append-only record per finished shard, and the resume plan.
+
+`OUT/.export/journal.jsonl` holds JSON lines: a Header first (fingerprint + job), then a Shard record per
+written shard (appended and fsynced only after the shard was renamed into place), then Finalized. A record counts
+only when its line is complete: a torn last line (the supervisor died mid-write) is ignored and cut off before
+the next append. A shard counts as done only if its file is on disk with the journaled size and sha256; anything
+else is redone, so the output after any crash and re-run is byte-identical to an uninterrupted run.
+Owns the journal file; it never writes shards and never talks to a child.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import Union
+
+import msgspec
+
+from shared import durable, layout
+from shared.job import Job, effective_ignore, to_dict
+from supervisor.errors import FingerprintMismatch, OutputError
+
+JOURNAL_VERSION = 1
+# Library versions decide the bytes of the output, so they are part of the fingerprint.
+_FINGERPRINT_PACKAGES = ("torch", "transformers", "llmcompressor", "compressed-tensors", "safetensors")
+
+
+class Header(msgspec.Struct, tag=True, kw_only=True):
+    version: int = JOURNAL_VERSION
+    fingerprint: str
+    job: dict
+    num_layers: int
+    created: float = 0.0
+
+
+class Shard(msgspec.Struct, tag=True, kw_only=True):
+    index: int
+    file: str
+    sha256: str
+    nbytes: int
+    seconds: float = 0.0
+
+
+class Finalized(msgspec.Struct, tag=True, kw_only=True):
+    files: dict[str, str] = {}  # every output file (outside .export) -> sha256
+
+
+Record = Union[Header, Shard, Finalized]
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Record)
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for pkg in _FINGERPRINT_PACKAGES:
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "missing"
+    return out
+
+
+def fingerprint(job: Job, source_stats: list[tuple[str, int, int]]) -> tuple[str, dict]:
+    """A hash of everything that decides the output's bytes; also returns the parts, for messages."""
+    parts = {
+        "source_files": [list(s) for s in source_stats],
+        "scheme": job.export.scheme,
+        "ignore": effective_ignore(job),
+        "format": job.export.format,
+        "versions": _versions(),
+    }
+    blob = json.dumps(parts, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:32], parts
+
+
+@dataclass
+class State:
+    """What the journal says, after dropping a torn tail."""
+
+    header: Header | None = None
+    shards: dict[int, Shard] = field(default_factory=dict)  # latest record per index
+    finalized: Finalized | None = None
+    good_bytes: int = 0  # length of the journal up to the last complete record
+    torn: bool = False
+
+
+def path(output: str) -> str:
+    return layout.state_path(output, layout.JOURNAL)
+
+
+def read(output: str) -> State:
+    st = State()
+    try:
+        with open(path(output), "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return st
+    pos = 0
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            st.torn = True
+            break
+        try:
+            rec = _decoder.decode(line)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            st.torn = True  # a torn write that happened to end in a newline byte; nothing after it counts
+            break
+        pos += len(line)
+        match rec:
+            case Header():
+                st.header = rec
+            case Shard():
+                st.shards[rec.index] = rec
+                st.finalized = None  # a shard redone after finalize means finalize must run again
+            case Finalized():
+                st.finalized = rec
+    st.good_bytes = pos
+    return st
+
+
+class Journal:
+    """Appends records durably (write, fsync). Open it only while holding the output lock."""
+
+    def __init__(self, output: str, state: State):
+        self._path = path(output)
+        if state.torn:
+            with open(self._path, "r+b") as f:
+                f.truncate(state.good_bytes)
+                os.fsync(f.fileno())
+        self._f = open(self._path, "ab")
+
+    def append(self, rec: Record) -> None:
+        self._f.write(_encoder.encode(rec) + b"\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def start(output: str, job: Job, fp: str, num_layers: int) -> Journal:
+    """Create the journal with its header (the state folder must exist)."""
+    header = Header(fingerprint=fp, job=to_dict(job), num_layers=num_layers, created=time.time())
+    durable.write_bytes(path(output), _encoder.encode(header) + b"\n")
+    return Journal(output, State(header=header))
+
+
+def check_owner(output: str, fp: str, parts: dict) -> State:
+    """Refuse an output folder that holds something other than an export of this job."""
+    shown = output
+    if not os.path.exists(output):
+        return State()
+    if not os.path.isdir(output):
+        raise OutputError(f"output {shown!r} exists and is not a folder; choose another [export] output")
+    entries = [e for e in os.listdir(output)]
+    st = read(output)
+    if st.header is None:
+        if entries:
+            raise OutputError(f"output {shown!r} is not empty and holds no export; choose an empty or new folder")
+        return st
+    if st.header.fingerprint != fp:
+        old = st.header.job.get("export", {})
+        raise FingerprintMismatch(
+            f"output {shown!r} holds an export of a different job (scheme {old.get('scheme')}, "
+            f"source {st.header.job.get('source', {}).get('path')}, or changed source files / library versions); "
+            f"delete the folder to start fresh, or choose another [export] output")
+    return st
+
+
+def verify_shard(output: str, rec: Shard) -> str | None:
+    """None if the shard on disk matches its record, else why not."""
+    p = os.path.join(output, rec.file)
+    try:
+        size = os.path.getsize(p)
+    except FileNotFoundError:
+        return "missing"
+    if size != rec.nbytes:
+        return f"size {size} != journaled {rec.nbytes}"
+    if durable.sha256_file(p) != rec.sha256:
+        return "sha256 differs from the journal"
+    return None

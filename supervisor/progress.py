@@ -1,0 +1,82 @@
+"""How the CLI shows a run: a rich progress bar (layers done / total, MB/s, ETA, worker RSS) or JSON lines.
+
+Owns presentation only; it consumes `supervisor.events` and never changes the run.
+"""
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from supervisor import events as ev
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+class Display:
+    def __init__(self, json_lines: bool, total_hint: int):
+        self.json_lines = json_lines
+        self.console = Console(stderr=True)
+        self.progress: Progress | None = None
+        self.task = None
+        self.total_hint = total_hint
+
+    def __enter__(self) -> "Display":
+        if not self.json_lines:
+            self.progress = Progress(
+                TextColumn("[bold]export"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]}"), TextColumn("ETA {task.fields[eta]}"),
+                TextColumn("worker {task.fields[rss]}"), TextColumn("{task.fields[stage]}"), TimeElapsedColumn(),
+                console=self.console, transient=False)
+            self.task = self.progress.add_task("export", total=self.total_hint, rate="- MB/s", eta="-", rss="-",
+                                               stage="")
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def show(self, e: ev.Event) -> None:
+        if self.json_lines:
+            sys.stdout.buffer.write(ev.to_json(e) + b"\n")
+            sys.stdout.flush()
+            return
+        p, task = self.progress, self.task
+        match e:
+            case ev.Started():
+                p.update(task, total=e.total, completed=e.total - e.todo)
+                if e.resumed:
+                    p.console.print(f"resuming: {e.resumed} of {e.total} shards verified from an earlier run"
+                                    + (f", redoing {e.redo}" if e.redo else ""))
+            case ev.MemoryReleased():
+                if e.released:
+                    p.console.print(f"released the live model: {_mb(e.moved_bytes)} in {e.seconds:.2f}s")
+                else:
+                    p.console.print(f"live model not released: {e.reason}")
+            case ev.WorkerStarted():
+                p.console.print(f"worker pid {e.pid} on {e.device} ready in {e.seconds:.1f}s")
+            case ev.Progress():
+                rate = f"{e.mb_per_s:,.1f} MB/s"
+                eta = "-" if e.eta_s is None else f"{e.eta_s:,.0f}s"
+                stage = "" if e.index is None else f"{_part(e.index)}: {e.stage}"
+                p.update(task, completed=e.done, rate=rate, eta=eta, rss=_mb(e.worker_rss) if e.worker_rss else "-",
+                         stage=stage)
+            case ev.Retrying():
+                p.console.print(f"[yellow]retrying {_part(e.index)} (attempt {e.attempt}) in {e.delay:.1f}s: "
+                                f"{e.reason}")
+            case ev.ModelRestored():
+                p.console.print(f"restored the live model in {e.seconds:.2f}s")
+            case ev.Cancelled():
+                p.console.print(f"[yellow]{e.message}")
+            case ev.Finished():
+                p.update(task, completed=e.parts, stage="done")
+
+
+def _part(index: int | None) -> str:
+    if index is None:
+        return "startup"
+    return "non-layer shard" if index == -1 else f"layer {index}"

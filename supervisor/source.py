@@ -1,0 +1,126 @@
+"""The source checkpoint as the supervisor sees it: validation before any work, and its layer count.
+
+Refuses, with a one-line message and before anything is written: a missing folder, no config.json, no
+safetensors (a pickle-only checkpoint is never unpickled), an index whose weight_map points outside the folder,
+a safetensors header that does not match its file, remote code (`auto_map`) unless the job allows it.
+Reads headers only (safetensors' own parser, via numpy): it never loads a tensor and never imports torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+from safetensors import SafetensorError, safe_open
+
+from supervisor.errors import SourceError
+
+INDEX = "model.safetensors.index.json"
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.pth")
+_LAYER_RX = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<index>\d+)\.")
+
+
+@dataclass
+class SourceInfo:
+    path: str  # absolute
+    config: dict
+    files: list[str]  # safetensors file names
+    tensor_names: list[str]
+    layer_prefix: str
+    num_layers: int
+    nbytes: int
+    stats: list[tuple[str, int, int]] = field(default_factory=list)  # (name, size, mtime_ns), for the fingerprint
+
+
+def inspect(path: str, *, allow_remote_code: bool = False) -> SourceInfo:
+    folder = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(folder):
+        raise SourceError(f"source {path!r} is not a folder; set [source] path to a Hugging Face checkpoint folder")
+    config = _read_config(folder)
+    if config.get("auto_map") and not allow_remote_code:
+        raise SourceError(f"source {path!r} asks for remote code (auto_map in config.json); "
+                          "set [source] allow_remote_code = true if you trust it")
+    files = _weight_files(folder, path)
+    names: list[str] = []
+    nbytes = 0
+    for fn in files:
+        keys, size = _check_header(folder, fn)
+        names += keys
+        nbytes += size
+    prefix, num_layers = _layers(names, config, path)
+    stats = []
+    for fn in sorted(set(files) | {"config.json"} | ({INDEX} if os.path.exists(os.path.join(folder, INDEX)) else set())):
+        st = os.stat(os.path.join(folder, fn))
+        stats.append((fn, st.st_size, st.st_mtime_ns))
+    return SourceInfo(folder, config, files, names, prefix, num_layers, nbytes, stats)
+
+
+def _read_config(folder: str) -> dict:
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise SourceError(f"source {folder!r} has no config.json; point [source] path at a Hugging Face checkpoint")
+    try:
+        with open(cfg_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"source config.json cannot be read: {exc}") from exc
+    if not isinstance(config, dict):
+        raise SourceError("source config.json is not a JSON object")
+    return config
+
+
+def _weight_files(folder: str, shown: str) -> list[str]:
+    index = os.path.join(folder, INDEX)
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise SourceError(f"{INDEX} in {shown!r} is not a valid index: {exc}") from exc
+        for fn in files:
+            if not isinstance(fn, str) or os.path.isabs(fn) or os.path.normpath(fn) != os.path.basename(fn):
+                raise SourceError(f"{INDEX} in {shown!r} points outside the source folder ({fn!r}); refusing it")
+            if not os.path.isfile(os.path.join(folder, fn)):
+                raise SourceError(f"{INDEX} in {shown!r} names {fn!r}, which does not exist")
+        return files
+    files = sorted(fn for fn in os.listdir(folder) if fn.endswith(".safetensors"))
+    if not files:
+        pickled = [fn for fn in os.listdir(folder) if fn in PICKLE_WEIGHTS or fn.endswith((".bin", ".pt", ".pth"))]
+        if pickled:
+            raise SourceError(f"source {shown!r} has only pickle weights ({pickled[0]}), which are never loaded; "
+                              "convert it to safetensors first")
+        raise SourceError(f"source {shown!r} has no *.safetensors files")
+    return files
+
+
+def _check_header(folder: str, fn: str) -> tuple[list[str], int]:
+    path = os.path.join(folder, fn)
+    if os.path.islink(path) and os.path.commonpath([os.path.realpath(path), os.path.realpath(folder)]) \
+            != os.path.realpath(folder):
+        raise SourceError(f"source file {fn!r} is a link outside the source folder; refusing it")
+    try:
+        with safe_open(path, "np") as f:  # safetensors validates offsets against the file size
+            keys = list(f.keys())
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise SourceError(f"source file {fn!r} is not a valid safetensors file ({exc})") from exc
+    return keys, os.path.getsize(path)
+
+
+def _layers(names: list[str], config: dict, shown: str) -> tuple[str, int]:
+    found: dict[str, set[int]] = {}
+    for n in names:
+        m = _LAYER_RX.match(n)
+        if m:
+            found.setdefault(m["prefix"], set()).add(int(m["index"]))
+    if not found:
+        raise SourceError(f"source {shown!r} has no decoder layers (no '*.layers.N.*' tensors)")
+    prefix = max(found, key=lambda p: len(found[p]))
+    indices = found[prefix]
+    expected = config.get("num_hidden_layers")
+    if expected is not None and indices != set(range(expected)):
+        missing = sorted(set(range(expected)) - indices)[:5]
+        raise SourceError(f"source {shown!r} config says {expected} layers but the weights hold layers "
+                          f"{min(indices)}..{max(indices)} (missing e.g. {missing}); the checkpoint is incomplete")
+    return prefix, len(indices)

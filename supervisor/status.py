@@ -1,0 +1,70 @@
+"""`status` and `verify` of an output folder: read-only views of the journal and the files on disk.
+
+Owns nothing on disk: it never takes the lock and never changes a file.
+"""
+from __future__ import annotations
+
+import os
+
+from shared import durable, layout
+from shared.messages import NON_LAYER
+from supervisor import journal
+from supervisor.errors import OutputError
+
+
+def _state(output: str) -> journal.State:
+    if not os.path.isdir(output):
+        raise OutputError(f"{output!r} is not a folder")
+    st = journal.read(output)
+    if st.header is None:
+        raise OutputError(f"{output!r} holds no export journal (.export/journal.jsonl); is it an export folder?")
+    return st
+
+
+def _running_pid(output: str) -> int | None:
+    from supervisor.errors import LockedError
+    from supervisor.lock import probe
+    try:
+        probe(output)
+    except LockedError as exc:
+        return exc.pid or -1
+    return None
+
+
+def status(output: str) -> dict:
+    st = _state(output)
+    n = st.header.num_layers
+    parts = list(range(n)) + [NON_LAYER]
+    left = [p for p in parts if p not in st.shards]
+    job = st.header.job
+    return {
+        "output": os.path.abspath(output),
+        "source": job["source"]["path"],
+        "scheme": job["export"]["scheme"],
+        "layers": n,
+        "done": f"{len(parts) - len(left)}/{len(parts)} shards",
+        "left": ["non-layer" if p == NON_LAYER else p for p in left],
+        "finalized": st.finalized is not None and os.path.exists(layout.state_path(output, layout.DONE)),
+        "running_pid": _running_pid(output),
+        "bytes": sum(r.nbytes for r in st.shards.values()),
+    }
+
+
+def verify(output: str) -> dict[str, str]:
+    """file -> problem, for every journaled shard (and finalized file) that does not match its hash."""
+    st = _state(output)
+    problems = {}
+    for rec in st.shards.values():
+        why = journal.verify_shard(output, rec)
+        if why:
+            problems[rec.file] = why
+    if st.finalized is not None:
+        for fn, sha in st.finalized.files.items():
+            if fn in problems:
+                continue
+            p = os.path.join(output, fn)
+            if not os.path.isfile(p):
+                problems[fn] = "missing"
+            elif durable.sha256_file(p) != sha:
+                problems[fn] = "sha256 differs from the journal"
+    return problems

@@ -1,0 +1,194 @@
+"""One child worker process: spawn, dedicated pipes, handshake, requests with a heartbeat watch, stop.
+
+    supervisor                         child (python -m child, its own pipes)
+      p2c_w ──frames──▶ p2c_r            stdout+stderr ─▶ OUT/.export/logs/worker-N.log
+      c2p_r ◀──frames── c2p_w
+
+The parent closes its copies of the child's ends, so EOF means the child is gone. A child that dies, stays silent
+past the heartbeat timeout, or sends a bad frame is one failure path: `WorkerLost`, with the reason and the tail
+of its log (where Python and faulthandler print tracebacks). Stop is: Stop message, grace, SIGTERM, grace,
+SIGKILL, and always wait(). Owns the process and its fds; it never decides about retries (the run loop does).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable
+
+from shared.framing import EndOfStream, FrameError, Reader, Writer
+from shared.messages import PROTOCOL_VERSION, Failed, Heartbeat, Hello, Ready, Stop, ToSupervisor
+
+POLL = 0.2  # seconds between checks of the process, the cancel flag and the heartbeat clock
+LOG_TAIL = 4000
+
+
+class WorkerLost(Exception):
+    """The child died, hung or broke the protocol; `log_tail` holds the end of its log."""
+
+    def __init__(self, reason: str, log_tail: str = ""):
+        super().__init__(reason)
+        self.reason = reason
+        self.log_tail = log_tail
+
+
+class CancelledWait(Exception):
+    """The caller's cancel flag was set while waiting for the child."""
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Worker:
+    def __init__(self, hello: Hello, log_path: str, env: dict[str, str] | None = None, *,
+                 startup_timeout: float, heartbeat_timeout: float):
+        self.hello = hello
+        self.log_path = log_path
+        self.env = env
+        self.startup_timeout = startup_timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.proc: subprocess.Popen | None = None
+        self.ready: Ready | None = None
+        self.rss = 0
+        self.layers_done = 0
+        self._reader: Reader | None = None
+        self._writer: Writer | None = None
+        self._fds: list[int] = []
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self, cancelled: Callable[[], bool], on_heartbeat: Callable[[Heartbeat], None]) -> Ready:
+        """Spawn the child and complete the handshake; raises WorkerLost or CancelledWait."""
+        p2c_r, p2c_w = os.pipe()
+        c2p_r, c2p_w = os.pipe()
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        cmd = [sys.executable]
+        if sys.version_info >= (3, 11):
+            cmd.append("-P")  # do not let a 'child' folder in the caller's cwd shadow our package
+        cmd += ["-m", "child", "--read-fd", str(p2c_r), "--write-fd", str(c2p_w), "--parent-pid", str(os.getpid())]
+        try:
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                             pass_fds=(p2c_r, c2p_w), close_fds=True, env=self.env)
+        finally:
+            os.close(p2c_r)
+            os.close(c2p_w)
+        self._fds = [p2c_w, c2p_r]
+        self._writer, self._reader = Writer(p2c_w), Reader(c2p_r, ToSupervisor)
+        self._send(self.hello)
+        reply = self.wait_reply(cancelled, on_heartbeat, deadline=time.monotonic() + self.startup_timeout)
+        if isinstance(reply, Failed):
+            raise WorkerLost(f"worker failed to start: {reply.kind}: {reply.message}", reply.traceback)
+        if not isinstance(reply, Ready) or reply.version != PROTOCOL_VERSION:
+            raise WorkerLost(f"worker sent {type(reply).__name__} instead of Ready (protocol {PROTOCOL_VERSION})",
+                             self.log_tail())
+        self.ready = reply
+        return reply
+
+    def _send(self, msg) -> None:
+        try:
+            self._writer.send(msg)
+        except (BrokenPipeError, OSError) as exc:
+            raise WorkerLost(f"worker pipe closed ({exc.__class__.__name__}); {self._exit_text()}",
+                             self.log_tail()) from exc
+
+    def request(self, msg, cancelled: Callable[[], bool], on_heartbeat: Callable[[Heartbeat], None]):
+        """Send one request and wait for its reply (anything but a Heartbeat)."""
+        self._send(msg)
+        return self.wait_reply(cancelled, on_heartbeat)
+
+    def wait_reply(self, cancelled, on_heartbeat, deadline: float | None = None):
+        last = time.monotonic()
+        while True:
+            if cancelled():
+                raise CancelledWait()
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
+                raise WorkerLost(f"worker did not become ready within {self.startup_timeout:.0f}s", self.log_tail())
+            if self._reader.readable(POLL):
+                msg = self._recv()
+                last = time.monotonic()
+                if isinstance(msg, Heartbeat):
+                    self.rss = msg.rss or self.rss
+                    on_heartbeat(msg)
+                    continue
+                return msg
+            if self.proc.poll() is not None:
+                # Drain anything it wrote before dying, then report the death.
+                if self._reader.readable(0):
+                    continue
+                raise WorkerLost(f"worker (pid {self.proc.pid}) {_describe_exit(self.proc.returncode)}",
+                                 self.log_tail())
+            if time.monotonic() - last > self.heartbeat_timeout:
+                raise WorkerLost(f"worker (pid {self.proc.pid}) sent no heartbeat for {self.heartbeat_timeout:.0f}s "
+                                 "(hung)", self.log_tail())
+
+    def _recv(self):
+        try:
+            return self._reader.recv(timeout=self.heartbeat_timeout)
+        except EndOfStream:
+            self._reap(1.0)
+            raise WorkerLost(f"worker (pid {self.proc.pid}) closed its pipe; {self._exit_text()}",
+                             self.log_tail()) from None
+        except FrameError as exc:
+            raise WorkerLost(f"worker (pid {self.proc.pid}) sent a bad frame: {exc}", self.log_tail()) from exc
+        except TimeoutError as exc:
+            raise WorkerLost(f"worker (pid {self.proc.pid}) stalled inside a frame: {exc}", self.log_tail()) from exc
+
+    def _reap(self, timeout: float) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _exit_text(self) -> str:
+        code = self.proc.poll() if self.proc else None
+        return _describe_exit(code) if code is not None else "still running"
+
+    def log_tail(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - LOG_TAIL))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop the child for sure: Stop message, grace, SIGTERM, grace, SIGKILL; always wait()."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                self._writer.send(Stop())
+            except OSError:
+                pass
+            self._reap(grace)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self._reap(grace)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = []
+
+    def kill(self) -> None:
+        """Kill at once (hung or broken child), then the same cleanup as stop()."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        self.stop(grace=0)
