@@ -37,8 +37,33 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _malloc_trim() -> None:
+    # glibc keeps freed layer-sized blocks in its arenas (the prefetch thread has its own); handing them back
+    # after each layer keeps a long-lived worker's RSS flat instead of creeping up with fragmentation.
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_peak_rss() -> None:
+    # Linux: writing 5 to clear_refs resets VmHWM, so the peak after a layer is that layer's own peak.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # lifetime peak; Linux reports KiB
 
 
 class Beat(threading.Thread):
@@ -122,6 +147,7 @@ class Exporter:
         from child.writer import write_shard
 
         index, t0 = msg.index, time.perf_counter()
+        _reset_peak_rss()
         gpu = self._gpu_reset()
         self.beat.set(index, "read")
         tensors = self._read(index)
@@ -146,6 +172,7 @@ class Exporter:
         sha, nbytes = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint)
         del out
         gc.collect()
+        _malloc_trim()
         self.beat.set(None, "idle")
         return LayerWritten(index=index, file=name, sha256=sha, nbytes=nbytes,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,

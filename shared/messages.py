@@ -78,7 +78,7 @@ class LayerWritten(msgspec.Struct, tag=True, kw_only=True):
     nbytes: int
     seconds: float
     source_bytes: int = 0  # bytes read from the source for this part
-    peak_rss: int = 0  # the child's peak RSS so far, bytes
+    peak_rss: int = 0  # the child's peak RSS while exporting this part (VmHWM reset per part), bytes
     rss: int = 0  # the child's RSS after the layer, bytes
     peak_gpu: int = 0  # torch.cuda.max_memory_allocated during this part, bytes
 

@@ -59,7 +59,7 @@ class LockedError(SupervisorError):
         self.pid = pid
 
 
-class DeviceError(SupervisorError):
+class DeviceError(SupervisorError, RuntimeError):
     """The requested device does not exist or has too little free memory."""
 
     exit_code = 2

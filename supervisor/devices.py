@@ -1,0 +1,113 @@
+"""Which accelerator each worker sees, and whether it has room.
+
+This module owns GPU visibility: parsing CUDA_VISIBLE_DEVICES the way the CUDA runtime does, giving each child
+an environment in which its one device is the only one visible (so it is `cuda:0` inside the child), resolving
+`--device` specs, and the free-memory check before a worker is started. It must never change `os.environ`
+(children get a copy), never import torch for a "cpu" spec or at import time (the CLI starts fast), and never
+initialise CUDA just to count devices (torch's NVML-based count keeps the parent fork-safe).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from supervisor.errors import DeviceError  # noqa: F401 - re-exported; the hierarchy lives in errors.py
+
+_CUDA_SPEC = re.compile(r"cuda(?::(\d+))?")
+
+
+def parse_visible_devices(value: str | None) -> list[str] | None:
+    """The entries of a CUDA_VISIBLE_DEVICES value, in order; None when unset (every device is visible).
+
+    Like the CUDA runtime, parsing stops at the first invalid entry: "0,2,-1,3" shows devices 0 and 2, and
+    "" or "-1" show none. Valid entries are ordinals, `GPU-<uuid>` and `MIG-<...>` identifiers.
+    """
+    if value is None:
+        return None
+    visible = []
+    for raw in value.split(","):
+        entry = raw.strip()
+        if entry.isdigit():
+            visible.append(str(int(entry)))
+        elif entry.startswith(("GPU-", "MIG-")) and len(entry) > 4:
+            visible.append(entry)
+        else:
+            break
+    return visible
+
+
+def child_env(device: str, base_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of `base_env` (default os.environ) in which only `device` (parent numbering) is visible."""
+    env = dict(os.environ if base_env is None else base_env)
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU worker must not create a CUDA context on anyone's GPU
+        return env
+    index = _cuda_index(device)
+    visible = parse_visible_devices(env.get("CUDA_VISIBLE_DEVICES"))
+    if visible is None:
+        # Unset: the parent's cuda:N is ordinal N; the child inherits CUDA_DEVICE_ORDER, so "N" names the same GPU.
+        env["CUDA_VISIBLE_DEVICES"] = str(index)
+    elif index < len(visible):
+        env["CUDA_VISIBLE_DEVICES"] = visible[index]
+    else:
+        raise DeviceError(
+            f"{device} is not visible: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r} shows "
+            f"{len(visible)} device(s); pick one of cuda:0..cuda:{len(visible) - 1} or widen CUDA_VISIBLE_DEVICES"
+        )
+    return env
+
+
+def resolve_device(spec: str) -> str:
+    """"auto" | "cpu" | "cuda" | "cuda:N" -> "cpu" or "cuda:N" that exists here."""
+    spec = spec.strip().lower()
+    if spec == "cpu":
+        return "cpu"
+    if spec == "auto":
+        if parse_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")) == []:
+            return "cpu"  # GPUs hidden on purpose: no need to import torch to know it
+        return "cuda:0" if _cuda_count() > 0 else "cpu"
+    index = _cuda_index(spec)
+    count = _cuda_count()
+    if count == 0:
+        raise DeviceError(f"--device {spec}: no CUDA device is visible here; use --device cpu (or auto)")
+    if index >= count:
+        raise DeviceError(f"--device {spec}: only {count} CUDA device(s) visible; use cuda:0..cuda:{count - 1}")
+    return f"cuda:{index}"
+
+
+def check_free_memory(device: str, need_bytes: int) -> None:
+    """Raise DeviceError when `device` has less free memory than `need_bytes`; no-op for "cpu".
+
+    torch.cuda.mem_get_info creates a CUDA context on that device in the calling process: call this where the
+    device will be used (a worker), or accept the context in a parent that already holds one (a studio).
+    """
+    if device == "cpu":
+        return
+    index = _cuda_index(device)
+    import torch
+
+    free, total = torch.cuda.mem_get_info(index)
+    if free < need_bytes:
+        raise DeviceError(
+            f"cuda:{index} has {_gib(free)} free of {_gib(total)}, this step needs {_gib(need_bytes)}: release the "
+            "live model, stop other GPU processes, or pick another --device"
+        )
+
+
+def _cuda_index(spec: str) -> int:
+    match = _CUDA_SPEC.fullmatch(spec.strip().lower())
+    if match is None:
+        raise DeviceError(f"unknown device {spec!r}: use auto, cpu, cuda or cuda:N")
+    return int(match.group(1) or 0)
+
+
+def _cuda_count() -> int:
+    import torch
+
+    # device_count() asks NVML first and does not initialise CUDA, so workers can still be forked after it.
+    return torch.cuda.device_count()
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"

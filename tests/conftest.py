@@ -1,0 +1,67 @@
+"""Session-wide test fixtures: tiny models built once, oneshot references computed once, the `gpu` marker.
+
+Building a tiny model costs ~0.5 s and a oneshot run ~0.1 s (the first one in a process ~7 s of one-time
+set-up), so every suite shares them through session-scoped caches instead of rebuilding per test.
+
+Thread count: not pinned. Measured on a 1024-hidden Qwen3 layer (large enough for torch's intra-op
+parallelism to kick in), oneshot with 1 thread and the layer quantizer with 2 threads give bit-identical
+output for all seven data-free schemes: their arithmetic is element-wise plus min/max reductions, which do
+not depend on the order of summation. GPTQ (a calibrated scheme) does depend on it; a test that compares
+GPTQ bytes must pin `torch.set_num_threads` itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.models import make_tiny_model, oneshot_reference
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """tiny_models(kind, **options) -> path of a tiny checkpoint, built once per session per (kind, options)."""
+    built: dict[tuple, str] = {}
+
+    def get(kind: str, **options) -> str:
+        key = (kind, tuple(sorted(options.items())))
+        if key not in built:
+            path = tmp_path_factory.mktemp(f"model-{kind}")
+            built[key] = make_tiny_model(kind, str(path), **options)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def oneshot_ref(tiny_models, tmp_path_factory):
+    """oneshot_ref(kind, scheme, ignore=None, **model_options) -> folder of oneshot's compressed output, cached.
+
+    ignore=None means child.quantize.DEFAULT_IGNORE, the exporter's default.
+    """
+    done: dict[tuple, str] = {}
+
+    def get(kind: str, scheme: str, ignore: list[str] | None = None, **model_options) -> str:
+        if ignore is None:
+            from child.quantize import DEFAULT_IGNORE  # heavy import, only for suites that quantize
+
+            ignore = DEFAULT_IGNORE
+        key = (kind, scheme, tuple(ignore), tuple(sorted(model_options.items())))
+        if key not in done:
+            out = tmp_path_factory.mktemp(f"oneshot-{kind}-{scheme}")
+            done[key] = oneshot_reference(tiny_models(kind, **model_options), scheme, list(ignore), str(out))
+        return done[key]
+
+    return get
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch  # only when a gpu test was collected: plain suites stay free of the torch import
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in gpu_items:
+        item.add_marker(skip)

@@ -1,0 +1,48 @@
+"""Helpers for scenario suites: run the real `supervisor` console script on tiny models, as a user would."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+SUPERVISOR = os.path.join(os.path.dirname(sys.executable), "supervisor")
+
+
+def write_job(path, source, output, scheme, *, device="cpu", ignore=None, **resources) -> str:
+    lines = ["[source]", f'path = "{source}"', "[export]", f'scheme = "{scheme}"', f'output = "{output}"']
+    if ignore is not None:
+        lines.append("ignore = [" + ", ".join(json.dumps(i) for i in ignore) + "]")
+    lines += ["[resources]", f'device = "{device}"']
+    lines += [f"{k} = {json.dumps(v)}" for k, v in resources.items()]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return str(path)
+
+
+def run(*args, env=None, timeout=600, check=True) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ)
+    full_env.pop("SUPERVISOR_TEST_FAULT", None)
+    full_env.update(env or {})
+    proc = subprocess.run([SUPERVISOR, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"supervisor {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr}")
+    return proc
+
+
+def events(proc: subprocess.CompletedProcess) -> list[dict]:
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def output_bytes(folder) -> dict[str, str]:
+    """sha256 of every file of an export (outside .export/): what must be byte-identical across runs."""
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        p = os.path.join(folder, name)
+        if name == ".export" or not os.path.isfile(p):
+            continue
+        with open(p, "rb") as f:
+            out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out

@@ -1,0 +1,120 @@
+"""Crash and resume: after a killed child or a killed supervisor, re-running gives byte-identical output."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from shared.layout import JOURNAL, STATE_DIR
+from tests.scenarios import cli
+
+SCHEME = "W4A16"
+LAYERS = 8
+
+
+@pytest.fixture(scope="module")
+def big_model(tiny_models):
+    # hidden 1024: ~18 MB of bf16 weights per layer, so a per-layer leak would show in the child's RSS
+    return tiny_models("llama", layers=LAYERS, hidden=1024)
+
+
+@pytest.fixture(scope="module")
+def reference(big_model, tmp_path_factory):
+    """An uninterrupted export: its files' bytes and its events."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    job = cli.write_job(tmp / "job.toml", big_model, tmp / "out", SCHEME)
+    proc = cli.run("run", job, "--json")
+    return cli.output_bytes(tmp / "out"), cli.events(proc)
+
+
+def _fault(tmp_path, **spec):
+    spec.setdefault("once", str(tmp_path / "fault-fired"))
+    return {"SUPERVISOR_TEST_FAULT": json.dumps(spec)}
+
+
+def test_child_peak_rss_does_not_grow_per_layer(reference):
+    """The child's peak RSS after the last layer is within 3% of that after the first (8 layers, no leak)."""
+    _, events = reference
+    written = [e for e in events if e["type"] == "LayerWritten" and e["index"] >= 0]
+    assert len(written) == LAYERS
+    first, last = written[0]["peak_rss"], written[-1]["peak_rss"]
+    assert first > 0
+    assert last <= first * 1.03, (first, last)
+
+
+def test_child_sigkilled_then_rerun_is_byte_identical(big_model, reference, tmp_path):
+    """A child SIGKILLed mid-export with no retries left fails the run; `run` again finishes identically."""
+    out = tmp_path / "out"
+    job = cli.write_job(tmp_path / "job.toml", big_model, out, SCHEME, max_attempts=1)
+    first = cli.run("run", job, "--json", env=_fault(tmp_path, point="quantize", action="sigkill", index=3),
+                    check=False)
+    assert first.returncode == 1, first.stderr
+    assert "layer 3" in first.stderr and "SIGKILL" in first.stderr
+    status = json.loads(cli.run("status", out, "--json").stdout)
+    assert status["left"] == [3, 4, 5, 6, 7, "non-layer"]
+    second = cli.run("run", job, "--json")
+    started = cli.events(second)[0]
+    assert started["type"] == "Started" and started["resumed"] == 3
+    assert cli.output_bytes(out) == reference[0]
+
+
+def test_child_sigkilled_is_restarted_within_the_same_run(big_model, reference, tmp_path):
+    """With attempts left, a SIGKILLed child is restarted and the layer redone; output is identical."""
+    out = tmp_path / "out"
+    job = cli.write_job(tmp_path / "job.toml", big_model, out, SCHEME)
+    proc = cli.run("run", job, "--json", env=_fault(tmp_path, point="after_rename", action="sigkill", index=5))
+    retries = [e for e in cli.events(proc) if e["type"] == "Retrying"]
+    assert [r["index"] for r in retries] == [5] and "SIGKILL" in retries[0]["reason"]
+    assert cli.output_bytes(out) == reference[0]
+
+
+def _start_run(job, env=None):
+    full_env = dict(os.environ)
+    full_env.pop("SUPERVISOR_TEST_FAULT", None)
+    full_env.update(env or {})
+    return subprocess.Popen([cli.SUPERVISOR, "run", str(job), "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=full_env)
+
+
+def _wait_for_shards(out, n, proc, timeout=300):
+    path = os.path.join(out, STATE_DIR, JOURNAL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            with open(path) as f:
+                if sum('"type":"Shard"' in line for line in f) >= n:
+                    return
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.05)
+    raise AssertionError(f"no {n} shards within {timeout}s")
+
+
+def test_supervisor_sigkilled_then_rerun_is_byte_identical(big_model, reference, tmp_path):
+    """SIGKILL the supervisor mid-export: its child exits by itself, no lock blocks, re-run is identical."""
+    out = tmp_path / "out"
+    job = cli.write_job(tmp_path / "job.toml", big_model, out, SCHEME)
+    proc = _start_run(job)
+    _wait_for_shards(str(out), 4, proc)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children, "no child worker found"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, f"orphaned children still running: {alive}"
+    second = cli.run("run", job, "--json")
+    assert cli.events(second)[0]["resumed"] >= 4
+    assert cli.output_bytes(out) == reference[0]
+
+
+def test_completed_export_rerun_is_a_no_op(big_model, reference, tmp_path):
+    """Running a finished job again starts no worker, says it is complete, and changes nothing."""
+    out = tmp_path / "out"
+    job = cli.write_job(tmp_path / "job.toml", big_model, out, SCHEME)
+    cli.run("run", job, "--json")
+    again = cli.events(cli.run("run", job, "--json"))
+    assert [e["type"] for e in again] == ["Started", "Finished"] and again[-1]["already_complete"]
+    assert cli.output_bytes(out) == reference[0]
+    assert cli.run("verify", out).returncode == 0

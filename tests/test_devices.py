@@ -1,0 +1,170 @@
+"""GPU visibility, device specs and the free-memory check (supervisor/devices.py), on any machine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor import devices
+from supervisor.devices import DeviceError, check_free_memory, child_env, parse_visible_devices, resolve_device
+
+ROOT = Path(__file__).resolve().parents[1]
+UUID = "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"
+MIG = "MIG-c7384736-a75d-5afc-978f-d89d2f2b4d2b"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, None),
+        ("", []),
+        ("-1", []),
+        ("0", ["0"]),
+        ("3,5", ["3", "5"]),
+        (" 3 , 05 ", ["3", "5"]),
+        ("0,2,-1,3", ["0", "2"]),
+        ("1,,2", ["1"]),
+        ("nope,1", []),
+        (f"{UUID},1", [UUID, "1"]),
+        (MIG, [MIG]),
+        ("MIG-GPU-8932f937-d72c-4106-c12f-20bd9faed9f6/1/0", ["MIG-GPU-8932f937-d72c-4106-c12f-20bd9faed9f6/1/0"]),
+    ],
+)
+def test_parse_visible_devices(value, expected):
+    """CUDA_VISIBLE_DEVICES parses like the CUDA runtime: unset is None, parsing stops at the first bad entry."""
+    assert parse_visible_devices(value) == expected
+
+
+def test_child_env_picks_the_parents_entry_for_the_device():
+    """A child for cuda:1 under CUDA_VISIBLE_DEVICES=3,5 sees only physical device 5."""
+    base = {"CUDA_VISIBLE_DEVICES": "3,5", "PATH": "/bin"}
+    env = child_env("cuda:1", base)
+    assert env["CUDA_VISIBLE_DEVICES"] == "5"
+    assert env["PATH"] == "/bin"
+    assert base["CUDA_VISIBLE_DEVICES"] == "3,5"
+
+
+def test_child_env_keeps_uuid_and_mig_entries():
+    """UUID and MIG entries are handed to the child verbatim."""
+    base = {"CUDA_VISIBLE_DEVICES": f"{UUID},{MIG}"}
+    assert child_env("cuda:0", base)["CUDA_VISIBLE_DEVICES"] == UUID
+    assert child_env("cuda:1", base)["CUDA_VISIBLE_DEVICES"] == MIG
+
+
+def test_child_env_unset_means_ordinal():
+    """With CUDA_VISIBLE_DEVICES unset, the child for cuda:N gets ordinal N and CUDA_DEVICE_ORDER is kept."""
+    env = child_env("cuda:2", {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "2"
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+def test_child_env_bare_cuda_is_device_zero():
+    """"cuda" means the parent's cuda:0."""
+    assert child_env("cuda", {"CUDA_VISIBLE_DEVICES": "7,1"})["CUDA_VISIBLE_DEVICES"] == "7"
+
+
+def test_child_env_cpu_hides_all_gpus():
+    """A CPU worker gets an empty CUDA_VISIBLE_DEVICES so it cannot create a context on any GPU."""
+    assert child_env("cpu", {"CUDA_VISIBLE_DEVICES": "0,1"})["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_child_env_device_not_visible_is_an_error():
+    """Asking for a device past the parent's visible list raises DeviceError naming the valid range."""
+    with pytest.raises(DeviceError, match=r"cuda:0\.\.cuda:1"):
+        child_env("cuda:2", {"CUDA_VISIBLE_DEVICES": "3,5"})
+    with pytest.raises(DeviceError, match="0 device"):
+        child_env("cuda:0", {"CUDA_VISIBLE_DEVICES": "-1"})
+
+
+def test_child_env_defaults_to_os_environ(monkeypatch):
+    """Without base_env the child inherits os.environ, which itself is not modified."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    monkeypatch.setenv("LAYERWISE_TEST_MARK", "yes")
+    env = child_env("cuda:1")
+    assert env["CUDA_VISIBLE_DEVICES"] == "6"
+    assert env["LAYERWISE_TEST_MARK"] == "yes"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"
+
+
+def test_resolve_cpu_and_hidden_auto_do_not_import_torch():
+    """"cpu", and "auto" with GPUs hidden, resolve without importing torch (the CLI starts fast)."""
+    code = (
+        "import sys; from supervisor import devices\n"
+        "assert devices.resolve_device('cpu') == 'cpu'\n"
+        "assert devices.resolve_device('auto') == 'cpu'\n"
+        "devices.child_env('cuda:1', {'CUDA_VISIBLE_DEVICES': '3,5'})\n"
+        "devices.check_free_memory('cpu', 1 << 60)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(("count", "expected"), [(0, "cpu"), (2, "cuda:0")])
+def test_resolve_auto(monkeypatch, count, expected):
+    """"auto" is cuda:0 when a CUDA device is visible, else cpu."""
+    import torch
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert resolve_device("auto") == expected
+
+
+@pytest.mark.parametrize(("spec", "expected"), [("cuda", "cuda:0"), ("cuda:1", "cuda:1"), (" CUDA:1 ", "cuda:1")])
+def test_resolve_cuda_specs(monkeypatch, spec, expected):
+    """cuda and cuda:N resolve to cuda:N when that device exists."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device(spec) == expected
+
+
+def test_resolve_missing_cuda_device_is_an_error(monkeypatch):
+    """cuda:N past the device count, or any cuda without devices, raises DeviceError with the fix."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(DeviceError, match=r"only 2 CUDA device\(s\).*cuda:0\.\.cuda:1"):
+        resolve_device("cuda:2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(DeviceError, match="--device cpu"):
+        resolve_device("cuda")
+
+
+@pytest.mark.parametrize("spec", ["gpu", "cuda:x", "cuda:-1", "mps0", ""])
+def test_resolve_unknown_spec_is_an_error(spec):
+    """An unknown spec raises DeviceError listing the accepted forms."""
+    with pytest.raises(DeviceError, match="auto, cpu, cuda or cuda:N"):
+        resolve_device(spec)
+
+
+def test_check_free_memory_cpu_is_a_no_op():
+    """The CPU has no device budget to check."""
+    assert check_free_memory("cpu", 1 << 62) is None
+
+
+def test_check_free_memory_raises_when_short(monkeypatch):
+    """Less free memory than needed raises DeviceError with both figures and the fix."""
+    import torch
+
+    asked = []
+
+    def mem_get_info(index):
+        asked.append(index)
+        return 1 << 30, 80 << 30
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    with pytest.raises(DeviceError, match=r"cuda:1 has 1\.0 GiB free of 80\.0 GiB, this step needs 2\.0 GiB.*release"):
+        check_free_memory("cuda:1", 2 << 30)
+    assert check_free_memory("cuda:1", 1 << 30) is None
+    assert asked == [1, 1]
+
+
+def test_device_error_is_a_runtime_error():
+    """DeviceError subclasses RuntimeError so generic handlers catch it."""
+    assert issubclass(devices.DeviceError, RuntimeError)
