@@ -35,14 +35,30 @@ def _fault(tmp_path, **spec):
     return {"SUPERVISOR_TEST_FAULT": json.dumps(spec)}
 
 
-def test_child_peak_rss_does_not_grow_per_layer(reference):
-    """The child's peak RSS after the last layer is within 3% of that after the first (8 layers, no leak)."""
-    _, events = reference
+# Per-layer peaks vary by a few percent with read-ahead timing (measured: 535-568 MiB on this model); a leak of
+# one layer's weights per layer adds ~18 MiB a layer, ~23% over 8 layers.
+RSS_TOLERANCE = 1.08
+
+
+def _peaks(events):
     written = [e for e in events if e["type"] == "LayerWritten" and e["index"] >= 0]
     assert len(written) == LAYERS
-    first, last = written[0]["peak_rss"], written[-1]["peak_rss"]
-    assert first > 0
-    assert last <= first * 1.03, (first, last)
+    return written[0]["peak_rss"], written[-1]["peak_rss"]
+
+
+def test_child_peak_rss_does_not_grow_per_layer(reference):
+    """The child's peak RSS for the last layer is within 8% of the first layer's (8 layers, no leak)."""
+    first, last = _peaks(reference[1])
+    assert first > 100 * 2**20
+    assert last <= first * RSS_TOLERANCE, (first, last)
+
+
+def test_rss_check_catches_a_leaking_layer_function(big_model, tmp_path):
+    """The same check fails on a child that leaks 20 MiB per layer (test-only fault), so it can catch a leak."""
+    job = cli.write_job(tmp_path / "job.toml", big_model, tmp_path / "out", SCHEME)
+    env = {"SUPERVISOR_TEST_FAULT": json.dumps({"point": "quantize", "action": "leak", "bytes": 20 * 2**20})}
+    first, last = _peaks(cli.events(cli.run("run", job, "--json", env=env)))
+    assert last > first * RSS_TOLERANCE, (first, last)
 
 
 def test_child_sigkilled_then_rerun_is_byte_identical(big_model, reference, tmp_path):
