@@ -225,9 +225,10 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
     except Exception as exc:  # noqa: BLE001 - every failure crosses the pipe as data
         writer.send(_failed(None, exc))
         return 1
+    free, total = _gpu_memory(hello.device)
     writer.send(Ready(version=PROTOCOL_VERSION, pid=os.getpid(), device=hello.device,
                       layer_prefix=exporter.prefix, num_layers=exporter.quantizer.num_layers,
-                      versions=_versions()))
+                      versions=_versions(), gpu_free=free, gpu_total=total))
     beat.set(None, "idle")
     while True:
         try:
@@ -252,6 +253,16 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
             case _:
                 writer.send(Failed(kind="ProtocolError", message=f"unexpected message {type(msg).__name__}"))
                 return 2
+
+
+def _gpu_memory(device: str) -> tuple[int, int]:
+    """(free, total) bytes of our GPU as this process sees it: the supervisor's memory check and the proof
+    that a released live model really left the device."""
+    if not device.startswith("cuda"):
+        return 0, 0
+    import torch
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free), int(total)
 
 
 def _versions() -> dict[str, str]:

@@ -63,6 +63,8 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     layer_prefix: str  # e.g. "model.layers."
     num_layers: int
     versions: dict[str, str] = {}
+    gpu_free: int = 0  # torch.cuda.mem_get_info on the child's device, measured after its imports (0 on CPU)
+    gpu_total: int = 0
 
 
 class Heartbeat(msgspec.Struct, tag=True, kw_only=True):

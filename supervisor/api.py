@@ -25,7 +25,7 @@ from shared.job import Job, JobSyntaxError, parse_toml
 from shared.messages import NON_LAYER, PROTOCOL_VERSION, ConfigWritten, ExportLayer, Failed, Heartbeat, Hello, LayerWritten, WriteConfig
 from supervisor import events as ev
 from supervisor import finalize, journal
-from supervisor.errors import (Cancelled, ExportFailed, InputError, JobError, OutputError, SourceError,
+from supervisor.errors import (Cancelled, DeviceError, ExportFailed, InputError, JobError, OutputError, SourceError,
                                SupervisorError)
 from supervisor.lock import Lock, probe
 from supervisor.source import SourceInfo, inspect
@@ -317,11 +317,25 @@ class Supervisor:
             raise SourceError(f"the model class sees {ready.num_layers} layers under {ready.layer_prefix!r} but the "
                               f"weights hold {plan.source.num_layers} under {plan.source.layer_prefix!r}; "
                               "this architecture is not supported")
-        self._emit(ev.WorkerStarted(pid=ready.pid, device=plan.device, seconds=round(time.monotonic() - t, 3)))
+        self._emit(ev.WorkerStarted(pid=ready.pid, device=plan.device, seconds=round(time.monotonic() - t, 3),
+                                    gpu_free=ready.gpu_free, gpu_total=ready.gpu_total))
+        self._check_gpu_room(ready)
         p = getattr(self, "_progress", None)
         if p is not None and p.done == p.done_at_start:
             p.start = time.monotonic()  # rates measure exporting, not the first worker's imports
         return w
+
+    def _check_gpu_room(self, ready) -> None:
+        """Refuse a GPU that cannot hold a layer: the worker measured its free memory after starting."""
+        if not ready.gpu_total:
+            return
+        src = self.plan.source
+        # A layer in flight: its bf16 tensors, the next layer read ahead, and the quantized copy (~2.5x).
+        need = int(2.5 * src.nbytes / max(src.num_layers, 1))
+        if ready.gpu_free < need:
+            raise DeviceError(f"{self.plan.device} has {ready.gpu_free / 2**30:.1f} GiB free as the worker sees it, "
+                              f"a layer needs about {need / 2**30:.1f} GiB: free memory on that GPU (or hand the live "
+                              "model to Supervisor(model=...)), or set [resources] device to another one")
 
     def _drop_worker(self, kill: bool) -> None:
         if self._worker is not None:

@@ -35,6 +35,8 @@ class WorkerStarted(Event):
     pid: int
     device: str
     seconds: float  # from spawn to Ready
+    gpu_free: int = 0  # free bytes on the worker's GPU, measured by the worker after its start (0 on CPU)
+    gpu_total: int = 0
 
 
 class LayerStarted(Event):
