@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-SUPERVISOR = os.path.join(os.path.dirname(sys.executable), "supervisor")
+# The installed console script; SUPERVISOR_BIN overrides it where the package is not pip-installed (GPU box).
+SUPERVISOR = os.environ.get("SUPERVISOR_BIN") or os.path.join(os.path.dirname(sys.executable), "supervisor")
 
 
 def write_job(path, source, output, scheme, *, device="cpu", ignore=None, **resources) -> str:
