@@ -93,7 +93,9 @@ def round_trip(model, pool: PinnedPool | None = None) -> Released:
     handle = release(model, buffers=pool)
     assert isinstance(handle, Released), handle
     for dev, nbytes in expected.items():
-        assert abs(handle.freed[dev] - nbytes) <= nbytes // 100, (dev, handle.freed, expected)
+        # empty_cache() also drops cuBLAS workspaces made by the forward above (measured on an H200: 2-3 MiB more
+        # than the model's bytes); never less than the model's bytes.
+        assert nbytes <= handle.freed[dev] <= nbytes + 64 * 2**20, (dev, handle.freed, expected)
         assert allocated[dev] - torch.cuda.memory_allocated(dev) >= nbytes * 99 // 100
     moved = [obj for obj, device, _ in before.values() if device.type == "cuda"]
     assert all(t.device.type == "cpu" and t.is_pinned() for t in moved)
