@@ -13,6 +13,7 @@ format (shared.framing), and imports torch only when a live model is handed to i
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -147,6 +148,7 @@ class Supervisor:
         self._lock.acquire()
         try:
             self._release_model()
+            self._precheck_gpu()
         except BaseException:
             self._cleanup()
             raise
@@ -213,19 +215,19 @@ class Supervisor:
 
     def _cleanup(self) -> None:
         """Stop the worker, close the journal, restore the model, unlock. Idempotent, safe from any thread."""
-        with self._cleanup_lock:
-            if self._worker is not None:
-                self._worker.stop(grace=2.0)
-                self._worker = None
+        # Every step runs even when an earlier one raises (on a full disk the journal's close raises): the live
+        # model always comes back and the lock is always released. ExitStack runs the callbacks last-in first-out.
+        with self._cleanup_lock, contextlib.ExitStack() as steps:
+            if self._lock is not None:
+                steps.callback(self._lock.release)
+                self._lock = None
+            steps.callback(self._restore_model)
             if self._journal is not None:
-                self._journal.close()
+                steps.callback(self._journal.close)
                 self._journal = None
-            try:
-                self._restore_model()
-            finally:
-                if self._lock is not None:
-                    self._lock.release()
-                    self._lock = None
+            if self._worker is not None:
+                steps.callback(self._worker.stop, grace=2.0)
+                self._worker = None
 
     def _release_model(self) -> None:
         if self.model is None:
@@ -325,13 +327,27 @@ class Supervisor:
             p.start = time.monotonic()  # rates measure exporting, not the first worker's imports
         return w
 
+    def _layer_need(self) -> int:
+        src = self.plan.source
+        # A layer in flight: its tensors, the next layer read ahead, and the quantized copy (~2.5x a layer).
+        return int(2.5 * src.nbytes / max(src.num_layers, 1))
+
+    def _precheck_gpu(self) -> None:
+        """Before a child starts: if this process already uses CUDA (a studio holding its model), ask the device
+        for its free memory now, after the release. The CLI never initializes CUDA here (a context costs
+        ~0.5 GB of the very memory we want free); the worker then measures it itself (_check_gpu_room)."""
+        import sys
+        torch = sys.modules.get("torch")
+        if self.plan.device == "cpu" or torch is None or not torch.cuda.is_initialized():
+            return
+        from supervisor import devices
+        devices.check_free_memory(self.plan.device, self._layer_need() + (512 << 20))  # + the child's context
+
     def _check_gpu_room(self, ready) -> None:
         """Refuse a GPU that cannot hold a layer: the worker measured its free memory after starting."""
         if not ready.gpu_total:
             return
-        src = self.plan.source
-        # A layer in flight: its bf16 tensors, the next layer read ahead, and the quantized copy (~2.5x).
-        need = int(2.5 * src.nbytes / max(src.num_layers, 1))
+        need = self._layer_need()
         if ready.gpu_free < need:
             raise DeviceError(f"{self.plan.device} has {ready.gpu_free / 2**30:.1f} GiB free as the worker sees it, "
                               f"a layer needs about {need / 2**30:.1f} GiB: free memory on that GPU (or hand the live "
@@ -374,13 +390,18 @@ class Supervisor:
                 raise Cancelled("export cancelled; run the same job again to resume") from None
             # Whatever went wrong, the next attempt gets a fresh process: a failed child's state is suspect.
             self._drop_worker(kill=True)
-            if attempt < r.max_attempts:
-                delay = min(self.retry_delay * 2 ** (attempt - 1), 10.0)
-                self._emit(ev.Retrying(index=index, attempt=attempt + 1, reason=last_reason, delay=delay))
-                if self._cancel.wait(delay):
-                    raise Cancelled("export cancelled; run the same job again to resume")
+            self._retry_later(index, attempt, last_reason)
         raise ExportFailed(f"{_part_name(index)} failed {r.max_attempts} times; last error: {last_reason}",
                            index=index, traceback=last_tb)
+
+    def _retry_later(self, index: int | None, attempt: int, reason: str) -> None:
+        """Announce the next attempt (index None: config.json at finalize) and back off; no-op after the last."""
+        if attempt >= self.job.resources.max_attempts:
+            return
+        delay = min(self.retry_delay * 2 ** (attempt - 1), 10.0)
+        self._emit(ev.Retrying(index=index, attempt=attempt + 1, reason=reason, delay=delay))
+        if self._cancel.wait(delay):
+            raise Cancelled("export cancelled; run the same job again to resume")
 
     def _record(self, reply: LayerWritten, w: Worker) -> journal.Shard:
         path = os.path.join(self.plan.output, reply.file)
@@ -423,6 +444,7 @@ class Supervisor:
             except CancelledWait:
                 raise Cancelled("export cancelled; run the same job again to resume") from None
             self._drop_worker(kill=True)
+            self._retry_later(None, attempt, last_reason)
         else:
             raise ExportFailed(f"writing config.json failed; last error: {last_reason}", traceback=last_tb)
         self._drop_worker(kill=False)

@@ -158,3 +158,19 @@ def test_model_that_cannot_be_released_is_reported_and_export_runs(job, tiny_mod
         run.wait()
     assert isinstance(seen[0], ev.MemoryReleased) and not seen[0].released and seen[0].reason
     assert not any(isinstance(e, ev.ModelRestored) for e in seen)
+
+
+def test_gpu_without_room_for_a_layer_is_refused(job):
+    """A worker reporting less free GPU memory than a layer needs ends the run with a DeviceError (exit 2)."""
+    from shared.messages import Ready
+    from supervisor.errors import DeviceError
+
+    run = Supervisor(job)
+    need = run._layer_need()
+    ready = Ready(version=1, pid=1, device="cuda:0", layer_prefix="model.layers.", num_layers=2,
+                  gpu_free=need - 1, gpu_total=8 * need)
+    with pytest.raises(DeviceError, match="GiB free") as caught:
+        run._check_gpu_room(ready)
+    assert caught.value.exit_code == 2
+    run._check_gpu_room(Ready(version=1, pid=1, device="cuda:0", layer_prefix="model.layers.", num_layers=2,
+                              gpu_free=need, gpu_total=8 * need))  # exactly enough is accepted
