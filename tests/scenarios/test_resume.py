@@ -134,3 +134,24 @@ def test_completed_export_rerun_is_a_no_op(big_model, reference, tmp_path):
     assert [e["type"] for e in again] == ["Started", "Finished"] and again[-1]["already_complete"]
     assert cli.output_bytes(out) == reference[0]
     assert cli.run("verify", out).returncode == 0
+
+
+def test_ctrl_c_stops_cleanly_and_resumes(big_model, reference, tmp_path):
+    """Ctrl-C (SIGINT to the whole process group) exits 130, leaves no child, and a re-run resumes identically."""
+    out = tmp_path / "out"
+    job = cli.write_job(tmp_path / "job.toml", big_model, out, SCHEME)
+    env = dict(os.environ)
+    env.pop("SUPERVISOR_TEST_FAULT", None)
+    proc = subprocess.Popen([cli.SUPERVISOR, "run", str(job)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)  # its own group, like a terminal job
+    _wait_for_shards(str(out), 3, proc)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "resum" in err.splitlines()[-1] and "Traceback" not in err
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive
+    second = cli.run("run", job, "--json")
+    assert cli.events(second)[0]["resumed"] >= 3
+    assert cli.output_bytes(out) == reference[0]
