@@ -120,6 +120,7 @@ class Supervisor:
         self._error: BaseException | None = None
         self._cleanup_lock = threading.Lock()
         self._started = False
+        self._progress: _Progress | None = None
 
     # ---- public API --------------------------------------------------------------------------------------
     def __enter__(self) -> "Supervisor":
@@ -322,7 +323,7 @@ class Supervisor:
         self._emit(ev.WorkerStarted(pid=ready.pid, device=plan.device, seconds=round(time.monotonic() - t, 3),
                                     gpu_free=ready.gpu_free, gpu_total=ready.gpu_total))
         self._check_gpu_room(ready)
-        p = getattr(self, "_progress", None)
+        p = self._progress
         if p is not None and p.done == p.done_at_start:
             p.start = time.monotonic()  # rates measure exporting, not the first worker's imports
         return w
@@ -359,7 +360,7 @@ class Supervisor:
             self._worker = None
 
     def _on_heartbeat(self, hb: Heartbeat) -> None:
-        p = getattr(self, "_progress", None)
+        p = self._progress
         if p is not None and hb.index is not None:
             self._emit(p.event(worker_rss=hb.rss, stage=hb.stage, index=hb.index))
 
