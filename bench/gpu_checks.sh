@@ -9,8 +9,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m supervisor.cli "$@"\n' > /tmp/bin/supervisor && chmod +x /tmp/bin/supervisor
 export SUPERVISOR_BIN=/tmp/bin/supervisor
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; python3 -c 'import torch,sys; print(sys.version.split()[0], torch.__version__, torch.cuda.device_count())'; } | tee "$OUT/machine.txt"
-{ python3 -m pytest -q -p no:cacheprovider -rs tests/gpu ${PYTEST_ARGS:-} 2>&1
+[ "${TESTS:-1}" = 1 ] && { python3 -m pytest -q -p no:cacheprovider -rs tests/gpu ${PYTEST_ARGS:-} 2>&1
   python3 -m pytest -q -p no:cacheprovider -rs tests/test_quantize.py -k cuda 2>&1; } | tee "$OUT/pytest.txt" | grep -v "^W11\|WARNING" | tail -60
 if [ "${BENCH:-1}" = 1 ]; then
   python3 bench/offload_bench.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/offload_bench.txt" | tail -30
+fi
+if [ "${EXPORT_BENCH:-1}" = 1 ]; then
+  python3 bench/export_bench.py ${EXPORT_BENCH_ARGS:-} 2>&1 | grep -v "^W11\|WARNING\|it/s]" | tee "$OUT/export_bench.txt" | tail -12
 fi
