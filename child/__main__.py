@@ -219,8 +219,8 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
     HEARTBEAT_SECONDS = hello.heartbeat_seconds
     beat = Beat(writer, parent_pid)
     beat.start()
-    faults.hit("start", None, writer)
     try:
+        faults.hit("start", None, writer)  # inside: an exception while starting is reported like a real one
         exporter = Exporter(hello, beat)
     except Exception as exc:  # noqa: BLE001 - every failure crosses the pipe as data
         writer.send(_failed(None, exc))

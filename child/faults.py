@@ -1,16 +1,24 @@
 """Test-only fault injection inside the child: die, hang or send garbage at a named point of a layer's life.
 
-Off unless the environment variable SUPERVISOR_TEST_FAULT holds a JSON object, which only tests set; a job file
-cannot reach it. The object::
+Off unless the environment variable SUPERVISOR_TEST_FAULT holds JSON, which only tests set; a job file cannot
+reach it. The value is one fault object or a list of them::
 
     {"point": "quantize", "action": "sigkill", "index": 2, "once": "/tmp/marker"}
+    [{"point": "read", "action": "hang", "index": 0, "once": "/tmp/m0"},
+     {"point": "start", "action": "garbage", "once": "/tmp/m1", "after": "/tmp/m0"}]
 
 point:  start | read | quantize | write_tmp | after_rename | config | any
 action: sigkill | sigsegv | exit | raise | memoryerror | hang | garbage | truncated | oversized | leak | enospc
-index:  the layer it fires on (omit: every layer; -1 is the non-layer shard)
-once:   a marker file; the fault fires only while the file does not exist, and creates it when firing
-        (so a restarted child goes on normally). Omit to fire every time.
-Owns nothing else; it must never be consulted by anything but the child's main loop and writer.
+index:  the layer it fires on (omit: every layer; -1 is the non-layer shard); start and config have no layer
+once:   a marker file; the fault fires only while the file does not exist, and creates it when firing (so a
+        restarted child goes on normally). The marker holds JSON: point, index, action, pid, time (epoch
+        seconds), so a test can measure how long the supervisor took to notice. Omit to fire every time.
+after:  a marker file that must exist for the fault to be armed (chains faults: "the restart after that
+        crash fails too")
+bytes:  for leak, how much to keep alive per hit (default 64 MiB); code: for exit, the exit code (default 7)
+
+At a point, the first armed fault in list order fires. Owns nothing else; it must never be consulted by
+anything but the child's main loop and writer.
 """
 from __future__ import annotations
 
@@ -23,30 +31,38 @@ import time
 
 ENV = "SUPERVISOR_TEST_FAULT"
 
-_spec: dict | None = None
+_specs: list[dict] = []
 _leak: list = []
+hanging = False  # set by a hang: the heartbeat thread stops beating, as in a deadlocked child
 
 
 def load() -> None:
-    global _spec
+    global _specs
     raw = os.environ.get(ENV)
-    _spec = json.loads(raw) if raw else None
+    spec = json.loads(raw) if raw else []
+    _specs = spec if isinstance(spec, list) else [spec]
+
+
+def _armed(s: dict, point: str, index: int | None) -> bool:
+    if s.get("point") not in (point, "any"):
+        return False
+    if "index" in s and s["index"] != index:
+        return False
+    if s.get("after") and not os.path.exists(s["after"]):
+        return False
+    return not (s.get("once") and os.path.exists(s["once"]))
 
 
 def hit(point: str, index: int | None = None, writer=None) -> None:
-    """Fire the configured fault if it matches this point and layer."""
-    s = _spec
-    if not s or s.get("point") not in (point, "any"):
-        return
-    if "index" in s and s["index"] != index:
-        return
-    once = s.get("once")
-    if once:
-        if os.path.exists(once):
+    """Fire the first configured fault that matches this point and layer."""
+    for s in _specs:
+        if _armed(s, point, index):
+            if s.get("once"):
+                with open(s["once"], "w") as f:
+                    json.dump({"point": point, "index": index, "action": s["action"], "pid": os.getpid(),
+                               "time": time.time()}, f)
+            _fire(s["action"], s, writer)
             return
-        with open(once, "w") as f:
-            f.write(f"{point} {index} {os.getpid()}\n")
-    _fire(s["action"], s, writer)
 
 
 def _fire(action: str, s: dict, writer) -> None:
@@ -57,7 +73,7 @@ def _fire(action: str, s: dict, writer) -> None:
     elif action == "exit":
         os._exit(s.get("code", 7))
     elif action == "raise":
-        raise RuntimeError(f"injected fault ({s})")
+        raise RuntimeError(f"injected fault ({s['point']}, {s['action']})")
     elif action == "memoryerror":
         raise MemoryError("injected MemoryError")
     elif action == "enospc":
@@ -69,20 +85,21 @@ def _fire(action: str, s: dict, writer) -> None:
         payload = {"garbage": HEADER.pack(5) + b"\xc1\xc1\xc1\xc1\xc1",  # 0xc1 is never valid msgpack
                    "truncated": HEADER.pack(1000) + b"\x00" * 10,
                    "oversized": HEADER.pack(MAX_FRAME + 1)}[action]
+        _stop_beating()  # no heartbeat may follow the bad bytes: the supervisor must act on the frame itself
         writer.send_raw(payload)
-        _hang()  # the supervisor must act on the bad frame, not on our death
+        _hang()
     elif action == "leak":
         _leak.append(bytearray(s.get("bytes", 64 * 1024 * 1024)))  # touched memory: RSS grows
         for buf in _leak[-1:]:
             buf[::4096] = b"\x01" * len(buf[::4096])
 
 
-def _hang() -> None:
-    # Stops heartbeats too (the heartbeat thread checks this flag), as a deadlocked child would.
+def _stop_beating() -> None:
     global hanging
     hanging = True
+
+
+def _hang() -> None:
+    _stop_beating()
     while True:
         time.sleep(3600)
-
-
-hanging = False

@@ -65,7 +65,7 @@ class Progress(Event):
 
 
 class Retrying(Event):
-    index: int | None
+    index: int | None  # the part about to be retried; None: config.json at finalize
     attempt: int  # the attempt about to start
     reason: str
     delay: float

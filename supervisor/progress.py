@@ -78,5 +78,5 @@ class Display:
 
 def _part(index: int | None) -> str:
     if index is None:
-        return "startup"
+        return "config.json"  # the only part without an index: written at finalize
     return "non-layer shard" if index == -1 else f"layer {index}"

@@ -22,7 +22,14 @@ from shared.framing import EndOfStream, FrameError, Reader, Writer
 from shared.messages import PROTOCOL_VERSION, Failed, Heartbeat, Hello, Ready, Stop, ToSupervisor
 
 POLL = 0.2  # seconds between checks of the process, the cancel flag and the heartbeat clock
-LOG_TAIL = 4000
+LOG_TAIL = 4000  # characters of the log's end reported when it holds no traceback
+LOG_SCAN = 64 * 1024  # how far back the log is searched for the child's last traceback
+LOG_TRACEBACK_MAX = 16000
+# A Python traceback, or a faulthandler dump (segfault, abort). A dump lists every thread's stack and then all
+# loaded extension modules (4 KB on a tiny CPU export, measured), so a fixed-size tail cuts off its first line.
+_TRACEBACK_STARTS = ("Traceback (most recent call last)", "Fatal Python error")
+_CHAINED = ("During handling of the above exception, another exception occurred:",
+            "The above exception was the direct cause of the following exception:")
 
 
 class WorkerLost(Exception):
@@ -62,6 +69,7 @@ class Worker:
         self._reader: Reader | None = None
         self._writer: Writer | None = None
         self._fds: list[int] = []
+        self._log_start = 0
 
     @property
     def pid(self) -> int | None:
@@ -78,6 +86,7 @@ class Worker:
         cmd += ["-m", "child", "--read-fd", str(p2c_r), "--write-fd", str(c2p_w), "--parent-pid", str(os.getpid())]
         try:
             with open(self.log_path, "ab") as log:
+                self._log_start = os.fstat(log.fileno()).st_size  # earlier workers' output is not this child's
                 self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                              pass_fds=(p2c_r, c2p_w), close_fds=True, env=self.env)
         finally:
@@ -156,13 +165,28 @@ class Worker:
         return _describe_exit(code) if code is not None else "still running"
 
     def log_tail(self) -> str:
+        """This child's log from its last traceback (with its chained causes) or fatal-error dump to the end;
+        the log's last LOG_TAIL characters when it holds none."""
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - LOG_TAIL))
-                return f.read().decode(errors="replace")
+                f.seek(max(self._log_start, f.tell() - LOG_SCAN))
+                text = f.read().decode(errors="replace")
         except OSError:
             return ""
+        start = max(text.rfind(m) for m in _TRACEBACK_STARTS)
+        if start < 0:
+            return text[-LOG_TAIL:]
+        while text[:start].rstrip().endswith(_CHAINED):
+            earlier = text.rfind(_TRACEBACK_STARTS[0], 0, start)
+            if earlier < 0:
+                break
+            start = earlier
+        section = text[start:]
+        if len(section) > LOG_TRACEBACK_MAX:
+            half = LOG_TRACEBACK_MAX // 2
+            section = section[:half] + "\n[...]\n" + section[-half:]
+        return section
 
     def stop(self, grace: float = 5.0) -> None:
         """Stop the child for sure: Stop message, grace, SIGTERM, grace, SIGKILL; always wait()."""

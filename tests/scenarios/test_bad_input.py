@@ -148,3 +148,20 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, job_text, 
     assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert _snapshot(tmp_path) == before
+
+
+def test_remote_code_passes_validation_when_the_job_allows_it(tmp_path):
+    """allow_remote_code = true lets a config.json with auto_map through validation, which still writes nothing."""
+    from shared.job import parse_job
+    from supervisor.api import prepare
+
+    _fake_checkpoint(tmp_path / "src")
+    _remote_code(str(tmp_path / "src"))
+    before = _snapshot(tmp_path)
+    job = {"source": {"path": str(tmp_path / "src")}, "export": {"scheme": "W4A16", "output": str(tmp_path / "out")},
+           "resources": {"device": "cpu"}}
+    with pytest.raises(ValueError, match="remote code"):
+        prepare(parse_job(job))
+    job["source"]["allow_remote_code"] = True
+    assert prepare(parse_job(job)).source.num_layers == 2
+    assert _snapshot(tmp_path) == before
