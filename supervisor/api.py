@@ -192,7 +192,14 @@ class Supervisor:
     def _run(self) -> None:
         terminal: ev.Event
         try:
-            terminal = self._export()
+            try:
+                terminal = self._export()
+            except OSError as exc:
+                if exc.errno != ENOSPC:
+                    raise
+                # The supervisor's own writes (journal, index, side files) on a full disk: same story as a shard.
+                raise ExportFailed(f"disk full while writing into {self.plan.output!r} ({exc.filename or 'journal'}):"
+                                   " free some space and run again to resume") from exc
         except (Cancelled, CancelledWait) as exc:
             self._error = exc if isinstance(exc, Cancelled) else Cancelled(
                 "export cancelled; run the same job again to resume")

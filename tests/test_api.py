@@ -174,3 +174,18 @@ def test_gpu_without_room_for_a_layer_is_refused(job):
     assert caught.value.exit_code == 2
     run._check_gpu_room(Ready(version=1, pid=1, device="cuda:0", layer_prefix="model.layers.", num_layers=2,
                               gpu_free=need, gpu_total=8 * need))  # exactly enough is accepted
+
+
+def test_enospc_in_the_supervisors_own_writes_is_a_clear_failure(job, monkeypatch):
+    """ENOSPC raised by the supervisor's own writes (journal, index) ends as the disk-full ExportFailed."""
+    import errno
+
+    def full_disk(self):
+        raise OSError(errno.ENOSPC, "No space left on device", "model.safetensors.index.json")
+
+    monkeypatch.setattr(Supervisor, "_export", full_disk)
+    with Supervisor(job) as run:
+        last = list(run.events())[-1]
+    with pytest.raises(ExportFailed, match="disk full while writing into .*index.json.*run again to resume"):
+        run.wait()
+    assert isinstance(last, ev.Failed) and last.exit_code == 1
