@@ -8,7 +8,8 @@ reach it. The value is one fault object or a list of them::
      {"point": "start", "action": "garbage", "once": "/tmp/m1", "after": "/tmp/m0"}]
 
 point:  start | read | quantize | write_tmp | after_rename | config | any
-action: sigkill | sigsegv | exit | raise | memoryerror | hang | garbage | truncated | oversized | leak | enospc
+action: sigkill | sigsegv | exit | raise | memoryerror | hang | stall | garbage | truncated | oversized | leak | enospc
+        (hang stops heartbeats too; stall keeps them going, as a main thread stuck in a GIL-free C call would)
 index:  the layer it fires on (omit: every layer; -1 is the non-layer shard); start and config have no layer
 once:   a marker file; the fault fires only while the file does not exist, and creates it when firing (so a
         restarted child goes on normally). The marker holds JSON: point, index, action, pid, time (epoch
@@ -80,6 +81,9 @@ def _fire(action: str, s: dict, writer) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     elif action == "hang":
         _hang()
+    elif action == "stall":
+        while True:  # the main thread is stuck but the heartbeat thread goes on beating: only part_timeout helps
+            time.sleep(3600)
     elif action in ("garbage", "truncated", "oversized") and writer is not None:
         from shared.framing import HEADER, MAX_FRAME
         payload = {"garbage": HEADER.pack(5) + b"\xc1\xc1\xc1\xc1\xc1",  # 0xc1 is never valid msgpack

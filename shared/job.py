@@ -33,6 +33,7 @@ class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_attempts: int = 3  # attempts per layer before the export fails
     heartbeat_timeout: float = 120.0  # seconds of silence after which a child counts as hung
     startup_timeout: float = 300.0  # seconds a child may take to import and answer the handshake
+    part_timeout: float = 0.0  # seconds one layer may take even while heartbeats arrive (0: no limit)
     recycle_after_layers: int = 0  # restart the worker after this many layers (0: never)
     recycle_above_rss_mb: int = 0  # restart the worker when its RSS exceeds this (0: never)
     torch_threads: int = 0  # torch.set_num_threads in the child (0: leave torch's default)
@@ -75,6 +76,8 @@ def _check_values(job: Job) -> None:
         raise JobSyntaxError("[resources] max_attempts must be at least 1")
     if r.heartbeat_timeout <= 0 or r.startup_timeout <= 0:
         raise JobSyntaxError("[resources] heartbeat_timeout and startup_timeout must be positive")
+    if r.part_timeout < 0:
+        raise JobSyntaxError("[resources] part_timeout must be 0 (no limit) or positive")
     if r.recycle_after_layers < 0 or r.recycle_above_rss_mb < 0 or r.torch_threads < 0:
         raise JobSyntaxError("[resources] recycle_after_layers, recycle_above_rss_mb and torch_threads "
                              "must be 0 or more")

@@ -380,7 +380,7 @@ class Supervisor:
                 w = self._ensure_worker()
                 self._emit(ev.LayerStarted(index=index, attempt=attempt))
                 reply = w.request(ExportLayer(index=index, attempt=attempt, prefetch=prefetch),
-                                  self._cancel.is_set, self._on_heartbeat)
+                                  self._cancel.is_set, self._on_heartbeat, timeout=r.part_timeout)
                 match reply:
                     case LayerWritten():
                         return self._record(reply, w)

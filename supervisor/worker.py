@@ -95,7 +95,8 @@ class Worker:
         self._fds = [p2c_w, c2p_r]
         self._writer, self._reader = Writer(p2c_w), Reader(c2p_r, ToSupervisor)
         self._send(self.hello)
-        reply = self.wait_reply(cancelled, on_heartbeat, deadline=time.monotonic() + self.startup_timeout)
+        reply = self.wait_reply(cancelled, on_heartbeat, deadline=time.monotonic() + self.startup_timeout,
+                                too_late=f"did not become ready within {self.startup_timeout:.0f}s")
         if isinstance(reply, Failed):
             raise WorkerLost(f"worker failed to start: {reply.kind}: {reply.message}", reply.traceback)
         if not isinstance(reply, Ready) or reply.version != PROTOCOL_VERSION:
@@ -111,19 +112,24 @@ class Worker:
             raise WorkerLost(f"worker pipe closed ({exc.__class__.__name__}); {self._exit_text()}",
                              self.log_tail()) from exc
 
-    def request(self, msg, cancelled: Callable[[], bool], on_heartbeat: Callable[[Heartbeat], None]):
-        """Send one request and wait for its reply (anything but a Heartbeat)."""
+    def request(self, msg, cancelled: Callable[[], bool], on_heartbeat: Callable[[Heartbeat], None],
+                timeout: float = 0.0):
+        """Send one request and wait for its reply (anything but a Heartbeat); `timeout` > 0 bounds the wait even
+        while heartbeats keep coming (a main thread stuck in a C call that released the GIL)."""
         self._send(msg)
-        return self.wait_reply(cancelled, on_heartbeat)
+        if timeout <= 0:
+            return self.wait_reply(cancelled, on_heartbeat)
+        return self.wait_reply(cancelled, on_heartbeat, deadline=time.monotonic() + timeout,
+                               too_late=f"took longer than {timeout:g}s on one part (part_timeout)")
 
-    def wait_reply(self, cancelled, on_heartbeat, deadline: float | None = None):
+    def wait_reply(self, cancelled, on_heartbeat, deadline: float | None = None, too_late: str = ""):
         last = time.monotonic()
         while True:
             if cancelled():
                 raise CancelledWait()
             now = time.monotonic()
             if deadline is not None and now > deadline:
-                raise WorkerLost(f"worker did not become ready within {self.startup_timeout:.0f}s", self.log_tail())
+                raise WorkerLost(f"worker (pid {self.proc.pid}) {too_late}", self.log_tail())
             if self._reader.readable(POLL):
                 msg = self._recv()
                 last = time.monotonic()

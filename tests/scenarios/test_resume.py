@@ -155,3 +155,13 @@ def test_ctrl_c_stops_cleanly_and_resumes(big_model, reference, tmp_path):
     second = cli.run("run", job, "--json")
     assert cli.events(second)[0]["resumed"] >= 3
     assert cli.output_bytes(out) == reference[0]
+
+
+def test_stalled_part_with_live_heartbeats_is_bounded_by_part_timeout(big_model, reference, tmp_path):
+    """A main thread stuck while heartbeats go on is killed after part_timeout, retried, and output is identical."""
+    out = tmp_path / "out"
+    job = cli.write_job(tmp_path / "job.toml", big_model, out, SCHEME, part_timeout=4)
+    proc = cli.run("run", job, "--json", env=_fault(tmp_path, point="quantize", action="stall", index=2))
+    retries = [e for e in cli.events(proc) if e["type"] == "Retrying"]
+    assert [r["index"] for r in retries] == [2] and "part_timeout" in retries[0]["reason"]
+    assert cli.output_bytes(out) == reference[0]
