@@ -42,3 +42,14 @@ def test_cli_export_equals_oneshot(kind, scheme, tiny_models, oneshot_ref, tmp_p
     assert got_cfg["quantization_config"] == ref_cfg["quantization_config"]
     assert got_cfg == ref_cfg
     assert torch.equal(_logits(str(out), logits_input), _logits(str(ref), logits_input))
+
+
+def test_cli_moe_export_equals_oneshot(tiny_models, oneshot_ref, tmp_path, logits_input):
+    """A tiny Qwen3-MoE (routers left dense by the default ignore) exports equal to oneshot, and loads the same."""
+    ref = oneshot_ref("qwen3moe", "W4A16")
+    out = tmp_path / "out"
+    cli.run("run", cli.write_job(tmp_path / "job.toml", tiny_models("qwen3moe"), out, "W4A16"), "--json")
+    assert_same_tensors(load_tensors(str(ref)), load_tensors(str(out)))
+    with open(f"{ref}/config.json") as a, open(out / "config.json") as b:
+        assert json.load(a) == json.load(b)
+    assert torch.equal(_logits(str(out), logits_input), _logits(str(ref), logits_input))
