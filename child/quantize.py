@@ -59,6 +59,8 @@ from llmcompressor.utils.dev import skip_weights_initialize
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from shared.job import DEFAULT_IGNORE as _JOB_DEFAULT_IGNORE
+
 __all__ = [
     "DEFAULT_IGNORE",
     "LayerQuantizer",
@@ -66,14 +68,8 @@ __all__ = [
     "write_config",
 ]
 
-# lm_head: vLLM and transformers expect it dense unless asked. The rest are MoE routers and shared-expert
-# gates, which are nn.Linear in Mixtral / Qwen2-MoE style models: quantizing them breaks routing and vLLM.
-DEFAULT_IGNORE: list[str] = [
-    "lm_head",
-    r"re:.*mlp\.gate$",
-    r"re:.*block_sparse_moe\.gate$",
-    r"re:.*mlp\.shared_expert_gate$",
-]
+# The default ignore list (lm_head, MoE routers, shared-expert gates) is part of the job schema: one copy, there.
+DEFAULT_IGNORE: list[str] = list(_JOB_DEFAULT_IGNORE)
 
 
 class LayerQuantizer:

@@ -23,7 +23,7 @@ class Source(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class Export(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     scheme: str
     output: str
-    # None means the defaults: lm_head and MoE routers (see child.quantize.DEFAULT_IGNORE).
+    # None means the defaults: lm_head and MoE routers (DEFAULT_IGNORE below).
     ignore: list[str] | None = None
     format: Literal["compressed-tensors"] = "compressed-tensors"
 
@@ -45,6 +45,8 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     resources: Resources = msgspec.field(default_factory=Resources)
 
 
+# lm_head: vLLM and transformers expect it dense unless asked. The rest are MoE routers and shared-expert
+# gates (nn.Linear in Mixtral / Qwen-MoE style models): quantizing them breaks routing and vLLM.
 DEFAULT_IGNORE: tuple[str, ...] = (
     "lm_head",
     "re:.*mlp\\.gate$",  # MoE routers (Qwen-MoE, DeepSeek)

@@ -145,13 +145,6 @@ def test_calibrated_scheme_rejected(tiny_models):
         LayerQuantizer(tiny_models("llama"), "NVFP4", DEFAULT_IGNORE)
 
 
-def test_default_ignore_matches_job_default():
-    """The job's default ignore list (shared.job) is the quantizer's DEFAULT_IGNORE."""
-    from shared.job import DEFAULT_IGNORE as JOB_DEFAULT
-
-    assert list(JOB_DEFAULT) == DEFAULT_IGNORE
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "W4A16", "NVFP4A16"])
 def test_cuda_layers_match_oneshot(scheme, tiny_models, oneshot_ref):
