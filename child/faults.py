@@ -93,9 +93,10 @@ def _fire(action: str, s: dict, writer) -> None:
         writer.send_raw(payload)
         _hang()
     elif action == "leak":
-        _leak.append(bytearray(s.get("bytes", 64 * 1024 * 1024)))  # touched memory: RSS grows
-        for buf in _leak[-1:]:
-            buf[::4096] = b"\x01" * len(buf[::4096])
+        # bytes(n) is zero pages the kernel may share; writing into every page makes the RSS really grow
+        buf = bytearray(s.get("bytes", 64 * 1024 * 1024))
+        buf[::4096] = b"\x01" * len(buf[::4096])
+        _leak.append(buf)
 
 
 def _stop_beating() -> None:

@@ -21,7 +21,7 @@ import time
 import traceback as tb
 from dataclasses import dataclass
 
-from shared import durable, layout
+from shared import layout
 from shared.job import Job, JobSyntaxError, parse_toml
 from shared.messages import NON_LAYER, PROTOCOL_VERSION, ConfigWritten, ExportLayer, Failed, Heartbeat, Hello, LayerWritten, WriteConfig
 from supervisor import events as ev
@@ -279,7 +279,7 @@ class Supervisor:
         self._clear_tmp()
         todo = [p for p in parts if p not in done]
         self._emit(ev.Started(output=out, total=len(parts), todo=len(todo), resumed=len(done), redo=sorted(redo)))
-        if not todo and st.finalized is not None and not redo and self._final_files_intact(st.finalized):
+        if not todo and st.finalized is not None and not redo and not journal.verify_files(out, _not_in(st.finalized.files, done)):
             return ev.Finished(output=out, parts=len(parts), nbytes=sum(r.nbytes for r in done.values()),
                                seconds=0.0, already_complete=True)
         self._progress = _Progress(total=len(parts), done=len(done), source_bytes=plan.source.nbytes)
@@ -295,13 +295,6 @@ class Supervisor:
         tmp = layout.state_path(self.plan.output, layout.TMP)
         for fn in os.listdir(tmp):
             os.unlink(os.path.join(tmp, fn))
-
-    def _final_files_intact(self, fin: journal.Finalized) -> bool:
-        for fn, sha in fin.files.items():
-            p = os.path.join(self.plan.output, fn)
-            if not os.path.isfile(p) or durable.sha256_file(p) != sha:
-                return False
-        return True
 
     def _check_cancel(self) -> None:
         if self._cancel.is_set():
@@ -463,6 +456,12 @@ class Supervisor:
         files = finalize.output_files(out, {r.file: r.sha256 for r in done.values()})
         self._journal.append(journal.Finalized(files=files))
         finalize.write_done(out, files)
+
+
+def _not_in(files: dict[str, str], shards: dict[int, journal.Shard]) -> dict[str, str]:
+    """The finalized files that are not shards (those were just verified against their own records)."""
+    hashed = {r.file for r in shards.values()}
+    return {fn: sha for fn, sha in files.items() if fn not in hashed}
 
 
 def _part_name(index: int) -> str:

@@ -182,3 +182,15 @@ def verify_shard(output: str, rec: Shard) -> str | None:
     if durable.sha256_file(p) != rec.sha256:
         return "sha256 differs from the journal"
     return None
+
+
+def verify_files(output: str, files: dict[str, str]) -> dict[str, str]:
+    """file -> problem for each of `files` (name -> sha256) that is missing or differs on disk."""
+    problems = {}
+    for fn, sha in files.items():
+        p = os.path.join(output, fn)
+        if not os.path.isfile(p):
+            problems[fn] = "missing"
+        elif durable.sha256_file(p) != sha:
+            problems[fn] = "sha256 differs from the journal"
+    return problems

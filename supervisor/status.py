@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from shared import durable, layout
+from shared import layout
 from shared.messages import NON_LAYER
 from supervisor import journal
 from supervisor.errors import OutputError
@@ -59,12 +59,6 @@ def verify(output: str) -> dict[str, str]:
         if why:
             problems[rec.file] = why
     if st.finalized is not None:
-        for fn, sha in st.finalized.files.items():
-            if fn in problems:
-                continue
-            p = os.path.join(output, fn)
-            if not os.path.isfile(p):
-                problems[fn] = "missing"
-            elif durable.sha256_file(p) != sha:
-                problems[fn] = "sha256 differs from the journal"
+        unchecked = {fn: sha for fn, sha in st.finalized.files.items() if fn not in problems}
+        problems.update(journal.verify_files(output, unchecked))
     return problems
