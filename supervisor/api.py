@@ -365,26 +365,35 @@ class Supervisor:
             self._emit(p.event(worker_rss=hb.rss, stage=hb.stage, index=hb.index))
 
     def _export_part(self, index: int, prefetch: int | None) -> journal.Shard:
+        w, reply = self._with_retries(
+            index, lambda attempt: ExportLayer(index=index, attempt=attempt, prefetch=prefetch), LayerWritten)
+        return self._record(reply, w)
+
+    def _with_retries(self, index: int | None, make_request, success: type):
+        """Send make_request(attempt) until the reply is a `success`, each retry in a fresh worker; returns
+        (worker, reply). index None is config.json at finalize. Disk full ends at once; other failures are
+        retried up to max_attempts, then ExportFailed names the part and carries the child's last traceback."""
         r = self.job.resources
+        what = "config.json" if index is None else _part_name(index)
         last_reason, last_tb = "", ""
         for attempt in range(1, r.max_attempts + 1):
             self._check_cancel()
             try:
                 w = self._ensure_worker()
-                self._emit(ev.LayerStarted(index=index, attempt=attempt))
-                reply = w.request(ExportLayer(index=index, attempt=attempt, prefetch=prefetch),
-                                  self._cancel.is_set, self._on_heartbeat, timeout=r.part_timeout)
-                match reply:
-                    case LayerWritten():
-                        return self._record(reply, w)
-                    case Failed():
-                        if reply.errno == ENOSPC:
-                            raise ExportFailed(f"disk full while writing {_part_name(index)} into "
-                                               f"{self.plan.output!r}: free some space and run again to resume",
-                                               index=index, traceback=reply.traceback)
-                        last_reason, last_tb = f"{reply.kind}: {reply.message}", reply.traceback
-                    case _:
-                        last_reason, last_tb = f"unexpected reply {type(reply).__name__}", ""
+                if index is not None:
+                    self._emit(ev.LayerStarted(index=index, attempt=attempt))
+                reply = w.request(make_request(attempt), self._cancel.is_set, self._on_heartbeat,
+                                  timeout=r.part_timeout if index is not None else 0.0)
+                if isinstance(reply, success):
+                    return w, reply
+                if isinstance(reply, Failed):
+                    if reply.errno == ENOSPC:
+                        raise ExportFailed(f"disk full while writing {what} into {self.plan.output!r}: "
+                                           "free some space and run again to resume", index=index,
+                                           traceback=reply.traceback)
+                    last_reason, last_tb = f"{reply.kind}: {reply.message}", reply.traceback
+                else:
+                    last_reason, last_tb = f"unexpected reply {type(reply).__name__}", ""
             except WorkerLost as exc:
                 last_reason, last_tb = exc.reason, exc.log_tail
             except CancelledWait:
@@ -392,7 +401,7 @@ class Supervisor:
             # Whatever went wrong, the next attempt gets a fresh process: a failed child's state is suspect.
             self._drop_worker(kill=True)
             self._retry_later(index, attempt, last_reason)
-        raise ExportFailed(f"{_part_name(index)} failed {r.max_attempts} times; last error: {last_reason}",
+        raise ExportFailed(f"{what} failed {r.max_attempts} times; last error: {last_reason}",
                            index=index, traceback=last_tb)
 
     def _retry_later(self, index: int | None, attempt: int, reason: str) -> None:
@@ -431,23 +440,7 @@ class Supervisor:
     def _finalize(self, done: dict[int, journal.Shard]) -> None:
         out = self.plan.output
         staging = layout.state_path(out, layout.STAGING)
-        last_reason, last_tb = "", ""
-        for attempt in range(1, self.job.resources.max_attempts + 1):
-            self._check_cancel()
-            try:
-                w = self._ensure_worker()
-                reply = w.request(WriteConfig(dest=staging), self._cancel.is_set, self._on_heartbeat)
-                if isinstance(reply, ConfigWritten):
-                    break
-                last_reason, last_tb = f"{reply.kind}: {reply.message}", getattr(reply, "traceback", "")
-            except WorkerLost as exc:
-                last_reason, last_tb = exc.reason, exc.log_tail
-            except CancelledWait:
-                raise Cancelled("export cancelled; run the same job again to resume") from None
-            self._drop_worker(kill=True)
-            self._retry_later(None, attempt, last_reason)
-        else:
-            raise ExportFailed(f"writing config.json failed; last error: {last_reason}", traceback=last_tb)
+        _, reply = self._with_retries(None, lambda attempt: WriteConfig(dest=staging), ConfigWritten)
         self._drop_worker(kill=False)
         finalize.place_config(reply.path, out)
         shards = finalize.shard_files(self.plan.source.num_layers)
