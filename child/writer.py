@@ -51,4 +51,6 @@ def write_shard(tensors: dict, output: str, tmp_dir: str, name: str,
             pass
         raise
     checkpoint("after_rename")
+    # The hash re-reads the shard (from the page cache). Hashing serialized bytes instead (safetensors.torch.save)
+    # would hold a second copy of the shard in memory, which a huge MoE layer cannot afford.
     return durable.sha256_file(dest), os.path.getsize(dest)
