@@ -111,19 +111,17 @@ class Exporter:
     """What one worker does with ExportLayer / WriteConfig: read, quantize, write."""
 
     def __init__(self, hello: Hello, beat: Beat):
-        from child.quantize import LayerQuantizer  # heavy: torch, transformers, llm-compressor
-        from child.source import Checkpoint
-        from shared.job import effective_ignore
+        from child.backend import make_backend  # heavy: torch, transformers, llm-compressor
+        from child.source import open_source
 
         job = hello.job
         if job.resources.torch_threads:
             import torch
             torch.set_num_threads(job.resources.torch_threads)
         self.job, self.output, self.device, self.beat = job, hello.output, hello.device, beat
-        self.ignore = effective_ignore(job)
-        self.source = Checkpoint(job.source.path)
-        self.quantizer = LayerQuantizer(job.source.path, job.export.scheme, self.ignore, device=hello.device)
-        self.prefix = self.quantizer.layer_prefix
+        self.source = open_source(job)
+        self.backend = make_backend(job, job.source.path, hello.device)
+        self.prefix = self.backend.layer_prefix
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self._ahead: dict[int, Future] = {}
 
@@ -156,9 +154,9 @@ class Exporter:
         faults.hit("read", index, writer)
         self.beat.set(index, "quantize")
         if index == NON_LAYER:
-            out = self.quantizer.quantize_non_layer(tensors)
+            out = self.backend.quantize_non_layer(tensors)
         else:
-            out = self.quantizer.quantize_layer(index, tensors)
+            out = self.backend.quantize_layer(index, tensors)
         del tensors
         faults.hit("quantize", index, writer)
         self.beat.set(index, "write")
@@ -169,7 +167,8 @@ class Exporter:
             faults.hit(stage, index, writer)
 
         name = layout.shard_name(index)
-        sha, nbytes = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint)
+        sha, nbytes = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint,
+                                  metadata=self.backend.shard_metadata())
         del out
         gc.collect()
         _malloc_trim()
@@ -179,13 +178,10 @@ class Exporter:
                             peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu))
 
     def write_config(self, msg: WriteConfig, writer: Writer) -> ConfigWritten:
-        from child.quantize import write_config
-
         self.beat.set(None, "config")
         faults.hit("config", None, writer)
         os.makedirs(msg.dest, exist_ok=True)
-        path = write_config(os.path.join(self.job.source.path, "config.json"), msg.dest,
-                            self.job.export.scheme, self.ignore)
+        path = self.backend.write_config(os.path.join(self.job.source.path, "config.json"), msg.dest)
         self.beat.set(None, "idle")
         return ConfigWritten(path=path)
 
@@ -227,7 +223,7 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
         return 1
     free, total = _gpu_memory(hello.device)
     writer.send(Ready(version=PROTOCOL_VERSION, pid=os.getpid(), device=hello.device,
-                      layer_prefix=exporter.prefix, num_layers=exporter.quantizer.num_layers,
+                      layer_prefix=exporter.prefix, num_layers=exporter.backend.num_layers,
                       versions=_versions(), gpu_free=free, gpu_total=total))
     beat.set(None, "idle")
     while True:

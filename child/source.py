@@ -1,4 +1,8 @@
-"""The source checkpoint on disk: which file holds each tensor, and mmap reads of one layer at a time.
+"""Sources of layer tensors: the `Source` interface, and the checkpoint on disk (mmap reads of one layer at a time).
+
+The child asks a Source for "layer i's tensors" and never receives tensors over the pipe. `Checkpoint` is the
+disk implementation; other sources (a live model's pinned pool in shared memory, a LoRA adapter merged on top of
+either) implement the same three methods, and `open_source` is the one place that picks one from the job.
 
 Reads go through safetensors' `safe_open` (mmap), so several children share the page cache and nothing is ever
 unpickled. Owns reading only: it never writes, and never resolves a file outside the checkpoint folder (the
@@ -10,6 +14,7 @@ import json
 import os
 import re
 from collections import defaultdict
+from typing import Protocol
 
 from safetensors import safe_open
 
@@ -21,6 +26,25 @@ def _inside(folder: str, name: str) -> str:
     if os.path.commonpath([path, os.path.realpath(folder)]) != os.path.realpath(folder):
         raise ValueError(f"checkpoint file {name!r} is outside the checkpoint folder")
     return path
+
+
+class Source(Protocol):
+    def layer_names(self, prefix: str, index: int) -> list[str]:
+        """Names of layer `index`'s tensors (full checkpoint names, sorted)."""
+
+    def non_layer_names(self, prefix: str) -> list[str]:
+        """Names of every tensor outside the decoder layers, sorted."""
+
+    def read(self, names: list[str]) -> dict:
+        """name -> CPU tensor for `names`; callable from a prefetch thread."""
+
+    def nbytes(self, tensors: dict) -> int:
+        """Bytes of `tensors` as read (for progress)."""
+
+
+def open_source(job) -> Source:
+    """The Source the job names."""
+    return Checkpoint(job.source.path)
 
 
 class Checkpoint:

@@ -21,9 +21,9 @@ METADATA = {"format": "pt"}
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
-def _save(tensors: dict, path: str) -> None:
+def _save(tensors: dict, path: str, metadata: dict[str, str]) -> None:
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=METADATA)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata)
     except SafetensorError as exc:
         # Make it the OSError it is, so a full disk (ENOSPC) reaches the supervisor as such and is not retried.
         m = _OS_ERROR.search(str(exc))
@@ -34,12 +34,14 @@ def _save(tensors: dict, path: str) -> None:
 
 
 def write_shard(tensors: dict, output: str, tmp_dir: str, name: str,
-                checkpoint: Callable[[str], None] = lambda stage: None) -> tuple[str, int]:
-    """Write `tensors` as OUT/name; returns (sha256, size). `checkpoint(stage)` is the fault-injection hook."""
+                checkpoint: Callable[[str], None] = lambda stage: None,
+                metadata: dict[str, str] | None = None) -> tuple[str, int]:
+    """Write `tensors` as OUT/name with `metadata` in its header; returns (sha256, size). `checkpoint(stage)` is
+    the fault-injection hook."""
     os.makedirs(tmp_dir, exist_ok=True)
     tmp = os.path.join(tmp_dir, name + ".tmp")
     try:
-        _save(tensors, tmp)
+        _save(tensors, tmp, METADATA if metadata is None else metadata)
         os.chmod(tmp, 0o644)  # safetensors creates 0600 files; shards are meant to be shared like any checkpoint
         checkpoint("write_tmp")
         dest = os.path.join(output, name)
