@@ -59,6 +59,7 @@ from llmcompressor.utils.dev import skip_weights_initialize
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from child.naming import NameMap
 from shared.job import DEFAULT_IGNORE as _JOB_DEFAULT_IGNORE
 
 __all__ = [
@@ -75,15 +76,18 @@ DEFAULT_IGNORE: list[str] = list(_JOB_DEFAULT_IGNORE)
 class LayerQuantizer:
     """Quantizes one decoder layer (or the non-layer modules) at a time, exactly as `oneshot` would."""
 
-    def __init__(self, config_dir: str, scheme: str, ignore: list[str], device: str = "cpu"):
+    def __init__(self, config_dir: str, scheme: str, ignore: list[str], device: str = "cpu", *,
+                 trust_remote_code: bool = False, tensor_names: list[str] | None = None):
         self.scheme = scheme
         self.ignore = list(ignore)
         self.device = torch.device(device)
         self._modifier = _modifier(scheme, self.ignore)
         self._targets = self._modifier.resolved_targets
         self._qcfg = self._modifier.resolved_config
-        self.config = _load_config(config_dir)
-        self._skeleton = _meta_skeleton(self.config)
+        self.trust_remote_code = trust_remote_code
+        self.tensor_names = tensor_names  # the checkpoint's tensor names: config.json's ignore list is written in them
+        self.config = _load_config(config_dir, trust_remote_code)
+        self._skeleton, self._names, self._raw_experts = _meta_skeleton(self.config, trust_remote_code)
         prefix, layers = _find_layers(self._skeleton, self.config)
         self.layer_prefix: str = prefix
         self.num_layers: int = len(layers)
@@ -118,35 +122,49 @@ class LayerQuantizer:
         return {"format": "pt"}  # what transformers' save_pretrained writes into every shard
 
     def write_config(self, source_config_json: str, dest_dir: str) -> str:
-        return write_config(source_config_json, dest_dir, self.scheme, self.ignore)
+        return write_config(source_config_json, dest_dir, self.scheme, self.ignore, self.trust_remote_code,
+                            self.tensor_names)
 
     def _quantize_subtree(
         self, path: str, meta_module: nn.Module, tensors: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
+        """Quantize the module at `path` from checkpoint tensors; the output keeps the checkpoint's names.
+
+        Meta tensors in, meta tensors out (shapes and dtypes only): what `supervisor plan` and the pre-export loader
+        check use to know the output without reading a weight."""
         prefix = path + "."
-        foreign = [k for k in tensors if not k.startswith(prefix)]
+        mapped = {k: self._names.to_model(k) for k in tensors}
+        foreign = [k for k, m in mapped.items() if not m.key.startswith(prefix)]
         if foreign:
             raise ValueError(f"tensors outside {path}: {foreign[:5]}")
-        module = _materialise(meta_module, {k[len(prefix):]: v for k, v in tensors.items()}, self.device, path)
+        device = torch.device("meta") if any(t.is_meta for t in tensors.values()) else self.device
+        direct = {m.key[len(prefix):]: tensors[k] for k, m in mapped.items() if m.fused is None}
+        fused: dict[str, dict[str, torch.Tensor]] = {}
+        for k, m in mapped.items():
+            if m.fused is not None:
+                fused.setdefault(m.fused, {})[m.key[len(m.fused) + 1:]] = tensors[k]
+        experts = {p[len(prefix):]: (self._raw_experts[p], params) for p, params in fused.items()}
+        module = _materialise(meta_module, direct, device, path, experts, self.config)
         root = _rooted(path, module)
         with torch.no_grad():
-            quantized = _quantize_modules(root, self._qcfg, self._targets, self.ignore)
-            out = dict(tensors)
-            for name, m in quantized:
-                for k in [k for k in out if k.startswith(name + ".")]:
-                    del out[k]
-                for k, v in m.state_dict(prefix=name + ".").items():
-                    out[k] = v.to("cpu").contiguous()
-        return {k: v.contiguous() for k, v in out.items()}
+            quantized = {name for name, _ in _quantize_modules(root, self._qcfg, self._targets, self.ignore)}
+            out = _assemble(root, tensors, mapped, quantized)
+        del module, root
+        if device.type == "meta":
+            return out
+        return {k: v.to("cpu").contiguous() for k, v in out.items()}
 
 
-def quantization_config_dict(scheme: str, ignore: list[str], config: str) -> dict:
+def quantization_config_dict(scheme: str, ignore: list[str], config: str, tensor_names: list[str] | None = None,
+                             trust_remote_code: bool = False) -> dict:
     """The `quantization_config` block oneshot writes for `scheme`/`ignore` on the model that `config` describes.
 
     `config` is the source config.json or its folder. The model's structure is needed because oneshot's block
-    lists the unquantized Linear-like modules by name (e.g. every MoE router) rather than the ignore patterns.
+    lists the unquantized Linear-like modules by name (e.g. every MoE router) rather than the ignore patterns;
+    `tensor_names` (the checkpoint's) decide which of transformers' renamings those names are written back through.
     """
-    qcfg, _ = _compressed_qconfig(scheme, ignore, _load_config(config))
+    qcfg, _ = _compressed_qconfig(scheme, ignore, _load_config(config, trust_remote_code), trust_remote_code,
+                                  tensor_names)
     # the same keys, in the same order, as ModelCompressor.update_config writes
     return {
         COMPRESSION_VERSION_NAME: compressed_tensors.__version__,
@@ -157,11 +175,13 @@ def quantization_config_dict(scheme: str, ignore: list[str], config: str) -> dic
     }
 
 
-def write_config(source_config_json: str, dest_dir: str, scheme: str, ignore: list[str]) -> str:
+def write_config(source_config_json: str, dest_dir: str, scheme: str, ignore: list[str],
+                 trust_remote_code: bool = False, tensor_names: list[str] | None = None) -> str:
     """Write dest_dir/config.json: the source config plus the quantization_config block, as oneshot's save does."""
     with open(source_config_json) as f:
         source = json.load(f)
-    qcfg, unties = _compressed_qconfig(scheme, ignore, _load_config(source_config_json))
+    config = _load_config(source_config_json, trust_remote_code)
+    qcfg, unties = _compressed_qconfig(scheme, ignore, config, trust_remote_code, tensor_names)
     if unties:
         # oneshot unties a targeted tied head, and resave_config copies that into the original config
         text = source.get("text_config", source)
@@ -188,29 +208,36 @@ def _modifier(scheme: str, ignore: list[str]) -> QuantizationModifier:
     return modifier
 
 
-def _load_config(config: str) -> PretrainedConfig:
+def _load_config(config: str, trust_remote_code: bool = False) -> PretrainedConfig:
     folder = os.path.dirname(config) if os.path.isfile(config) else config
     if os.path.isfile(config) and os.path.basename(config) != "config.json":
         raise ValueError(f"expected a config.json or its folder, got {config}")
-    return AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
 
 
-def _meta_skeleton(config: PretrainedConfig) -> nn.Module:
-    """The whole model on the meta device (no memory), MoE experts linearized as oneshot does."""
+def _meta_skeleton(config: PretrainedConfig, trust_remote_code: bool = False) -> tuple[nn.Module, NameMap, dict]:
+    """The whole model on the meta device (no memory), MoE experts linearized as oneshot does; the checkpoint name
+    map; and {path: the fused experts module as transformers builds it} for each linearized one."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-    _linearize_meta_experts(model)
-    return model
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    raw_keys = set(model.state_dict())
+    raw_experts = _linearize_meta_experts(model)
+    names = NameMap.build(model, raw_keys, set(model.state_dict()), list(raw_experts))
+    return model, names, raw_experts
 
 
-def _linearize_meta_experts(model: nn.Module) -> None:
+def _linearize_meta_experts(model: nn.Module) -> dict[str, nn.Module]:
     # llmcompressor's linearize_moe cannot run on meta (its offload copy rejects meta tensors), so build the
-    # same LinearExperts2D directly on meta; weights come later from the checkpoint's per-expert tensors.
+    # same LinearExperts2D directly on meta; weights come later from the checkpoint's per-expert tensors, or from
+    # fused experts tensors through the original module (see _materialise).
+    raw = {}
     for name, experts in get_non_linearized_moes(model):
         cls = LinearExperts2D.get_linear_experts_cls(type(experts))
         with torch.device("meta"), skip_weights_initialize():
             linear = cls(getattr(experts, "config", model.config))
         model.set_submodule(name, linear)
+        raw[name] = experts
+    return raw
 
 
 def _find_layers(model: nn.Module, config: PretrainedConfig) -> tuple[str, nn.ModuleList]:
@@ -228,25 +255,74 @@ def _find_layers(model: nn.Module, config: PretrainedConfig) -> tuple[str, nn.Mo
 
 
 def _materialise(
-    meta_module: nn.Module, tensors: dict[str, torch.Tensor], device: torch.device, path: str
+    meta_module: nn.Module, tensors: dict[str, torch.Tensor], device: torch.device, path: str,
+    fused: dict[str, tuple[nn.Module, dict[str, torch.Tensor]]] | None = None, config: PretrainedConfig | None = None,
 ) -> nn.Module:
-    """A fresh real copy of meta_module holding `tensors` (keyed relative to it) on `device`."""
+    """A fresh real copy of meta_module holding `tensors` (keyed relative to it) on `device`.
+
+    `fused` maps a linearized experts module (path relative to meta_module) to its original fused module (meta) and
+    the checkpoint's fused tensors for it (GPT-OSS stores experts as 3D tensors): those are loaded into the fused
+    module and copied per expert by llm-compressor's own LinearExperts2D, exactly as oneshot's linearize_moe does."""
     module = copy.deepcopy(meta_module)
-    expected = set(module.state_dict())
+    for rel, (raw, params) in (fused or {}).items():
+        module.set_submodule(rel, _linearized(raw, params, type(module.get_submodule(rel)), device, path, config))
+    owned = tuple(rel + "." for rel in fused or {})
+    expected = {k for k in module.state_dict() if not k.startswith(owned)}
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
-        moe = " (MoE checkpoints whose expert tensors are not named like the linearized experts are not supported)"
+        moe = " (MoE checkpoints whose expert tensors match neither transformers' conversion mapping nor the fused layout are not supported)"
         hint = moe if any(".experts." in k for k in missing + unexpected) else ""
         error = NotImplementedError if hint else ValueError
         raise error(f"{path}: tensors do not match the model's layout{hint}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     # assign=True keeps the checkpoint's dtypes and puts the loaded tensors in place of the meta ones, so the
     # layer is never allocated twice (to_empty first would hold an empty copy beside the loaded one)
-    module.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=True, assign=True)
+    module.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=False, assign=True)
     for sub in module.modules():  # non-persistent buffers are not in a checkpoint; quantization never reads them
         for name, buf in sub._buffers.items():
             if buf is not None and buf.is_meta:
                 sub._buffers[name] = torch.empty_like(buf, device=device)
     return module
+
+
+def _linearized(raw: nn.Module, params: dict[str, torch.Tensor], cls: type, device: torch.device, path: str,
+                config: PretrainedConfig) -> nn.Module:
+    """The fused experts module `raw` loaded with `params`, then linearized by LinearExperts2D's own per-expert copy
+    (from_experts_module without its offload wrapper: the layer lives on one device here)."""
+    experts = copy.deepcopy(raw)
+    expected = set(experts.state_dict())
+    if expected != set(params):
+        raise NotImplementedError(f"{path}: fused experts tensors do not match {type(raw).__name__}: missing "
+                                  f"{sorted(expected - set(params))[:5]}, unexpected {sorted(set(params) - expected)[:5]}")
+    experts.load_state_dict({k: v.to(device) for k, v in params.items()}, strict=True, assign=True)
+    with torch.device(device), skip_weights_initialize():
+        linear = cls(getattr(experts, "config", config))
+    with torch.no_grad():
+        for index in range(linear.num_experts):
+            linear[index].copy_from_experts_module(experts, index)
+    return linear
+
+
+def _assemble(root: nn.Module, tensors: dict[str, torch.Tensor], mapped: dict, quantized: set[str]) -> dict:
+    """The output tensors: every checkpoint tensor that feeds no quantized module, unchanged and under its own name;
+    each quantized module's compressed state under its checkpoint name (the linearized name for fused experts)."""
+    out, emitted = {}, set()
+    for key, m in mapped.items():
+        if m.fused is not None:
+            if not any(q.startswith(m.fused + ".") for q in quantized):
+                out[key] = tensors[key]  # nothing in these experts is quantized: keep the fused tensors as they are
+            elif m.fused not in emitted:
+                # as oneshot writes quantized fused experts: per expert, dense biases included
+                emitted.add(m.fused)
+                out.update(root.get_submodule(m.fused).state_dict(prefix=m.fused + "."))
+            continue
+        module = m.key.rsplit(".", 1)[0]
+        if module not in quantized:
+            out[key] = tensors[key]
+        elif module not in emitted:
+            emitted.add(module)
+            name = key.rsplit(".", 1)[0]  # the checkpoint's name for this module
+            out.update(root.get_submodule(module).state_dict(prefix=name + "."))
+    return out
 
 
 def _rooted(path: str, module: nn.Module) -> nn.Module:
@@ -297,13 +373,17 @@ def _non_layer_targets(
     return out
 
 
-def _compressed_qconfig(scheme: str, ignore: list[str], config: PretrainedConfig) -> tuple[QuantizationConfig, bool]:
+def _compressed_qconfig(scheme: str, ignore: list[str], config: PretrainedConfig, trust_remote_code: bool = False,
+                        tensor_names: list[str] | None = None) -> tuple[QuantizationConfig, bool]:
     """The config oneshot's save derives from the quantized model, built on the meta skeleton instead.
 
     Also says whether oneshot would untie the embeddings (a tied lm_head that the scheme targets).
     """
     modifier = _modifier(scheme, ignore)
-    model = _meta_skeleton(config)
+    model, names, _ = _meta_skeleton(config, trust_remote_code)
+    if tensor_names is not None:
+        # what from_pretrained records on oneshot's model; compressed-tensors writes the ignore list through it
+        model._weight_conversions = names.used(tensor_names)
     prefix, _ = _find_layers(model, config)
     unties = any(_non_layer_targets(model, prefix, modifier.resolved_targets, modifier.ignore).values())
     apply_quantization_config(model, modifier.resolved_config, show_progress=False)
