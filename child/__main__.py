@@ -25,8 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from child import faults
 from shared import layout
 from shared.framing import EndOfStream, FrameError, Reader, Writer
-from shared.messages import (NON_LAYER, PROTOCOL_VERSION, ConfigWritten, ExportLayer, Failed, Heartbeat, Hello,
-                             LayerWritten, Ready, Stop, ToChild, WriteConfig)
+from shared.messages import (NON_LAYER, PROTOCOL_VERSION, CheckLoad, ConfigWritten, Describe, Described, ExportLayer,
+                             Failed, Heartbeat, Hello, LayerWritten, LoadChecked, Ready, Stop, ToChild, WriteConfig)
 
 HEARTBEAT_SECONDS = 1.0
 PR_SET_PDEATHSIG = 1
@@ -120,14 +120,14 @@ class Exporter:
             torch.set_num_threads(job.resources.torch_threads)
         self.job, self.output, self.device, self.beat = job, hello.output, hello.device, beat
         self.source = open_source(job)
-        self.backend = make_backend(job, job.source.path, hello.device)
+        self.backend = make_backend(job, job.source.path, hello.device, self.source.names())
         self.prefix = self.backend.layer_prefix
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self._ahead: dict[int, Future] = {}
 
     def _names(self, index: int) -> list[str]:
         if index == NON_LAYER:
-            return self.source.non_layer_names(self.prefix)
+            return self.source.non_layer_names(self.prefix, self.backend.num_layers)
         return self.source.layer_names(self.prefix, index)
 
     def _read(self, index: int) -> dict:
@@ -185,6 +185,26 @@ class Exporter:
         self.beat.set(None, "idle")
         return ConfigWritten(path=path)
 
+    def describe(self, msg: Describe, writer: Writer) -> Described:
+        from child.preview import describe
+
+        def on_part(index: int) -> None:
+            self.beat.set(index, "plan")
+            parent_alive()
+
+        described = describe(self.source, self.backend, os.path.join(self.job.source.path, "config.json"),
+                             self.job.source.allow_remote_code, on_part)
+        self.beat.set(None, "idle")
+        return described
+
+    def check_load(self, msg: CheckLoad, writer: Writer) -> LoadChecked:
+        from child.loadcheck import check_folder
+
+        self.beat.set(None, "check")
+        report = check_folder(msg.folder, self.job.source.allow_remote_code)
+        self.beat.set(None, "idle")
+        return LoadChecked(load=report)
+
     def _gpu_reset(self):
         if not self.device.startswith("cuda"):
             return None
@@ -196,10 +216,19 @@ class Exporter:
         return int(torch.cuda.max_memory_allocated(self.device)) if torch is not None else 0
 
 
+# Failures the same input and code would repeat: a tensor layout the model does not have, a group size that does not
+# tile a weight, an architecture transformers cannot build. Memory, disk and I/O errors and RuntimeErrors (CUDA
+# out-of-memory among them) depend on the moment, and crashes are not exceptions at all: those are retried.
+_REPEATS = (ValueError, TypeError, KeyError, IndexError, AttributeError, NotImplementedError, ImportError)
+
+
 def _failed(index: int | None, exc: BaseException) -> Failed:
+    from child.backend import Refused
+
     return Failed(index=index, kind=type(exc).__name__, message=str(exc) or type(exc).__name__,
                   traceback="".join(traceback.format_exception(exc)),
-                  errno=exc.errno if isinstance(exc, OSError) else None)
+                  errno=exc.errno if isinstance(exc, OSError) else None,
+                  retry=not isinstance(exc, _REPEATS), refused=isinstance(exc, Refused))
 
 
 def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
@@ -238,9 +267,11 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
                 except Exception as exc:  # noqa: BLE001 - MemoryError included: report, then the supervisor decides
                     reply = _failed(msg.index, exc)
                 writer.send(reply)
-            case WriteConfig():
+            case WriteConfig() | Describe() | CheckLoad():
+                handle = {WriteConfig: exporter.write_config, Describe: exporter.describe,
+                          CheckLoad: exporter.check_load}[type(msg)]
                 try:
-                    reply = exporter.write_config(msg, writer)
+                    reply = handle(msg, writer)
                 except Exception as exc:  # noqa: BLE001
                     reply = _failed(None, exc)
                 writer.send(reply)

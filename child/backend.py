@@ -7,7 +7,12 @@
 
 The worker loop, the journal, resume and finalize never branch on the format: everything that differs between
 compressed-tensors and another stack lives behind this interface. `make_backend` is the one place that picks an
-implementation from the job. Owns that choice only; it never reads the source or writes shards itself.
+implementation from the job and the source: child/quantize.py (LayerQuantizer) when transformers knows the
+architecture (a meta model gives modules, their names and the layer list), child/name_only.py
+(NameOnlyQuantizer: llm-compressor's model_free_ptq rules on tensor names) when it does not, or when the
+checkpoint asks for remote code the job did not allow. Tensors passed as meta tensors come back as meta tensors:
+the output's names, shapes and dtypes without reading a weight (child/preview.py). Owns that choice only; it
+never reads the source or writes shards itself.
 """
 from __future__ import annotations
 
@@ -16,9 +21,14 @@ from typing import Protocol
 from shared.job import Job
 
 
+class Refused(ValueError):
+    """The job asks for something this source cannot give (bad input, not a crash): never retried, exit code 2."""
+
+
 class Backend(Protocol):
     layer_prefix: str  # e.g. "model.layers."
     num_layers: int
+    ignore: list[str]  # the ignore list in effect
 
     def quantize_layer(self, index: int, tensors: dict) -> dict:
         """Layer `index`'s checkpoint tensors (full names) in, the tensors of its output shard out (CPU)."""
@@ -32,13 +42,50 @@ class Backend(Protocol):
     def write_config(self, source_config_json: str, dest_dir: str) -> str:
         """Write dest_dir/config.json (the source's config plus this format's quantization_config); its path."""
 
+    def describe(self) -> str:
+        """What drives the export, for `supervisor plan`: the model class, or the tensor-name rules."""
 
-def make_backend(job: Job, config_dir: str, device: str) -> Backend:
-    """The backend for job.export.format, ready for its first layer."""
+
+def make_backend(job: Job, config_dir: str, device: str, names: list[str]) -> Backend:
+    """The backend for job.export.format and this source (`names`: its tensor names), ready for its first layer."""
     from shared.job import effective_ignore
 
-    if job.export.format == "compressed-tensors":
+    if job.export.format != "compressed-tensors":
+        raise ValueError(f"unknown export format {job.export.format!r}")
+    allow = job.source.allow_remote_code
+    why = unknown_architecture(config_dir, allow)
+    if why is None:
         from child.quantize import LayerQuantizer
 
-        return LayerQuantizer(config_dir, job.export.scheme, effective_ignore(job), device=device)
-    raise ValueError(f"unknown export format {job.export.format!r}")
+        return LayerQuantizer(config_dir, job.export.scheme, effective_ignore(job), device=device,
+                              trust_remote_code=allow, tensor_names=names)
+    from child.name_only import NameOnlyQuantizer
+
+    return NameOnlyQuantizer(config_dir, job.export.scheme, effective_ignore(job, by_names=True), names, device, why)
+
+
+def unknown_architecture(config_dir: str, allow_remote_code: bool) -> str | None:
+    """None when transformers can build this checkpoint's causal LM, else why not (one line)."""
+    import json
+    import os
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    with open(os.path.join(config_dir, "config.json")) as f:
+        config = json.load(f)
+    model_type = config.get("model_type")
+    remote = "AutoModelForCausalLM" in (config.get("auto_map") or {})
+    if remote and allow_remote_code:
+        return None
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None  # remote code or not, transformers' own class is used (trust_remote_code=False)
+    if remote:
+        return (f"the checkpoint's model_type {model_type!r} needs its own code, which the job does not allow "
+                "([source] allow_remote_code = false)")
+    return f"transformers {_version()} has no causal-LM class for model_type {model_type!r}"
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("transformers")

@@ -92,6 +92,7 @@ class LayerQuantizer:
         self.layer_prefix: str = prefix
         self.num_layers: int = len(layers)
         self._layers = layers
+        self._probes: dict = {}  # compressed meta twins for previews (see _quantize_modules)
         # targeted Linears outside the decoder layers (lm_head when it is not ignored)
         self._non_layer_targets = _non_layer_targets(self._skeleton, self.layer_prefix, self._targets, self.ignore)
 
@@ -121,6 +122,9 @@ class LayerQuantizer:
     def shard_metadata(self) -> dict[str, str]:
         return {"format": "pt"}  # what transformers' save_pretrained writes into every shard
 
+    def describe(self) -> str:
+        return f"{type(self._skeleton).__name__} (transformers' model class, experts linearized as oneshot does)"
+
     def write_config(self, source_config_json: str, dest_dir: str) -> str:
         return write_config(source_config_json, dest_dir, self.scheme, self.ignore, self.trust_remote_code,
                             self.tensor_names)
@@ -147,7 +151,8 @@ class LayerQuantizer:
         module = _materialise(meta_module, direct, device, path, experts, self.config)
         root = _rooted(path, module)
         with torch.no_grad():
-            quantized = {name for name, _ in _quantize_modules(root, self._qcfg, self._targets, self.ignore)}
+            probes = self._probes if device.type == "meta" else None
+            quantized = {name for name, _ in _quantize_modules(root, self._qcfg, self._targets, self.ignore, probes)}
             out = _assemble(root, tensors, mapped, quantized)
         del module, root
         if device.type == "meta":
@@ -338,24 +343,56 @@ def _rooted(path: str, module: nn.Module) -> nn.Module:
 
 
 def _quantize_modules(
-    root: nn.Module, qcfg: QuantizationConfig, targets: Iterable[str], ignore: list[str]
+    root: nn.Module, qcfg: QuantizationConfig, targets: Iterable[str], ignore: list[str], probes: dict | None = None
 ) -> list[tuple[str, nn.Module]]:
-    """Run QuantizationModifier's data-free lifecycle on root; returns the (name, module)s now compressed."""
+    """Run QuantizationModifier's data-free lifecycle on root; returns the (name, module)s now compressed.
+
+    With `probes` (a cache kept across calls), root is on the meta device and only the output's names, shapes and
+    dtypes matter: each targeted module is replaced by a compressed meta twin, computed once per (class, parameter
+    shapes and dtypes, scheme). Quantizing a whole layer on meta is slow (every op runs through torch's Python
+    reference kernels: 12 s for a 256-expert layer, measured) and compressed-tensors' meta path leaves W4A16_ASYM's
+    zero point unpacked (int8 [rows, groups] where the real output holds int32 [rows / 8, groups])."""
     apply_quantization_config(root, qcfg, show_progress=False)
     validate_group_size_divisibility(root, set(targets), ignore)  # the error oneshot raises, with layer names
     modules = [(n, m) for n, m in match_named_modules(root, targets, ignore) if is_module_quantized(m)]
-    only = [m for _, m in modules]
-    for m in only:
+    if probes is not None:
+        twins = []
+        for name, m in modules:
+            key = (type(m), repr(m.quantization_scheme),
+                   tuple((k, tuple(v.shape), v.dtype) for k, v in m.named_parameters(recurse=False)))
+            if key not in probes:
+                probes[key] = _probe(m)
+            root.set_submodule(name, probes[key])  # shared: meta tensors are never written
+            twins.append((name, probes[key]))
+        return twins
+    _compress([m for _, m in modules], root)
+    return modules
+
+
+def _probe(module: nn.Module) -> nn.Module:
+    """A compressed meta twin of a targeted meta module: the real lifecycle on random CPU weights of its shapes."""
+    twin = copy.deepcopy(module).to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in twin.parameters(recurse=False):
+            if p.is_floating_point():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32))
+        _compress([twin], None)
+    return twin.to("meta")
+
+
+def _compress(modules: list[nn.Module], root: nn.Module | None) -> None:
+    for m in modules:
         initialize_observer(m, base_name="weight")
         apply_calibration_status(m)
-    fuse_weight_observers(root)
-    observe(only, base_name="weight")
-    update_qparams(only, base_name="weight")
-    for m in only:
+    if root is not None:
+        fuse_weight_observers(root)  # NVFP4: q/k/v and gate/up share one global scale (names and shapes unchanged)
+    observe(modules, base_name="weight")
+    update_qparams(modules, base_name="weight")
+    for m in modules:
         freeze_module_quantization(m)
-    for m in only:
+    for m in modules:
         compress_module(m)
-    return modules
 
 
 def _non_layer_targets(

@@ -2,7 +2,8 @@
 
 The child asks a Source for "layer i's tensors" and never receives tensors over the pipe. `Checkpoint` is the
 disk implementation; other sources (a live model's pinned pool in shared memory, a LoRA adapter merged on top of
-either) implement the same three methods, and `open_source` is the one place that picks one from the job.
+either) implement the same methods, and `open_source` is the one place that picks one from the job. `meta`
+gives shapes and dtypes without data (what `supervisor plan` and the pre-export loader check work from).
 
 Reads go through safetensors' `safe_open` (mmap), so several children share the page cache and nothing is ever
 unpickled. Owns reading only: it never writes, and never resolves a file outside the checkpoint folder (the
@@ -12,13 +13,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections import defaultdict
 from typing import Protocol
 
 from safetensors import safe_open
 
+from shared.tensor_names import layer_of
+
 INDEX = "model.safetensors.index.json"
+# safetensors dtype names -> torch attribute names
+SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+           "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
+           "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
 
 
 def _inside(folder: str, name: str) -> str:
@@ -29,14 +35,21 @@ def _inside(folder: str, name: str) -> str:
 
 
 class Source(Protocol):
+    def names(self) -> list[str]:
+        """Every tensor name, sorted."""
+
     def layer_names(self, prefix: str, index: int) -> list[str]:
         """Names of layer `index`'s tensors (full checkpoint names, sorted)."""
 
-    def non_layer_names(self, prefix: str) -> list[str]:
-        """Names of every tensor outside the decoder layers, sorted."""
+    def non_layer_names(self, prefix: str, num_layers: int) -> list[str]:
+        """Names of every tensor outside decoder layers 0..num_layers-1, sorted (layers past the count, such as
+        DeepSeek's multi-token-prediction layer, belong here)."""
 
     def read(self, names: list[str]) -> dict:
         """name -> CPU tensor for `names`; callable from a prefetch thread."""
+
+    def meta(self, names: list[str]) -> dict:
+        """name -> meta tensor (the stored dtype and shape, no data) for `names`: read from headers only."""
 
     def nbytes(self, tensors: dict) -> int:
         """Bytes of `tensors` as read (for progress)."""
@@ -62,21 +75,43 @@ class Checkpoint:
                         for k in f.keys():
                             self.weight_map[k] = fn
 
+    def names(self) -> list[str]:
+        return sorted(self.weight_map)
+
     def layer_names(self, prefix: str, index: int) -> list[str]:
         p = f"{prefix}{index}."
         return sorted(k for k in self.weight_map if k.startswith(p))
 
-    def non_layer_names(self, prefix: str) -> list[str]:
-        rx = re.compile(re.escape(prefix) + r"\d+\.")
-        return sorted(k for k in self.weight_map if not rx.match(k))
+    def non_layer_names(self, prefix: str, num_layers: int) -> list[str]:
+        def outside(name: str) -> bool:
+            index = layer_of(name, prefix)
+            return index is None or index >= num_layers
+        return sorted(k for k in self.weight_map if outside(k))
 
-    def read(self, names: list[str]):
-        """name -> CPU tensor, as stored (dtype and shape of the checkpoint)."""
+    def meta(self, names: list[str]) -> dict:
+        import torch
+
+        out = {}
+        for fn, keys in sorted(self._by_file(names).items()):
+            with safe_open(_inside(self.folder, fn), "pt", device="cpu") as f:
+                for k in keys:
+                    part = f.get_slice(k)
+                    dtype = SAFETENSORS_DTYPES.get(part.get_dtype())
+                    if dtype is None:
+                        raise ValueError(f"tensor {k} has dtype {part.get_dtype()}, which this exporter cannot read")
+                    out[k] = torch.empty(part.get_shape(), dtype=getattr(torch, dtype), device="meta")
+        return out
+
+    def _by_file(self, names: list[str]) -> dict[str, list[str]]:
         by_file: dict[str, list[str]] = defaultdict(list)
         for n in names:
             by_file[self.weight_map[n]].append(n)
+        return by_file
+
+    def read(self, names: list[str]):
+        """name -> CPU tensor, as stored (dtype and shape of the checkpoint)."""
         out = {}
-        for fn, keys in sorted(by_file.items()):
+        for fn, keys in sorted(self._by_file(names).items()):
             with safe_open(_inside(self.folder, fn), "pt", device="cpu") as f:
                 for k in keys:
                     out[k] = f.get_tensor(k)

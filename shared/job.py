@@ -55,8 +55,20 @@ DEFAULT_IGNORE: tuple[str, ...] = (
 )
 
 
-def effective_ignore(job: Job) -> list[str]:
-    return list(DEFAULT_IGNORE if job.export.ignore is None else job.export.ignore)
+# Added to the defaults when a checkpoint is exported by tensor names (an architecture transformers does not know):
+# by name alone embeddings look like any Linear weight, and llm-compressor's model_free_ptq would quantize them.
+NAME_ONLY_IGNORE: tuple[str, ...] = (
+    "re:.*embed[^.]*$",  # embed_tokens, embed_in, word_embeddings, embeddings
+    "re:(.*\\.)?wte$",  # GPT-2 style token / position embeddings
+    "re:(.*\\.)?wpe$",
+)
+
+
+def effective_ignore(job: Job, by_names: bool = False) -> list[str]:
+    """The ignore list in effect: the job's, or the defaults (plus NAME_ONLY_IGNORE for an export by names)."""
+    if job.export.ignore is not None:
+        return list(job.export.ignore)
+    return list(DEFAULT_IGNORE + (NAME_ONLY_IGNORE if by_names else ()))
 
 
 class JobSyntaxError(ValueError):

@@ -7,12 +7,17 @@ Data flow (one worker)::
       ◀──────────── Ready(pid, versions, layer_prefix, num_layers)   (Heartbeat while importing)
       ExportLayer(index, attempt, prefetch) ──▶  read (mmap) → quantize → write tmp → fsync → rename
       ◀──────────── Heartbeat(index, stage) …  then  LayerWritten(index, file, sha256, …) | Failed(…)
+      Describe() ─────────────────────────────▶  every part's output on meta tensors (no weight read) + the loader
+      ◀──────────── Described(parts, load)          check of that predicted output (before the first part)
       WriteConfig(dest) ──────────────────────▶  config.json with quantization_config into dest
       ◀──────────── ConfigWritten(path) | Failed(…)
+      CheckLoad(folder) ──────────────────────▶  transformers' loader on the finished folder (meta device)
+      ◀──────────── LoadChecked(load) | Failed(…)
       Stop() ─────────────────────────────────▶  exits 0
 
 Rules: Structs with `tag=True`, one Union per direction, one typed Decoder per direction made once; failures
-travel as data (`Failed.kind/message/traceback` text), never pickled. New fields get defaults. Bump
+travel as data (`Failed.kind/message/traceback` text), never pickled; `Failed.retry` is False for a failure that
+would repeat (same input, same code), which the supervisor then does not retry. New fields get defaults. Bump
 PROTOCOL_VERSION on any incompatible change; the child refuses a Hello with another version.
 """
 from __future__ import annotations
@@ -23,7 +28,7 @@ import msgspec
 
 from shared.job import Job
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 NON_LAYER = -1  # the index used for the non-layer shard (embeddings, final norm, lm_head)
 
@@ -48,11 +53,19 @@ class WriteConfig(msgspec.Struct, tag=True, kw_only=True):
     dest: str  # folder to write config.json into (a staging folder under OUT/.export)
 
 
+class Describe(msgspec.Struct, tag=True, kw_only=True):
+    pass
+
+
+class CheckLoad(msgspec.Struct, tag=True, kw_only=True):
+    folder: str  # a finished export: config.json and every shard in place
+
+
 class Stop(msgspec.Struct, tag=True):
     pass
 
 
-ToChild = Union[Hello, ExportLayer, WriteConfig, Stop]
+ToChild = Union[Hello, ExportLayer, WriteConfig, Describe, CheckLoad, Stop]
 
 
 # ---- child → supervisor -------------------------------------------------------------------------------------
@@ -89,12 +102,44 @@ class ConfigWritten(msgspec.Struct, tag=True, kw_only=True):
     path: str
 
 
+class LoadReport(msgspec.Struct, kw_only=True):
+    """What transformers' loader makes of an export (child/loadcheck.py): weights it could not place."""
+
+    checked: bool = True  # False: the check could not run (transformers does not know the architecture); see reason
+    missing: list[str] = []  # weights the model has and the files lack: transformers would initialise them at random
+    unexpected: list[str] = []  # weights in the files the model has no place for: transformers would drop them
+    mismatched: list[str] = []  # "name (shape in file) vs (shape in model)"
+    error: str = ""  # the loader raised (one line)
+    reason: str = ""  # why it was not checked
+
+
+class PartPlan(msgspec.Struct, kw_only=True):
+    index: int  # decoder layer index, or NON_LAYER
+    quantized: list[str] = []  # source tensors replaced by compressed ones
+    kept: list[str] = []  # source tensors written as they are
+    out_bytes: int = 0  # bytes of the part's output tensors
+
+
+class Described(msgspec.Struct, tag=True, kw_only=True):
+    backend: str  # e.g. "DeepseekV3ForCausalLM (transformers)" or "tensor names (model_free_ptq rules)"
+    layer_prefix: str
+    ignore: list[str] = []  # the ignore list in effect
+    parts: list[PartPlan] = []
+    load: LoadReport = msgspec.field(default_factory=LoadReport)  # the loader's verdict on the predicted output
+
+
+class LoadChecked(msgspec.Struct, tag=True, kw_only=True):
+    load: LoadReport
+
+
 class Failed(msgspec.Struct, tag=True, kw_only=True):
     index: int | None = None
     kind: str  # exception class name, e.g. "MemoryError"
     message: str
     traceback: str = ""
     errno: int | None = None  # set for OSError (ENOSPC is not worth retrying)
+    retry: bool = True  # False: the same input fails the same way (a bad layout, an unsupported architecture)
+    refused: bool = False  # the job asks for something this source cannot give: bad input (exit 2), not a crash
 
 
-ToSupervisor = Union[Ready, Heartbeat, LayerWritten, ConfigWritten, Failed]
+ToSupervisor = Union[Ready, Heartbeat, LayerWritten, ConfigWritten, Described, LoadChecked, Failed]

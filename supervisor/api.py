@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import shutil
+import tempfile
 import threading
 import time
 import traceback as tb
@@ -23,7 +25,9 @@ from dataclasses import dataclass
 
 from shared import layout
 from shared.job import Job, JobSyntaxError, parse_toml
-from shared.messages import NON_LAYER, PROTOCOL_VERSION, ConfigWritten, ExportLayer, Failed, Heartbeat, Hello, LayerWritten, WriteConfig
+from shared.load_verdict import problems as load_problems
+from shared.messages import (NON_LAYER, PROTOCOL_VERSION, CheckLoad, ConfigWritten, Describe, Described, ExportLayer,
+                             Failed, Heartbeat, Hello, LayerWritten, LoadChecked, WriteConfig)
 from supervisor import events as ev
 from supervisor import finalize, journal
 from supervisor.errors import (Cancelled, DeviceError, ExportFailed, InputError, JobError, OutputError, SourceError,
@@ -63,6 +67,7 @@ class Plan:
     fingerprint: str
     state: journal.State
     device: str
+    fresh: bool = False  # the output folder did not exist or was empty: a refused run leaves it that way
 
 
 def _is_within(path: str, folder: str) -> bool:
@@ -85,7 +90,7 @@ def prepare(job: Job) -> Plan:
     """Validate everything about the job before anything is written; raises InputError subclasses."""
     from supervisor import devices
 
-    source = inspect(job.source.path, allow_remote_code=job.source.allow_remote_code)
+    source = inspect(job.source.path)
     output = os.path.abspath(job.export.output)
     if _is_within(output, source.path):
         raise OutputError(f"output {job.export.output!r} is inside the source folder (or is it); "
@@ -97,7 +102,8 @@ def prepare(job: Job) -> Plan:
     state = journal.check_owner(output, fp, parts)
     _check_writable(output)
     device = devices.resolve_device(job.resources.device)
-    return Plan(job, output, source, fp, state, device)
+    fresh = not os.path.exists(output) or not os.listdir(output)
+    return Plan(job, output, source, fp, state, device, fresh)
 
 
 class Supervisor:
@@ -121,6 +127,7 @@ class Supervisor:
         self._cleanup_lock = threading.Lock()
         self._started = False
         self._progress: _Progress | None = None
+        self._output_existed = os.path.isdir(self.plan.output)
 
     # ---- public API --------------------------------------------------------------------------------------
     def __enter__(self) -> "Supervisor":
@@ -214,6 +221,8 @@ class Supervisor:
                                  traceback="".join(tb.format_exception(exc)), exit_code=1)
         try:
             self._cleanup()
+            if isinstance(self._error, InputError):
+                self._discard_fresh_output()
         except BaseException as exc:  # noqa: BLE001
             self._error = exc
             terminal = ev.Failed(kind=type(exc).__name__, message=str(exc),
@@ -236,6 +245,17 @@ class Supervisor:
             if self._worker is not None:
                 steps.callback(self._worker.stop, grace=2.0)
                 self._worker = None
+
+    def _discard_fresh_output(self) -> None:
+        """Bad input found by the worker (before any part): leave a new output folder as it was, absent or empty, so
+        the fixed job runs there without a 'holds another export' refusal."""
+        out = self.plan.output
+        if not self.plan.fresh or os.path.exists(journal.path(out)):
+            return
+        shutil.rmtree(layout.state_dir(out), ignore_errors=True)
+        if not self._output_existed:
+            with contextlib.suppress(OSError):
+                os.rmdir(out)
 
     def _release_model(self) -> None:
         if self.model is None:
@@ -275,11 +295,15 @@ class Supervisor:
                 done[idx] = rec
             else:
                 redo.append(idx)
+        todo = [p for p in parts if p not in done]
+        complete = not todo and st.finalized is not None and not redo and \
+            not journal.verify_files(out, _not_in(st.finalized.files, done))
+        if not complete:
+            self._preflight()  # before the journal: a refused export leaves a new output folder untouched
         self._journal = journal.Journal(out, st) if st.header else journal.start(out, self.job, plan.fingerprint, n)
         self._clear_tmp()
-        todo = [p for p in parts if p not in done]
         self._emit(ev.Started(output=out, total=len(parts), todo=len(todo), resumed=len(done), redo=sorted(redo)))
-        if not todo and st.finalized is not None and not redo and not journal.verify_files(out, _not_in(st.finalized.files, done)):
+        if complete:
             return ev.Finished(output=out, parts=len(parts), nbytes=sum(r.nbytes for r in done.values()),
                                seconds=0.0, already_complete=True)
         self._progress = _Progress(total=len(parts), done=len(done), source_bytes=plan.source.nbytes)
@@ -316,10 +340,7 @@ class Supervisor:
         self._worker = w
         t = time.monotonic()
         ready = w.start(self._cancel.is_set, self._on_heartbeat)
-        if ready.num_layers != plan.source.num_layers or ready.layer_prefix != plan.source.layer_prefix:
-            raise SourceError(f"the model class sees {ready.num_layers} layers under {ready.layer_prefix!r} but the "
-                              f"weights hold {plan.source.num_layers} under {plan.source.layer_prefix!r}; "
-                              "this architecture is not supported")
+        _check_layers(ready, plan.source)
         self._emit(ev.WorkerStarted(pid=ready.pid, device=plan.device, seconds=round(time.monotonic() - t, 3),
                                     gpu_free=ready.gpu_free, gpu_total=ready.gpu_total))
         self._check_gpu_room(ready)
@@ -364,17 +385,28 @@ class Supervisor:
         if p is not None and hb.index is not None:
             self._emit(p.event(worker_rss=hb.rss, stage=hb.stage, index=hb.index))
 
+    def _preflight(self) -> None:
+        """Before the first part: the worker predicts every part's output on meta tensors and runs transformers'
+        loader on it; an output that would load with missing or unexpected weights is refused with the reason."""
+        _, described = self._with_retries(None, lambda attempt: Describe(), Described, what="the export plan")
+        problem = load_problems(described.load)
+        if problem:
+            raise SourceError(f"{self.job.export.scheme} export of {self.job.source.path!r} would not load in "
+                              f"transformers: {problem}")
+
     def _export_part(self, index: int, prefetch: int | None) -> journal.Shard:
         w, reply = self._with_retries(
             index, lambda attempt: ExportLayer(index=index, attempt=attempt, prefetch=prefetch), LayerWritten)
         return self._record(reply, w)
 
-    def _with_retries(self, index: int | None, make_request, success: type):
+    def _with_retries(self, index: int | None, make_request, success: type, what: str = "config.json"):
         """Send make_request(attempt) until the reply is a `success`, each retry in a fresh worker; returns
-        (worker, reply). index None is config.json at finalize. Disk full ends at once; other failures are
-        retried up to max_attempts, then ExportFailed names the part and carries the child's last traceback."""
+        (worker, reply). index None is a request about the whole export (`what` names it). Disk full ends at once,
+        and so does a failure the child says would repeat (Failed.retry False: a bad layout, an unsupported model);
+        other failures are retried up to max_attempts, then ExportFailed names the part and carries the child's
+        last traceback."""
         r = self.job.resources
-        what = "config.json" if index is None else _part_name(index)
+        what = what if index is None else _part_name(index)
         last_reason, last_tb = "", ""
         for attempt in range(1, r.max_attempts + 1):
             self._check_cancel()
@@ -391,10 +423,14 @@ class Supervisor:
                         raise ExportFailed(f"disk full while writing {what} into {self.plan.output!r}: "
                                            "free some space and run again to resume", index=index,
                                            traceback=reply.traceback)
+                    if not reply.retry or reply.refused:
+                        raise _for_good(reply, what)
                     last_reason, last_tb = f"{reply.kind}: {reply.message}", reply.traceback
                 else:
                     last_reason, last_tb = f"unexpected reply {type(reply).__name__}", ""
             except WorkerLost as exc:
+                if exc.failed is not None and (not exc.failed.retry or exc.failed.refused):
+                    raise _for_good(exc.failed, "starting the worker") from None
                 last_reason, last_tb = exc.reason, exc.log_tail
             except CancelledWait:
                 raise Cancelled("export cancelled; run the same job again to resume") from None
@@ -441,11 +477,17 @@ class Supervisor:
         out = self.plan.output
         staging = layout.state_path(out, layout.STAGING)
         _, reply = self._with_retries(None, lambda attempt: WriteConfig(dest=staging), ConfigWritten)
-        self._drop_worker(kill=False)
         finalize.place_config(reply.path, out)
         shards = finalize.shard_files(self.plan.source.num_layers)
         finalize.write_index(out, shards)
         finalize.copy_side_files(self.plan.source.path, out)
+        # the folder as a loader sees it: every weight must land where transformers expects it (no random experts)
+        _, checked = self._with_retries(None, lambda attempt: CheckLoad(folder=out), LoadChecked,
+                                        what="the loader check")
+        self._drop_worker(kill=False)
+        problem = load_problems(checked.load)
+        if problem:
+            raise ExportFailed(f"the export in {out!r} does not load correctly in transformers: {problem}")
         files = finalize.output_files(out, {r.file: r.sha256 for r in done.values()})
         self._journal.append(journal.Finalized(files=files))
         finalize.write_done(out, files)
@@ -455,6 +497,15 @@ def _not_in(files: dict[str, str], shards: dict[int, journal.Shard]) -> dict[str
     """The finalized files that are not shards (those were just verified against their own records)."""
     hashed = {r.file for r in shards.values()}
     return {fn: sha for fn, sha in files.items() if fn not in hashed}
+
+
+def _for_good(failed: Failed, what: str) -> SupervisorError:
+    """A failure the child says would repeat: bad input (exit 2) when it refused the job, else a failed export."""
+    message = " ".join(failed.message.split())  # one line, whatever the library's message looked like
+    if failed.refused:
+        return SourceError(message)
+    return ExportFailed(f"{what} failed: {failed.kind}: {message} (not retried: the same input fails the same way)",
+                        index=failed.index, traceback=failed.traceback)
 
 
 def _part_name(index: int) -> str:
@@ -485,6 +536,42 @@ class _Progress:
                            index=index)
 
 
+def describe(job: Job | str | os.PathLike) -> Described:
+    """What an export of `job` would write, before anything is written (`supervisor plan`): the parts, per part the
+    source tensors quantized and kept, and transformers' loader verdict on the predicted output. Runs one CPU
+    worker (its log in a temporary folder); validates like `run` and writes nothing."""
+    job = job if isinstance(job, Job) else load_job(job)
+    plan = prepare(job)
+    r = job.resources
+    hello = Hello(version=PROTOCOL_VERSION, job=job, output=plan.output, device="cpu")
+    never, ignore = (lambda: False), (lambda hb: None)
+    with tempfile.TemporaryDirectory(prefix="supervisor-plan-") as tmp:
+        from supervisor import devices
+
+        w = Worker(hello, os.path.join(tmp, "worker.log"), devices.child_env("cpu"),
+                   startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout)
+        try:
+            ready = w.start(never, ignore)
+            reply = w.request(Describe(), never, ignore)
+        except WorkerLost as exc:
+            if exc.failed is not None:
+                raise _for_good(exc.failed, "starting the worker") from None
+            raise ExportFailed(f"planning failed: {exc.reason}", traceback=exc.log_tail) from None
+        finally:
+            w.stop()
+    if isinstance(reply, Failed):
+        raise _for_good(reply, "the export plan")
+    _check_layers(ready, plan.source)
+    return reply
+
+
+def _check_layers(ready, source: SourceInfo) -> None:
+    if ready.num_layers != source.num_layers or ready.layer_prefix != source.layer_prefix:
+        raise SourceError(f"the model class sees {ready.num_layers} layers under {ready.layer_prefix!r} but the "
+                          f"weights hold {source.num_layers} under {source.layer_prefix!r}; "
+                          "this architecture is not supported")
+
+
 def export(job: Job | str | os.PathLike, model=None, on_event=None) -> ev.Finished:
     """Run one export to the end (blocking); `on_event` sees every event. Raises the error that ended it."""
     with Supervisor(job, model=model) as run:
@@ -494,4 +581,4 @@ def export(job: Job | str | os.PathLike, model=None, on_event=None) -> ev.Finish
         return run.wait()
 
 
-__all__ = ["Supervisor", "export", "load_job", "prepare", "InputError"]
+__all__ = ["Supervisor", "describe", "export", "load_job", "prepare", "InputError"]

@@ -1,4 +1,4 @@
-"""`supervisor run | status | verify | demo`: a thin shell over the Python API.
+"""`supervisor run | plan | status | verify | demo`: a thin shell over the Python API.
 
 Prints progress (rich) or, with --json, one JSON event per line on stdout. Exit codes: 0 done, 1 failed,
 2 bad input (nothing written), 3 output locked by another supervisor, 130 interrupted (resumable).
@@ -55,7 +55,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from supervisor.status import verify
+    from supervisor.status import LOADER, verify
 
     problems = verify(args.output)
     if args.json:
@@ -63,10 +63,26 @@ def cmd_verify(args) -> int:
     elif problems:
         for fn, why in problems.items():
             print(f"BAD  {fn}: {why}")
-        print(f"{len(problems)} problem(s); run the job again to redo those shards")
+        fix = "see docs/fidelity.md" if list(problems) == [LOADER] else "run the job again to redo those shards"
+        print(f"{len(problems)} problem(s); {fix}")
     else:
         print(f"ok: every journaled file in {args.output} matches its sha256")
     return 1 if problems else 0
+
+
+def cmd_plan(args) -> int:
+    import msgspec
+
+    from supervisor.api import describe, load_job
+    from supervisor.planview import render
+
+    job = load_job(args.job)
+    described = describe(job)
+    if args.json:
+        print(msgspec.json.encode(described).decode())
+    else:
+        print("\n".join(render(described, job.source.path, job.export.scheme)))
+    return 0
 
 
 def cmd_demo(args) -> int:
@@ -86,11 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", help="path to job.toml")
     p.add_argument("--json", action="store_true", help="print one JSON event per line instead of a progress bar")
     p.set_defaults(func=cmd_run)
+    p = sub.add_parser("plan", parents=[common], help="what `run` would write: parts, and per part the tensors "
+                       "quantized and kept; whether transformers would load the result")
+    p.add_argument("job", help="path to job.toml")
+    p.add_argument("--json", action="store_true", help="the whole plan as one JSON object")
+    p.set_defaults(func=cmd_plan)
     p = sub.add_parser("status", parents=[common], help="what is done and what is left in an output folder")
     p.add_argument("output")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
-    p = sub.add_parser("verify", parents=[common], help="check every journaled shard's sha256 (exit 1 if any is bad)")
+    p = sub.add_parser("verify", parents=[common], help="check every journaled file's sha256 and that transformers "
+                       "loads every weight (exit 1 if not)")
     p.add_argument("output")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)

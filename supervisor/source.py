@@ -2,23 +2,24 @@
 
 Refuses, with a one-line message and before anything is written: a missing folder, no config.json, no
 safetensors (a pickle-only checkpoint is never unpickled), an index whose weight_map points outside the folder,
-a safetensors header that does not match its file, remote code (`auto_map`) unless the job allows it.
+a safetensors header that does not match its file, no decoder layers or an incomplete set of them (found from the
+tensor names: shared/tensor_names.py). Remote code (`auto_map`) is never run unless the job allows it; without
+that the child exports the checkpoint by tensor names (child/name_only.py), as it does an unknown architecture.
 Reads headers only (safetensors' own parser, via numpy): it never loads a tensor and never imports torch.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 
 from safetensors import SafetensorError, safe_open
 
+from shared import tensor_names
 from supervisor.errors import SourceError
 
 INDEX = "model.safetensors.index.json"
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.pth")
-_LAYER_RX = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<index>\d+)\.")
 
 
 @dataclass
@@ -33,14 +34,11 @@ class SourceInfo:
     stats: list[tuple[str, int, int]] = field(default_factory=list)  # (name, size, mtime_ns), for the fingerprint
 
 
-def inspect(path: str, *, allow_remote_code: bool = False) -> SourceInfo:
+def inspect(path: str) -> SourceInfo:
     folder = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(folder):
         raise SourceError(f"source {path!r} is not a folder; set [source] path to a Hugging Face checkpoint folder")
     config = _read_config(folder)
-    if config.get("auto_map") and not allow_remote_code:
-        raise SourceError(f"source {path!r} asks for remote code (auto_map in config.json); "
-                          "set [source] allow_remote_code = true if you trust it")
     files = _weight_files(folder, path)
     names: list[str] = []
     nbytes = 0
@@ -109,18 +107,17 @@ def _check_header(folder: str, fn: str) -> tuple[list[str], int]:
 
 
 def _layers(names: list[str], config: dict, shown: str) -> tuple[str, int]:
-    found: dict[str, set[int]] = {}
-    for n in names:
-        m = _LAYER_RX.match(n)
-        if m:
-            found.setdefault(m["prefix"], set()).add(int(m["index"]))
-    if not found:
-        raise SourceError(f"source {shown!r} has no decoder layers (no '*.layers.N.*' tensors)")
-    prefix = max(found, key=lambda p: len(found[p]))
-    indices = found[prefix]
-    expected = config.get("num_hidden_layers")
-    if expected is not None and indices != set(range(expected)):
-        missing = sorted(set(range(expected)) - indices)[:5]
-        raise SourceError(f"source {shown!r} config says {expected} layers but the weights hold layers "
-                          f"{min(indices)}..{max(indices)} (missing e.g. {missing}); the checkpoint is incomplete")
-    return prefix, len(indices)
+    found = tensor_names.find_layers(names, config)
+    if found is None:
+        raise SourceError(f"source {shown!r} has no decoder layers (no tensor name holds a layer number, like "
+                          "'model.layers.N.*' or 'transformer.h.N.*')")
+    prefix, indices = found
+    expected = tensor_names.config_layers(config)
+    count = len(indices) if expected is None else expected
+    missing = sorted(set(range(count)) - indices)
+    if missing:
+        said = f"config says {expected} layers but " if expected is not None else ""
+        raise SourceError(f"source {shown!r} {said}the weights hold layers {min(indices)}..{max(indices)} of "
+                          f"{prefix!r} (missing e.g. {missing[:5]}); the checkpoint is incomplete")
+    # layers past the stated count (DeepSeek's multi-token-prediction layer) travel with the non-layer part
+    return prefix, count

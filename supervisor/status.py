@@ -1,12 +1,20 @@
 """`status` and `verify` of an output folder: read-only views of the journal and the files on disk.
 
-Owns nothing on disk: it never takes the lock and never changes a file.
+`verify` re-hashes every journaled file and, on a finished export, runs transformers' loader on the folder (meta
+device, no weight read, in a child process: `python -m child.loadcheck`): a weight the loader could not place is
+a problem like a bad hash. Owns nothing on disk: it never takes the lock and never changes a file.
 """
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+
+import msgspec
 
 from shared import layout
+from shared.load_verdict import problems as load_problems
+from shared.messages import LoadReport
 from shared.messages import NON_LAYER
 from supervisor import journal
 from supervisor.errors import OutputError
@@ -50,8 +58,12 @@ def status(output: str) -> dict:
     }
 
 
-def verify(output: str) -> dict[str, str]:
-    """file -> problem, for every journaled shard (and finalized file) that does not match its hash."""
+LOADER = "(transformers loader)"  # the key of a loader problem in verify's result
+
+
+def verify(output: str, load_check: bool = True) -> dict[str, str]:
+    """file -> problem, for every journaled shard (and finalized file) that does not match its hash; on a finished
+    export, LOADER -> why transformers would not load it correctly."""
     st = _state(output)
     problems = {}
     for rec in st.shards.values():
@@ -61,4 +73,22 @@ def verify(output: str) -> dict[str, str]:
     if st.finalized is not None:
         unchecked = {fn: sha for fn, sha in st.finalized.files.items() if fn not in problems}
         problems.update(journal.verify_files(output, unchecked))
+        if load_check and not problems:
+            report = load_report(output, st.header.job.get("source", {}).get("allow_remote_code", False))
+            problem = load_problems(report)
+            if problem:
+                problems[LOADER] = problem
     return problems
+
+
+def load_report(output: str, trust_remote_code: bool = False) -> LoadReport:
+    """transformers' loader on a finished export folder, run in a child process (torch stays out of the CLI)."""
+    cmd = [sys.executable, "-P", "-m", "child.loadcheck", output, "--json"]
+    if trust_remote_code:
+        cmd.append("--trust-remote-code")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")), None)
+    if line is None:
+        tail = " ".join(proc.stderr.strip().splitlines()[-1:])
+        return LoadReport(checked=True, error=f"the loader check did not run ({tail or f'exit {proc.returncode}'})")
+    return msgspec.json.decode(line, type=LoadReport)

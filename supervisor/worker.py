@@ -33,12 +33,14 @@ _CHAINED = ("During handling of the above exception, another exception occurred:
 
 
 class WorkerLost(Exception):
-    """The child died, hung or broke the protocol; `log_tail` holds the end of its log."""
+    """The child died, hung or broke the protocol; `log_tail` holds the end of its log. `failed` is the child's own
+    report when it failed to start (its `retry` says whether starting again could help)."""
 
-    def __init__(self, reason: str, log_tail: str = ""):
+    def __init__(self, reason: str, log_tail: str = "", failed: Failed | None = None):
         super().__init__(reason)
         self.reason = reason
         self.log_tail = log_tail
+        self.failed = failed
 
 
 class CancelledWait(Exception):
@@ -98,7 +100,7 @@ class Worker:
         reply = self.wait_reply(cancelled, on_heartbeat, deadline=time.monotonic() + self.startup_timeout,
                                 too_late=f"did not become ready within {self.startup_timeout:.0f}s")
         if isinstance(reply, Failed):
-            raise WorkerLost(f"worker failed to start: {reply.kind}: {reply.message}", reply.traceback)
+            raise WorkerLost(f"worker failed to start: {reply.kind}: {reply.message}", reply.traceback, reply)
         if not isinstance(reply, Ready) or reply.version != PROTOCOL_VERSION:
             raise WorkerLost(f"worker sent {type(reply).__name__} instead of Ready (protocol {PROTOCOL_VERSION})",
                              self.log_tail())
