@@ -172,6 +172,7 @@ class Exporter:
         del out
         gc.collect()
         _malloc_trim()
+        faults.log_live_tensors(index, settle=lambda: [f.result() for f in self._ahead.values()])
         self.beat.set(None, "idle")
         return LayerWritten(index=index, file=name, sha256=sha, nbytes=nbytes,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,

@@ -18,8 +18,13 @@ after:  a marker file that must exist for the fault to be armed (chains faults: 
         crash fails too")
 bytes:  for leak, how much to keep alive per hit (default 64 MiB); code: for exit, the exit code (default 7)
 
-At a point, the first armed fault in list order fires. Owns nothing else; it must never be consulted by
-anything but the child's main loop and writer.
+At a point, the first armed fault in list order fires.
+
+Also test-only: SUPERVISOR_TEST_TENSOR_LOG names a file to which the child appends, after each part, the CPU
+tensors still alive in its heap (count and bytes, after gc and once the read-ahead of the next part has landed):
+what the memory tests use to show that no tensor of a finished layer survives it.
+
+Owns nothing else; it must never be consulted by anything but the child's main loop and writer.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import signal
 import time
 
 ENV = "SUPERVISOR_TEST_FAULT"
+TENSOR_LOG = "SUPERVISOR_TEST_TENSOR_LOG"
 
 _specs: list[dict] = []
 _leak: list = []
@@ -108,3 +114,25 @@ def _hang() -> None:
     _stop_beating()
     while True:
         time.sleep(3600)
+
+
+def log_live_tensors(index: int, settle=None) -> None:
+    """Append {index, tensors, bytes} of live non-meta tensors to $SUPERVISOR_TEST_TENSOR_LOG (no-op when unset).
+    `settle` waits for work in flight (the read-ahead) so the count does not depend on its timing."""
+    path = os.environ.get(TENSOR_LOG)
+    if not path:
+        return
+    import gc
+    import warnings
+
+    import torch
+
+    if settle is not None:
+        settle()
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on torch's deprecated module proxies warns
+        warnings.simplefilter("ignore")
+        live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not o.is_meta]
+    nbytes = sum(t.numel() * t.element_size() for t in live)
+    with open(path, "a") as f:
+        f.write(json.dumps({"index": index, "tensors": len(live), "bytes": nbytes}) + "\n")

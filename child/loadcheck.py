@@ -62,7 +62,8 @@ def check(config_dir: str, tensors: dict, trust_remote_code: bool = False) -> Lo
     try:
         config = AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, OSError) as exc:
-        return LoadReport(checked=False, reason=f"transformers does not know this architecture ({_one_line(exc)})")
+        return LoadReport(checked=False, reason=f"transformers cannot build this architecture ({type(exc).__name__} "
+                                                "reading config.json)")
     cls = _causal_lm_class(config, config_dir, trust_remote_code)
     if cls is None:
         return LoadReport(checked=False, reason=f"transformers has no causal-LM class for {type(config).__name__}")

@@ -65,3 +65,40 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def moe_models(tmp_path_factory):
+    """moe_models(kind, **options) -> path of a tiny checkpoint from tests/ref_moe.py (MoE families, Falcon, GPT-2,
+    BLOOM, "unknown"), built once per session per (kind, options)."""
+    from tests.ref_moe import UNKNOWN, make_family_model, make_unknown_model
+
+    built: dict[tuple, str] = {}
+
+    def get(kind: str, **options) -> str:
+        key = (kind, tuple(sorted(options.items())))
+        if key not in built:
+            path = str(tmp_path_factory.mktemp(f"model-{kind}"))
+            make = make_unknown_model if kind == UNKNOWN else (lambda p, **o: make_family_model(kind, p, **o))
+            built[key] = make(path, **options)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def moe_oneshot(moe_models, tmp_path_factory):
+    """moe_oneshot(kind, scheme, ignore=None, **model_options) -> folder of oneshot's compressed output, cached."""
+    done: dict[tuple, str] = {}
+
+    def get(kind: str, scheme: str, ignore: list[str] | None = None, **model_options) -> str:
+        from shared.job import DEFAULT_IGNORE
+
+        ignore = list(DEFAULT_IGNORE if ignore is None else ignore)
+        key = (kind, scheme, tuple(ignore), tuple(sorted(model_options.items())))
+        if key not in done:
+            out = tmp_path_factory.mktemp(f"oneshot-{kind}-{scheme}")
+            done[key] = oneshot_reference(moe_models(kind, **model_options), scheme, ignore, str(out))
+        return done[key]
+
+    return get

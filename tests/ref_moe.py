@@ -136,3 +136,23 @@ def model_free_reference(model_dir: str, scheme: str, ignore: list[str], out_dir
     model_free_ptq(model_stub=model_dir, save_directory=out_dir, scheme=scheme, ignore=list(ignore), max_workers=1,
                    device="cpu")
     return out_dir
+
+
+def oneshot_model(model_dir: str, scheme: str, ignore: list[str]):
+    """oneshot's in-memory quantized model (not saved): the forward that an export's loaded model must match."""
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=list(ignore)))
+    return model.eval()
+
+
+def loading_info(folder: str, **kwargs) -> tuple:
+    """(model, {missing, unexpected, mismatched}) from transformers' real loader (weights read, dequantized)."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, output_loading_info=True, **kwargs)
+    return model.eval(), {k: sorted(info[k]) for k in ("missing_keys", "unexpected_keys")} | {
+        "mismatched_keys": sorted(k for k, *_ in info["mismatched_keys"])}
