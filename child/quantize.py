@@ -95,6 +95,7 @@ class LayerQuantizer:
         self._probes: dict = {}  # compressed meta twins for previews (see _quantize_modules)
         # targeted Linears outside the decoder layers (lm_head when it is not ignored)
         self._non_layer_targets = _non_layer_targets(self._skeleton, self.layer_prefix, self._targets, self.ignore)
+        _refuse_uncompressible(self._skeleton, self._qcfg, self._targets, self.ignore)
 
     def quantize_layer(self, index: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Return layer `index`'s tensors (full checkpoint names) as oneshot's compressed save writes them."""
@@ -170,6 +171,8 @@ def quantization_config_dict(scheme: str, ignore: list[str], config: str, tensor
     """
     qcfg, _ = _compressed_qconfig(scheme, ignore, _load_config(config, trust_remote_code), trust_remote_code,
                                   tensor_names)
+    if qcfg is None:
+        return {}  # nothing targeted: oneshot writes no block
     # the same keys, in the same order, as ModelCompressor.update_config writes
     return {
         COMPRESSION_VERSION_NAME: compressed_tensors.__version__,
@@ -195,7 +198,8 @@ def write_config(source_config_json: str, dest_dir: str, scheme: str, ignore: li
     # oneshot re-saves the *original* config.json (resave_config) and then lets update_config add the block
     with open(path, "w") as f:
         json.dump(source, f, indent=2, sort_keys=True)
-    ModelCompressor(quantization_config=qcfg).update_config(dest_dir)
+    if qcfg is not None:
+        ModelCompressor(quantization_config=qcfg).update_config(dest_dir)
     return path
 
 
@@ -395,6 +399,28 @@ def _compress(modules: list[nn.Module], root: nn.Module | None) -> None:
         compress_module(m)
 
 
+def _refuse_uncompressible(model: nn.Module, qcfg: QuantizationConfig, targets: Iterable[str], ignore: list[str]):
+    """Refuse targeted module classes that compressed-tensors would write uncompressed.
+
+    It picks a compression format by exact module type (`type in COMPRESSIBLE_MODULE_TYPES`), so a subclass of
+    nn.Linear (Falcon's FalconLinear) is written "dense": fake-quantized full-size weights with zero points and a
+    config whose ignore list misses lm_head. oneshot writes the same; transformers then loads lm_head with a missing
+    scale and drops the zero points (measured, docs/fidelity.md)."""
+    from compressed_tensors.compressors.format import infer_module_format
+
+    from child.backend import Refused
+
+    scheme = next(iter(qcfg.config_groups.values()))
+    wanted = infer_module_format(nn.Linear, scheme)
+    odd = sorted({type(m).__name__ for _, m in match_named_modules(model, targets, ignore)
+                  if type(m) is not nn.Linear and infer_module_format(type(m), scheme) != wanted})
+    if odd:
+        raise Refused(f"compressed-tensors {compressed_tensors.__version__} would write {', '.join(odd)} uncompressed "
+                      f"('dense' instead of '{wanted.value}': it picks formats by exact class and these subclass "
+                      "torch.nn.Linear), and transformers would load the result wrong, as it does oneshot's; "
+                      "see docs/fidelity.md")
+
+
 def _non_layer_targets(
     model: nn.Module, layer_prefix: str, targets: Iterable[str], ignore: list[str]
 ) -> dict[str, str | None]:
@@ -425,7 +451,8 @@ def _compressed_qconfig(scheme: str, ignore: list[str], config: PretrainedConfig
     unties = any(_non_layer_targets(model, prefix, modifier.resolved_targets, modifier.ignore).values())
     apply_quantization_config(model, modifier.resolved_config, show_progress=False)
     qcfg = ModelCompressor.from_pretrained_model(model).quantization_config
-    qcfg.quantization_status = QuantizationStatus.COMPRESSED  # what compress_model sets before update_config
+    if qcfg is not None:  # None: nothing in this model is targeted (GPT-2's Conv1D); oneshot then writes no block
+        qcfg.quantization_status = QuantizationStatus.COMPRESSED  # what compress_model sets before update_config
     return qcfg, unties
 
 

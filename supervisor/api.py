@@ -389,10 +389,13 @@ class Supervisor:
         """Before the first part: the worker predicts every part's output on meta tensors and runs transformers'
         loader on it; an output that would load with missing or unexpected weights is refused with the reason."""
         _, described = self._with_retries(None, lambda attempt: Describe(), Described, what="the export plan")
+        what = f"{self.job.export.scheme} export of {self.job.source.path!r}"
+        if not any(part.quantized for part in described.parts):
+            raise SourceError(f"{what} would quantize nothing: no weight matches the scheme's targets outside the "
+                              f"ignore list (by {described.backend}); see `supervisor plan`")
         problem = load_problems(described.load)
         if problem:
-            raise SourceError(f"{self.job.export.scheme} export of {self.job.source.path!r} would not load in "
-                              f"transformers: {problem}")
+            raise SourceError(f"{what} would not load in transformers: {problem}")
 
     def _export_part(self, index: int, prefetch: int | None) -> journal.Shard:
         w, reply = self._with_retries(

@@ -1,0 +1,44 @@
+"""child/loadcheck.py: the meta-device loader check says what transformers' real loader says, without the weights."""
+from __future__ import annotations
+
+import pytest
+
+from child.loadcheck import check_folder, header_tensors
+from shared.load_verdict import problems
+from tests.ref_moe import loading_info, to_checkpoint_names
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gptoss", "qwen2moe"])
+def test_meta_check_agrees_with_the_real_loader_on_oneshot_outputs(kind, moe_oneshot):
+    """oneshot's own outputs: Mixtral (experts renamed gate/up/down_proj) and GPT-OSS (fused experts written per
+    expert) load with random experts, Qwen2-MoE loads clean; the meta check reports exactly the real loader's keys."""
+    ref = moe_oneshot(kind, "W4A16")
+    report = check_folder(ref)
+    _, info = loading_info(ref)
+    assert report.checked and not report.error
+    assert (report.missing, report.unexpected) == (info["missing_keys"], info["unexpected_keys"])
+    if kind == "qwen2moe":
+        assert problems(report) is None
+    else:
+        assert report.missing and report.unexpected and "experts" in problems(report)
+
+
+def test_checkpoint_names_fix_mixtral(moe_oneshot, tmp_path):
+    """The same tensors under the checkpoint's own names (w1/w3/w2, what the exporter writes) load with none missing."""
+    from safetensors.torch import save_file
+
+    from tests.models import load_tensors
+
+    ref = moe_oneshot("mixtral", "W4A16")
+    save_file(to_checkpoint_names("mixtral", load_tensors(ref)), str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(open(f"{ref}/config.json").read())
+    report = check_folder(str(tmp_path))
+    assert report.checked and problems(report) is None, problems(report)
+    assert any(".w1.weight_packed" in k for k in header_tensors(str(tmp_path)))
+
+
+def test_unknown_architecture_is_not_checked(moe_models):
+    """A model_type transformers does not know: not checked (a reason, no verdict), never a false failure."""
+    report = check_folder(moe_models("unknown"))
+    assert not report.checked and "cannot build this architecture" in report.reason and problems(report) is None
