@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import struct
 import sys
@@ -67,19 +68,44 @@ def check(config_dir: str, tensors: dict, trust_remote_code: bool = False) -> Lo
     cls = _causal_lm_class(config, config_dir, trust_remote_code)
     if cls is None:
         return LoadReport(checked=False, reason=f"transformers has no causal-LM class for {type(config).__name__}")
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # its load report goes to our LoadReport instead
+    report = _Captured()  # its load report (logged as a warning) goes to our LoadReport instead of stderr
     transformers.logging.disable_progress_bar()
     try:
-        _, info = cls.from_pretrained(None, config=config, state_dict=tensors, device_map="meta",
-                                      ignore_mismatched_sizes=True, output_loading_info=True)
+        with report:
+            _, info = cls.from_pretrained(None, config=config, state_dict=tensors, device_map="meta",
+                                          ignore_mismatched_sizes=True, output_loading_info=True)
     except Exception as exc:  # noqa: BLE001 - a loader that raises is a verdict too ("would not load")
-        return LoadReport(checked=True, error=_one_line(exc))
+        return LoadReport(checked=True, error=_one_line(exc) + report.conversion_lines())
     finally:
-        transformers.logging.set_verbosity(verbosity)
         transformers.logging.enable_progress_bar()
     return LoadReport(checked=True, missing=sorted(info["missing_keys"]), unexpected=sorted(info["unexpected_keys"]),
                       mismatched=sorted(f"{k} {tuple(a)} vs {tuple(b)}" for k, a, b in info["mismatched_keys"]))
+
+
+class _Captured(logging.Handler):
+    """Collects transformers' loading report while the check runs, and keeps it off the console."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.text: list[str] = []
+        self._logger = logging.getLogger("transformers")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.text.append(record.getMessage())
+
+    def __enter__(self):
+        self._propagate, self._handlers = self._logger.propagate, list(self._logger.handlers)
+        self._logger.handlers, self._logger.propagate = [self], False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._logger.handlers, self._logger.propagate = self._handlers, self._propagate
+
+    def conversion_lines(self) -> str:
+        """The report's CONVERSION entries (which weights a converter could not build), joined on one line."""
+        lines = [" ".join(line.split()) for text in self.text for line in text.splitlines() if "CONVERSION" in line
+                 or "conversion" in line.lower() and "|" in line]
+        return (": " + "; ".join(lines[:4]))[:600] if lines else ""
 
 
 def _causal_lm_class(config, config_dir: str, trust_remote_code: bool):

@@ -35,8 +35,9 @@ def describe(source, backend, source_config_json: str, trust_remote_code: bool =
         else:
             out = _layer(backend, index, f"{prefix}{index}.", tensors, cache if cacheable else None)
         predicted.update(out)
-        parts.append(PartPlan(index=index, quantized=[k for k in names if k not in out],
-                              kept=[k for k in names if k in out],
+        # kept: written under its own name with its own dtype and shape (FP8 keeps the name "weight", not the dtype)
+        kept = [k for k in names if k in out and (out[k].dtype, out[k].shape) == (tensors[k].dtype, tensors[k].shape)]
+        parts.append(PartPlan(index=index, quantized=sorted(set(names) - set(kept)), kept=kept,
                               out_bytes=sum(t.numel() * t.element_size() for t in out.values())))
     with tempfile.TemporaryDirectory(prefix="plan-config-") as tmp:
         backend.write_config(source_config_json, tmp)

@@ -1,7 +1,7 @@
 """Tiny checkpoints of every MoE family and of layouts other than `*.layers.N`, and their upstream references.
 
 Owns: building tiny random bf16 checkpoints of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GPT-OSS and GLM-4.5
-(Glm4Moe), of Falcon / GPT-2 / BLOOM (layers under `transformer.h.N`), and of an architecture transformers does not
+(Glm4Moe), of Falcon / GPT-2 / BLOOM / GPT-J (layers under `transformer.h.N`), and of an architecture transformers does not
 know; the name mapping between oneshot's output and the checkpoint's own names; llm-compressor's `model_free_ptq`
 as the reference for the name-only path. Like tests/models.py it never imports `supervisor` or `child`.
 
@@ -21,7 +21,7 @@ import torch
 from tests.models import VOCAB, _save_tokenizer
 
 FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "deepseekv3", "gptoss", "glm4moe")
-NAMED = ("falcon", "gpt2", "bloom")
+NAMED = ("falcon", "gpt2", "bloom", "gptj")
 UNKNOWN = "unknown"
 
 _COMMON = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
@@ -67,6 +67,9 @@ def family_config(kind: str, layers: int = 2, experts: int = 4):
     if kind == "bloom":
         return tf.BloomConfig(hidden_size=128, n_layer=layers, n_head=4, vocab_size=VOCAB, bos_token_id=3,
                               eos_token_id=2, pad_token_id=1, tie_word_embeddings=False)
+    if kind == "gptj":
+        return tf.GPTJConfig(n_embd=128, n_layer=layers, n_head=4, rotary_dim=16, vocab_size=VOCAB, n_positions=256,
+                             bos_token_id=3, eos_token_id=2, pad_token_id=1, tie_word_embeddings=False)
     raise ValueError(f"unknown kind {kind!r}; expected one of {FAMILIES + NAMED}")
 
 

@@ -1,4 +1,4 @@
-"""shared/tensor_names.py and layers not named `*.layers.N`: Falcon, GPT-2 and BLOOM (`transformer.h.N`)."""
+"""shared/tensor_names.py and layers not named `*.layers.N`: Falcon, GPT-2, BLOOM, GPT-J (`transformer.h.N`)."""
 from __future__ import annotations
 
 import json
@@ -34,7 +34,7 @@ def test_find_layers(names, config, expected):
     assert tensor_names.find_layers(names, config) == expected
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bloom"])
+@pytest.mark.parametrize("kind", ["gpt2", "bloom", "gptj"])
 def test_transformer_h_layers_equal_oneshot_and_load(kind, moe_models, moe_oneshot, tmp_path):
     """The supervisor finds `transformer.h.` from names, the model class agrees, the output equals oneshot's and
     transformers loads every weight (GPT-2's Conv1D is no Linear: nothing quantized there, as in oneshot)."""
