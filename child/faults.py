@@ -22,8 +22,8 @@ bytes:  for leak, how much to keep alive per hit (default 64 MiB); code: for exi
 At a point, the first armed fault in list order fires.
 
 Also test-only: SUPERVISOR_TEST_TENSOR_LOG names a file to which the child appends, after each part, the CPU
-tensors still alive in its heap (count and bytes, after gc and once the read-ahead of the next part has landed):
-what the memory tests use to show that no tensor of a finished layer survives it.
+tensor storages still alive in its heap (count and bytes, after gc and once the read-ahead of the next part has
+landed): what the memory tests use to show that no tensor of a finished layer survives it.
 
 Owns nothing else; it must never be consulted by anything but the child's main loop and writer.
 """
@@ -120,8 +120,9 @@ def _hang() -> None:
 
 
 def log_live_tensors(index: int, settle=None) -> None:
-    """Append {index, tensors, bytes} of live non-meta tensors to $SUPERVISOR_TEST_TENSOR_LOG (no-op when unset).
-    `settle` waits for work in flight (the read-ahead) so the count does not depend on its timing."""
+    """Append {index, tensors, bytes} of the live non-meta tensor storages to $SUPERVISOR_TEST_TENSOR_LOG (no-op when
+    unset). Storages, not tensor objects: a tensor read by safetensors is a view of a byte buffer (two objects, one
+    storage). `settle` waits for work in flight (the read-ahead) so the count does not depend on its timing."""
     path = os.environ.get(TENSOR_LOG)
     if not path:
         return
@@ -135,7 +136,10 @@ def log_live_tensors(index: int, settle=None) -> None:
     gc.collect()
     with warnings.catch_warnings():  # isinstance() on torch's deprecated module proxies warns
         warnings.simplefilter("ignore")
-        live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not o.is_meta]
-    nbytes = sum(t.numel() * t.element_size() for t in live)
+        storages = {}
+        for o in gc.get_objects():
+            if isinstance(o, torch.Tensor) and not o.is_meta:
+                storage = o.untyped_storage()
+                storages[(o.device, storage.data_ptr())] = storage.nbytes()
     with open(path, "a") as f:
-        f.write(json.dumps({"index": index, "tensors": len(live), "bytes": nbytes}) + "\n")
+        f.write(json.dumps({"index": index, "tensors": len(storages), "bytes": sum(storages.values())}) + "\n")
