@@ -80,10 +80,9 @@ class Worker:
         p2c_r, p2c_w = os.pipe()
         c2p_r, c2p_w = os.pipe()
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        cmd = [sys.executable]
-        if sys.version_info >= (3, 11):
-            cmd.append("-P")  # do not let a 'child' folder in the caller's cwd shadow our package
-        cmd += ["-m", "child", "--read-fd", str(p2c_r), "--write-fd", str(c2p_w), "--parent-pid", str(os.getpid())]
+        # -P: a 'child' or 'shared' folder in the caller's cwd must not shadow our packages.
+        cmd = [sys.executable, "-P", "-m", "child", "--read-fd", str(p2c_r), "--write-fd", str(c2p_w),
+               "--parent-pid", str(os.getpid())]
         try:
             with open(self.log_path, "ab") as log:
                 self._log_start = os.fstat(log.fileno()).st_size  # earlier workers' output is not this child's
