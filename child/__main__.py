@@ -142,9 +142,11 @@ class Exporter:
             self._ahead[index] = self._pool.submit(self.source.read, self._names(index))
 
     def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:
+        from child import quant_error
         from child.writer import write_shard
 
         index, t0 = msg.index, time.perf_counter()
+        quant_error.take()  # drop what a failed earlier part may have left
         _reset_peak_rss()
         gpu = self._gpu_reset()
         self.beat.set(index, "read")
@@ -158,6 +160,7 @@ class Exporter:
         else:
             out = self.backend.quantize_layer(index, tensors)
         del tensors
+        errors = quant_error.take()
         faults.hit("quantize", index, writer)
         self.beat.set(index, "write")
         parent_alive()
@@ -175,7 +178,7 @@ class Exporter:
         self.beat.set(None, "idle")
         return LayerWritten(index=index, file=name, sha256=sha, nbytes=nbytes,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
-                            peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu))
+                            peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), quant_error=errors)
 
     def write_config(self, msg: WriteConfig, writer: Writer) -> ConfigWritten:
         self.beat.set(None, "config")

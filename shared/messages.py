@@ -83,6 +83,8 @@ class LayerWritten(msgspec.Struct, tag=True, kw_only=True):
     peak_rss: int = 0  # the child's peak RSS while exporting this part (VmHWM reset per part), bytes
     rss: int = 0  # the child's RSS after the layer, bytes
     peak_gpu: int = 0  # torch.cuda.max_memory_allocated during this part, bytes
+    # module name -> ||dequantized - source|| / ||source|| of its weight, measured by the child (child/quant_error.py)
+    quant_error: dict[str, float] = {}
 
 
 class ConfigWritten(msgspec.Struct, tag=True, kw_only=True):

@@ -365,13 +365,13 @@ class Supervisor:
             self._emit(p.event(worker_rss=hb.rss, stage=hb.stage, index=hb.index))
 
     def _export_part(self, index: int, prefetch: int | None) -> journal.Shard:
-        w, reply = self._with_retries(
+        w, reply, retries = self._with_retries(
             index, lambda attempt: ExportLayer(index=index, attempt=attempt, prefetch=prefetch), LayerWritten)
-        return self._record(reply, w)
+        return self._record(reply, w, retries)
 
     def _with_retries(self, index: int | None, make_request, success: type):
         """Send make_request(attempt) until the reply is a `success`, each retry in a fresh worker; returns
-        (worker, reply). index None is config.json at finalize. Disk full ends at once; other failures are
+        (worker, reply, retries: the failed attempts before it). index None is config.json at finalize. Disk full ends at once; other failures are
         retried up to max_attempts, then ExportFailed names the part and carries the child's last traceback."""
         r = self.job.resources
         what = "config.json" if index is None else _part_name(index)
@@ -385,7 +385,7 @@ class Supervisor:
                 reply = w.request(make_request(attempt), self._cancel.is_set, self._on_heartbeat,
                                   timeout=r.part_timeout if index is not None else 0.0)
                 if isinstance(reply, success):
-                    return w, reply
+                    return w, reply, attempt - 1
                 if isinstance(reply, Failed):
                     if reply.errno == ENOSPC:
                         raise ExportFailed(f"disk full while writing {what} into {self.plan.output!r}: "
@@ -413,18 +413,21 @@ class Supervisor:
         if self._cancel.wait(delay):
             raise Cancelled("export cancelled; run the same job again to resume")
 
-    def _record(self, reply: LayerWritten, w: Worker) -> journal.Shard:
+    def _record(self, reply: LayerWritten, w: Worker, retries: int) -> journal.Shard:
         path = os.path.join(self.plan.output, reply.file)
         if reply.file != layout.shard_name(reply.index) or not os.path.isfile(path) \
                 or os.path.getsize(path) != reply.nbytes:
             raise WorkerLost(f"worker reported {reply.file} but it is not on disk as described")
         rec = journal.Shard(index=reply.index, file=reply.file, sha256=reply.sha256, nbytes=reply.nbytes,
-                            seconds=round(reply.seconds, 3))
+                            seconds=round(reply.seconds, 3), source_bytes=reply.source_bytes,
+                            peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu, retries=retries,
+                            quant_error=reply.quant_error)
         self._journal.append(rec)
         w.layers_done += 1
         w.rss = reply.rss
         self._emit(ev.LayerWritten(index=reply.index, file=reply.file, nbytes=reply.nbytes,
-                                   seconds=round(reply.seconds, 3), peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu))
+                                   seconds=round(reply.seconds, 3), peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
+                                   retries=retries, quant_error=reply.quant_error))
         self._progress.add(reply.source_bytes, reply.nbytes)
         self._emit(self._progress.event(worker_rss=reply.rss))
         self._maybe_recycle(w)
@@ -440,7 +443,7 @@ class Supervisor:
     def _finalize(self, done: dict[int, journal.Shard]) -> None:
         out = self.plan.output
         staging = layout.state_path(out, layout.STAGING)
-        _, reply = self._with_retries(None, lambda attempt: WriteConfig(dest=staging), ConfigWritten)
+        _, reply, _ = self._with_retries(None, lambda attempt: WriteConfig(dest=staging), ConfigWritten)
         self._drop_worker(kill=False)
         finalize.place_config(reply.path, out)
         shards = finalize.shard_files(self.plan.source.num_layers)
