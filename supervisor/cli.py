@@ -100,6 +100,7 @@ def cmd_report(args) -> int:
         console = Console()
         if not console.is_terminal:
             console = Console(width=200)  # into a file or pipe: whole rows, not the 80-column default
+        console.print(report.summary(rep), soft_wrap=True, highlight=False)
         console.print(report.table(rep))
         if args.modules:
             console.print(report.modules_table(rep))

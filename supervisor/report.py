@@ -1,6 +1,6 @@
 """`supervisor report OUT`: per part, what the export cost and how far each quantized weight is from its source.
 
-    journal.jsonl ─▶ load() ─▶ Report ─┬▶ table(): a rich table (one row per journaled part, a totals row)
+    journal.jsonl ─▶ load() ─▶ Report ─┬▶ summary() + table(): a line, then a rich table (a row per part)
                                        ├▶ modules_table(): every module's error
                                        └▶ write_html(): one self-contained page, a PNG plot per column
 
@@ -114,7 +114,7 @@ def table(report: Report) -> Table:
     widest cell, so a narrow terminal wraps the headers and folds the module names instead."""
     rows = [[label(r.index), *(cell(c, c.value(r)) for c in COLUMNS), _worst(r)] for r in report.parts]
     foot = ["total", *_totals(report), ""]
-    t = Table(title=summary(report), title_justify="left", show_footer=bool(rows), box=box.SIMPLE_HEAD)
+    t = Table(show_footer=bool(rows), box=box.SIMPLE_HEAD)
     for i, title in enumerate(["part", *(c.title for c in COLUMNS), "worst module"]):
         last = i == len(COLUMNS) + 1
         width = None if last else max(len(w) for w in [x[i] for x in rows + [foot]] + title.split())
