@@ -371,8 +371,9 @@ class Supervisor:
 
     def _with_retries(self, index: int | None, make_request, success: type):
         """Send make_request(attempt) until the reply is a `success`, each retry in a fresh worker; returns
-        (worker, reply, retries: the failed attempts before it). index None is config.json at finalize. Disk full ends at once; other failures are
-        retried up to max_attempts, then ExportFailed names the part and carries the child's last traceback."""
+        (worker, reply, retries: the failed attempts before it). index None is config.json at finalize. Disk
+        full ends at once; other failures are retried up to max_attempts, then ExportFailed names the part and
+        carries the child's last traceback."""
         r = self.job.resources
         what = "config.json" if index is None else _part_name(index)
         last_reason, last_tb = "", ""
