@@ -111,6 +111,7 @@ class Exporter:
     """What one worker does with ExportLayer / WriteConfig: read, quantize, write."""
 
     def __init__(self, hello: Hello, beat: Beat):
+        from child import quant_error
         from child.backend import make_backend  # heavy: torch, transformers, llm-compressor
         from child.source import open_source
 
@@ -119,6 +120,7 @@ class Exporter:
             import torch
             torch.set_num_threads(job.resources.torch_threads)
         self.job, self.output, self.device, self.beat = job, hello.output, hello.device, beat
+        quant_error.enabled = job.export.measure_error
         self.source = open_source(job)
         self.backend = make_backend(job, job.source.path, hello.device)
         self.prefix = self.backend.layer_prefix

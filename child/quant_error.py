@@ -19,13 +19,16 @@ from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.utils import get_direct_state_dict
 from torch import nn
 
-ROWS = 4096  # rows per block of the float32 difference (an 8B MLP weight is 14336 x 4096)
+ROWS = 1024  # rows per float32 block: 16 MiB per temporary for a 4096-wide weight (an 8B MLP: 14336 x 4096)
 
 _tally: dict[str, float] = {}
+enabled = True  # the job's [export] measure_error; the worker sets it once
 
 
 def measure(modules: Iterable[tuple[str, nn.Module]], source: Mapping[str, torch.Tensor]) -> None:
     """Record rel_error for each compressed (name, module) whose source weight is `source[name + ".weight"]`."""
+    if not enabled:
+        return
     for name, module in modules:
         scheme = getattr(module, "quantization_scheme", None)
         weight = source.get(f"{name}.weight")

@@ -26,6 +26,9 @@ class Export(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # None means the defaults: lm_head and MoE routers (DEFAULT_IGNORE below).
     ignore: list[str] | None = None
     format: Literal["compressed-tensors"] = "compressed-tensors"
+    # Each module's quantization error, for `supervisor report`: the worker dequantizes what it writes, which
+    # costs CPU time on a CPU export (docs/report.md); it never changes the output's bytes.
+    measure_error: bool = True
 
 
 class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -37,3 +37,30 @@ def test_recorded_error_equals_oneshot_fake_quantize(tiny_models, kind, scheme, 
     for name, err in expected.items():
         assert got[name] == pytest.approx(err, rel=1e-6), name
         assert 1e-4 < err < 0.5
+
+
+class _Beat:
+    def set(self, index, stage):
+        pass
+
+
+@pytest.mark.parametrize("measure", [True, False])
+def test_worker_sends_the_errors_unless_the_job_turns_them_off(tiny_models, tmp_path, measure):
+    """The child's LayerWritten carries every quantized module's error; [export] measure_error = false: none."""
+    from child.__main__ import Exporter
+    from shared.job import parse_job
+    from shared.messages import PROTOCOL_VERSION, ExportLayer, Hello
+
+    path = tiny_models("llama")
+    job = parse_job({"source": {"path": path},
+                     "export": {"scheme": "FP8_DYNAMIC", "output": str(tmp_path), "measure_error": measure}})
+    (tmp_path / ".export" / "tmp").mkdir(parents=True)
+    exporter = Exporter(Hello(version=PROTOCOL_VERSION, job=job, output=str(tmp_path), device="cpu"), _Beat())
+    try:
+        reply = exporter.export(ExportLayer(index=1), writer=None)
+    finally:
+        from child import quant_error
+        quant_error.enabled = True
+    names = {f"model.layers.1.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                             "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert set(reply.quant_error) == (names if measure else set())
