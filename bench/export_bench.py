@@ -8,6 +8,7 @@ checks every tensor of the two outputs for equality (torch.equal) and config.jso
 
     python bench/export_bench.py                          # 32 layers (16 GB), FP8_DYNAMIC, cuda:0
     python bench/export_bench.py --layers 4 --scheme W4A16
+    python bench/export_bench.py --layers 4 --scheme W4A16 --no-measure-error   # the error measurement's cost
     python bench/export_bench.py --device cpu --layers 2 --hidden 512 --intermediate 1024 --vocab 1024  # dry run
 """
 from __future__ import annotations
@@ -65,7 +66,7 @@ def run_supervisor(args, src: str, out: str, work: str) -> dict:
     job = os.path.join(work, "job.toml")
     with open(job, "w") as f:
         f.write(f'[source]\npath = "{src}"\n[export]\nscheme = "{args.scheme}"\noutput = "{out}"\n'
-                f'[resources]\ndevice = "{args.device}"\n')
+                f'measure_error = {str(not args.no_measure_error).lower()}\n[resources]\ndevice = "{args.device}"\n')
     t = time.perf_counter()
     proc = subprocess.run([SUPERVISOR, "run", job, "--json"], capture_output=True, text=True)
     wall = time.perf_counter() - t
@@ -125,6 +126,8 @@ def main() -> None:
     ap.add_argument("--scheme", default="FP8_DYNAMIC")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--workdir", default="/tmp/export-bench")
+    ap.add_argument("--no-measure-error", action="store_true",
+                    help="[export] measure_error = false: skip the per-module quantization error (its cost)")
     args = ap.parse_args()
     shutil.rmtree(args.workdir, ignore_errors=True)
     os.makedirs(args.workdir)
