@@ -33,6 +33,23 @@ class Backend(Protocol):
         """Write dest_dir/config.json (the source's config plus this format's quantization_config); its path."""
 
 
+# The modules each format's backend imports: the warm parent (child.zygote) imports them once, before forking.
+_MODULES: dict[str, tuple[str, ...]] = {
+    "compressed-tensors": ("child.quantize",),
+}
+
+
+def preload(fmt: str) -> None:
+    """Import what a worker for `fmt` will need (never touching CUDA), so forked workers start warm."""
+    import importlib
+
+    import child.source  # noqa: F401 - safetensors
+    import child.writer  # noqa: F401 - torch, safetensors
+
+    for name in _MODULES.get(fmt, ()):
+        importlib.import_module(name)
+
+
 def make_backend(job: Job, config_dir: str, device: str) -> Backend:
     """The backend for job.export.format, ready for its first layer."""
     from shared.job import effective_ignore

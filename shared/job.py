@@ -37,6 +37,7 @@ class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     recycle_after_layers: int = 0  # restart the worker after this many layers (0: never)
     recycle_above_rss_mb: int = 0  # restart the worker when its RSS exceeds this (0: never)
     torch_threads: int = 0  # torch.set_num_threads in the child (0: leave torch's default)
+    workers: int = 0  # worker processes exporting parts at once (0: one per GPU; on CPU, by cores and memory)
 
 
 class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -80,8 +81,8 @@ def _check_values(job: Job) -> None:
         raise JobSyntaxError("[resources] heartbeat_timeout and startup_timeout must be positive")
     if r.part_timeout < 0:
         raise JobSyntaxError("[resources] part_timeout must be 0 (no limit) or positive")
-    if r.recycle_after_layers < 0 or r.recycle_above_rss_mb < 0 or r.torch_threads < 0:
-        raise JobSyntaxError("[resources] recycle_after_layers, recycle_above_rss_mb and torch_threads "
+    if r.recycle_after_layers < 0 or r.recycle_above_rss_mb < 0 or r.torch_threads < 0 or r.workers < 0:
+        raise JobSyntaxError("[resources] recycle_after_layers, recycle_above_rss_mb, torch_threads and workers "
                              "must be 0 or more")
     if not job.source.path.strip():
         raise JobSyntaxError("[source] path is empty; set it to a Hugging Face checkpoint folder")
