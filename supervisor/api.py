@@ -97,6 +97,10 @@ def prepare(job: Job) -> Plan:
     state = journal.check_owner(output, fp, parts)
     _check_writable(output)
     device = devices.resolve_device(job.resources.device)
+    if job.export.format == "torchao":
+        from supervisor import torchao_job  # imports torchao (and torch): only for torchao jobs
+
+        torchao_job.check(job, source, device)
     return Plan(job, output, source, fp, state, device)
 
 
