@@ -1,12 +1,12 @@
 """Supervisor-side checks of a `format = "torchao"` job, before anything is written (all exit code 2).
 
     scheme on the device ─▶ a GPU-only scheme on a CPU device is refused
+    source tensors        ─▶ fused MoE experts are refused, naming the module
     [export.torchao]      ─▶ torchao builds the config (its own checks run here, not in a worker)
     Int4 plain packing    ─▶ needs the mslk package importable
-    source tensors        ─▶ fused MoE experts are refused, naming the module
 
-Names and spellings were already checked by shared.job (no torch needed). This module imports torchao (and so
-torch), so `prepare` calls it only for torchao jobs: a compressed-tensors job never pays for that import. It
+Names and spellings were already checked by shared.job (no torch needed); the checks that need no torch come
+first. Building the config imports torchao (and so torch), so `prepare` calls this only for torchao jobs: a compressed-tensors job never pays for that import. It
 never initialises CUDA (a context costs ~0.5 GB of the memory the worker needs) and never writes anything.
 """
 from __future__ import annotations
@@ -34,6 +34,12 @@ def check(job: Job, source: SourceInfo, device: str) -> None:
         cpu = ", ".join(torchao_schemes.CPU_SCHEMES)
         raise JobError(f"[export] scheme {scheme} {spec.gpu_only}, and this job runs on the CPU; set [resources] "
                        f"device to a CUDA device, or use a scheme that runs on a CPU: {cpu}")
+    for name in source.tensor_names:
+        m = _EXPERT.match(name)
+        if m and name.startswith(source.layer_prefix):
+            raise SourceError(f"{m[1]}: MoE experts are stored fused by transformers, whose torchao path leaves them "
+                              "unquantized, and vLLM's torchao loader refuses them; export this model with "
+                              'format = "compressed-tensors"')
     try:
         with _quiet_import():
             torchao_schemes.build(scheme, keywords)
@@ -45,12 +51,6 @@ def check(job: Job, source: SourceInfo, device: str) -> None:
     if packing == "plain" and importlib.util.find_spec("mslk") is None:
         raise JobError("[export.torchao] int4_packing_format = 'plain' needs the mslk package (pip install "
                        "mslk-cuda, for a CUDA build of torch); or leave it out to use 'tile_packed_to_4d'")
-    for name in source.tensor_names:
-        m = _EXPERT.match(name)
-        if m and name.startswith(source.layer_prefix):
-            raise SourceError(f"{m[1]}: MoE experts are stored fused by transformers, whose torchao path leaves them "
-                              "unquantized, and vLLM's torchao loader refuses them; export this model with "
-                              'format = "compressed-tensors"')
 
 
 @contextlib.contextmanager
