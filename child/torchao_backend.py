@@ -53,8 +53,7 @@ class TorchaoBackend:
         self.scheme = scheme
         self.config = torchao_schemes.build(scheme, keywords)
         self.device = torch.device(device)
-        if self.device.type == "cpu" and torchao_schemes.SCHEMES[scheme].gpu_only:
-            raise ValueError(f"scheme {scheme} {torchao_schemes.SCHEMES[scheme].gpu_only}")
+        _check_device(scheme, self.device)
         model_config = _load_config(config_dir)
         self._skeleton = _meta_skeleton(model_config)
         prefix, layers = _find_layers(self._skeleton, model_config)
@@ -151,6 +150,18 @@ def modules_to_not_convert(ignored: list[str], quantized: list[str]) -> list[str
         else:
             out.append(re.escape(name) + r"(?=\.|$)")
     return out
+
+
+def _check_device(scheme: str, device: torch.device) -> None:
+    """Refuse at start-up what torchao would refuse at every layer (the supervisor checks the CPU case before
+    anything is written; the GPU's compute capability is only known here, where CUDA is initialised)."""
+    needs = torchao_schemes.SCHEMES[scheme].gpu_only
+    if needs and device.type == "cpu":
+        raise ValueError(f"scheme {scheme} {needs}")
+    if scheme == "Float8DynamicActivationFloat8Weight" and device.type == "cuda" \
+            and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"scheme {scheme} {needs}; {device} has compute capability {major}.{minor}")
 
 
 def _ignored(name: str, module: nn.Module, ignore: list[str]) -> bool:

@@ -60,7 +60,13 @@ def assert_same_state(a: dict, b: dict) -> None:
         ta, tb = a[name], b[name]
         assert type(ta) is type(tb), f"{name}: {type(ta).__name__} vs {type(tb).__name__}"
         parts = getattr(ta, "tensor_data_names", None)
-        pairs = [(getattr(ta, p), getattr(tb, p)) for p in parts] if parts else [(ta, tb)]
+        if parts:
+            parts = list(parts) + list(getattr(ta, "optional_tensor_data_names", []))
+            for p in parts:
+                assert (getattr(ta, p) is None) == (getattr(tb, p) is None), f"{name}.{p}: present in one only"
+            pairs = [(getattr(ta, p), getattr(tb, p)) for p in parts if getattr(ta, p) is not None]
+        else:
+            pairs = [(ta, tb)]
         for x, y in pairs:
             assert x.dtype == y.dtype and x.shape == y.shape, f"{name}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}"
             x, y = x.detach().cpu(), y.detach().cpu()
