@@ -162,3 +162,19 @@ def test_shard_header_is_sorted_and_deterministic(tmp_path):
     assert list(header["__metadata__"]) == sorted(meta)
     with safe_open(str(path), "pt") as f:
         assert f.metadata() == meta and torch.equal(f.get_tensor("b.weight"), tensors["b.weight"])
+
+
+def test_fingerprint_holds_torchao_version_and_table_only_for_torchao_jobs():
+    """A torchao job's fingerprint covers torchao's version and [export.torchao]; a compressed-tensors job's parts
+    are what they were (so existing outputs still resume)."""
+    from importlib.metadata import version
+
+    from supervisor.journal import fingerprint
+
+    stats = [("model.safetensors", 10, 1)]
+    fp_a, parts = fingerprint(_job("Float8WeightOnly", {"granularity": "PerTensor"}), stats)
+    assert parts["versions"]["torchao"] == version("torchao") and parts["torchao"] == {"granularity": "PerTensor"}
+    fp_b, _ = fingerprint(_job("Float8WeightOnly", {"granularity": "PerRow"}), stats)
+    assert fp_a != fp_b
+    _, ct = fingerprint(_job("FP8_DYNAMIC", fmt="compressed-tensors"), stats)
+    assert "torchao" not in ct and "torchao" not in ct["versions"]
