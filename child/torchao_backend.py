@@ -61,7 +61,11 @@ class TorchaoBackend:
         self.num_layers: int = len(layers)
         linears = {n: m for n, m in self._skeleton.named_modules() if isinstance(m, nn.Linear)}
         ignored = [n for n, m in linears.items() if _ignored(n, m, ignore)]
-        self._quantized = {n: m for n, m in linears.items() if n not in set(ignored)}
+        # transformers adds the model class's _keep_in_fp32_modules to the modules it does not convert (whatever
+        # config.json says), so a loader of this checkpoint expects them dense too
+        keep = sorted(getattr(self._skeleton, "_keep_in_fp32_modules", None) or [])
+        self._quantized = {n: m for n, m in linears.items()
+                           if n not in set(ignored) and (not keep or should_convert_module(f"{n}.weight", keep))}
         self.modules_to_not_convert = modules_to_not_convert(ignored, list(self._quantized))
         self._held = set(self._skeleton.state_dict())
         self._tensor_names = json.dumps(sorted(tensor_names))
