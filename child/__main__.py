@@ -167,8 +167,9 @@ class Exporter:
             faults.hit(stage, index, writer)
 
         name = layout.shard_name(index)
+        out, metadata = self.backend.serialize(out)
         w = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint,
-                        metadata=self.backend.shard_metadata())
+                        metadata=metadata)
         del out
         gc.collect()
         _malloc_trim()
@@ -264,7 +265,7 @@ def _gpu_memory(device: str) -> tuple[int, int]:
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
     out = {}
-    for pkg in ("torch", "transformers", "llmcompressor", "compressed-tensors", "safetensors"):
+    for pkg in ("torch", "transformers", "llmcompressor", "compressed-tensors", "torchao", "safetensors"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:

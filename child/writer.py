@@ -35,9 +35,33 @@ class Written:
     mtime_ns: int
 
 
+def _sort_metadata(path: str) -> None:
+    """Rewrite the header of the safetensors file at `path` in place with `__metadata__` in sorted key order.
+
+    safetensors 0.8's save_file keeps the metadata in a Rust HashMap, so its key order differs in each process
+    (measured: three runs, three orders). A shard with more than one metadata key (torchao: one per tensor) would
+    then differ byte-wise between an uninterrupted run and a resumed one. Only the order changes: the header
+    keeps its length (safetensors pads it with spaces to 8 bytes), so the tensor data is not touched.
+    """
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        meta = header.get("__metadata__")
+        if not meta or len(meta) < 2:
+            return
+        header["__metadata__"] = dict(sorted(meta.items()))
+        # serde_json's compact form: no spaces, non-ASCII as UTF-8, so the same content has the same length
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(raw) > n:
+            raise RuntimeError(f"{path}: re-encoded safetensors header is longer than the original ({len(raw)} > {n})")
+        f.seek(8)
+        f.write(raw.ljust(n, b" "))
+
+
 def _save(tensors: dict, path: str, metadata: dict[str, str]) -> None:
     try:
         save_file(tensors, path, metadata=metadata)
+        _sort_metadata(path)
     except SafetensorError as exc:
         # Make it the OSError it is, so a full disk (ENOSPC) reaches the supervisor as such and is not retried.
         m = _OS_ERROR.search(str(exc))

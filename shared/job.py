@@ -6,12 +6,13 @@ New fields always get defaults, so journals written by an older version still de
 """
 from __future__ import annotations
 
+import difflib
 import tomllib
-from typing import Literal
+from typing import Any
 
 import msgspec
 
-from shared import schemes
+from shared import schemes, torchao_schemes
 
 
 class Source(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -25,7 +26,13 @@ class Export(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     output: str
     # None means the defaults: lm_head and MoE routers (DEFAULT_IGNORE below).
     ignore: list[str] | None = None
-    format: Literal["compressed-tensors"] = "compressed-tensors"
+    format: str = "compressed-tensors"  # one of FORMATS (a str, so that a typo gets a suggestion)
+    # [export.torchao]: keyword arguments of the torchao config (format "torchao" only); spellings in
+    # shared/torchao_schemes.py. None: torchao's defaults (and ours, where the README says so).
+    torchao: dict[str, Any] | None = None
+
+
+FORMATS = ("compressed-tensors", "torchao")
 
 
 class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -67,10 +74,29 @@ class JobSyntaxError(ValueError):
 _DEVICE_FORMS = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 
 
-def _check_values(job: Job) -> None:
-    problem = schemes.check(job.export.scheme)
+def _check_export(export: Export) -> None:
+    if export.format not in FORMATS:
+        hint = difflib.get_close_matches(export.format, FORMATS, n=1, cutoff=0.5)
+        did_you_mean = f"did you mean {hint[0]!r}? " if hint else ""
+        raise JobSyntaxError(f"[export] unknown format {export.format!r}; {did_you_mean}use one of "
+                             f"{', '.join(repr(f) for f in FORMATS)}")
+    if export.format == "torchao":
+        problem = torchao_schemes.check_scheme(export.scheme)
+        if problem:
+            raise JobSyntaxError(f"[export] {problem}")
+        problem = torchao_schemes.check_keywords(export.scheme, export.torchao or {})
+        if problem:
+            raise JobSyntaxError(f"[export.torchao] {problem}")
+        return
+    if export.torchao is not None:
+        raise JobSyntaxError('[export.torchao] applies only to format = "torchao"; remove it or set that format')
+    problem = schemes.check(export.scheme)
     if problem:
         raise JobSyntaxError(f"[export] {problem}")
+
+
+def _check_values(job: Job) -> None:
+    _check_export(job.export)
     dev = job.resources.device
     if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise JobSyntaxError(f"[resources] device = {dev!r} is not valid; use {_DEVICE_FORMS}")

@@ -103,6 +103,10 @@ def prepare(job: Job) -> Plan:
     state = journal.check_owner(output, fp, parts)
     _check_writable(output)
     devs = devices.resolve_devices(job.resources.device)
+    if job.export.format == "torchao":
+        from supervisor import torchao_job  # imports torchao (and torch): only for torchao jobs
+
+        torchao_job.check(job, source, devs[0])
     return Plan(job, output, source, fp, state, devs[0], devs)
 
 

@@ -62,9 +62,9 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Record)
 
 
-def _versions() -> dict[str, str]:
+def _versions(packages: tuple[str, ...] = _FINGERPRINT_PACKAGES) -> dict[str, str]:
     out = {}
-    for pkg in _FINGERPRINT_PACKAGES:
+    for pkg in packages:
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -81,6 +81,10 @@ def fingerprint(job: Job, source_stats: list[tuple[str, int, int]]) -> tuple[str
         "format": job.export.format,
         "versions": _versions(),
     }
+    if job.export.format == "torchao":
+        # Only for torchao jobs, so compressed-tensors fingerprints (and the outputs they resume) stay as they were.
+        parts["torchao"] = job.export.torchao or {}
+        parts["versions"] = _versions(_FINGERPRINT_PACKAGES + ("torchao",))
     blob = json.dumps(parts, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:32], parts
 
