@@ -8,6 +8,7 @@ journal's against the files on disk and the source checkpoint, and the quantizat
 transformers' own loading of the export.
 """
 import base64
+import glob
 import json
 import os
 import re
@@ -37,7 +38,8 @@ COLUMNS = {
     "quant_error": ("max rel. error", lambda r: f"{max(r['quant_error'].values()):.4f}" if r["quant_error"] else "-"),
 }
 # Every line `supervisor run` may print (progress, notices, the result, a one-line error): nothing else.
-OUR_LINES = re.compile(r"^(worker pid \d+ on \w+ ready|export |exported |retrying |resuming: |error: )")
+OUR_LINES = re.compile(r"^(libraries imported in |worker \d+ \(pid \d+\) on \w+ ready|export |exported |retrying |"
+                       r"resuming: |error: )")
 
 
 def _journal(out) -> dict[int, dict]:
@@ -55,9 +57,9 @@ def _assert_only_our_lines(proc, out):
     printed = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
     strangers = [ln for ln in printed if not OUR_LINES.match(ln)]
     assert not strangers, f"lines that are not ours: {strangers}"
-    with open(os.path.join(out, STATE_DIR, LOGS, "worker-0.log")) as f:
-        logged = {ln.strip() for ln in f if ln.strip()}
-    assert logged, "the worker log holds no library output at all"
+    logs = glob.glob(os.path.join(out, STATE_DIR, LOGS, "*.log"))  # the zygote's and the workers'
+    logged = {ln.strip() for log in logs for ln in open(log).read().splitlines() if ln.strip()}
+    assert logged, "the logs hold no library output at all"
     assert not logged & {ln.strip() for ln in printed}
 
 
