@@ -39,6 +39,7 @@ class Backend(Protocol):
 # The modules each format's backend imports: the warm parent (child.zygote) imports them once, before forking.
 _MODULES: dict[str, tuple[str, ...]] = {
     "compressed-tensors": ("child.quantize",),
+    "torchao": ("child.torchao_backend",),
 }
 
 
