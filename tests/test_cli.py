@@ -26,8 +26,9 @@ def test_run_help_shows_a_valid_job_file():
     assert tomllib.loads(example)["source"]["path"] == "models/my-llama"
 
 
-def test_report_bad_input_is_one_line_and_writes_nothing(tmp_path):
-    """A folder without a journal, or an --html path in a missing folder: one line, exit 2, no file."""
+def test_report_bad_input_and_an_old_journal(tmp_path):
+    """A folder without a journal, or an --html path in a missing folder: one line, exit 2, no file; a journal
+    written before the report's fields existed still reports (zeros, no error)."""
     proc = cli.run("report", tmp_path, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "holds no export journal" in proc.stderr
     (tmp_path / ".export").mkdir()
@@ -41,3 +42,8 @@ def test_report_bad_input_is_one_line_and_writes_nothing(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [".export"]
     proc = cli.run("report", tmp_path)  # an export with nothing journaled yet
     assert "0/3 shards journaled, not finished; left: 0, 1, non-layer" in proc.stdout
+    with open(tmp_path / ".export" / "journal.jsonl", "a") as f:  # a record from before the report's fields
+        f.write('{"type":"Shard","index":0,"file":"model-layer-00000.safetensors","digest":"xxh3-128:00",'
+                '"nbytes":3145728,"seconds":1.5}\n')
+    rows = [ln.split() for ln in cli.run("report", tmp_path).stdout.splitlines() if ln.split()[:1] == ["0"]]
+    assert rows == [["0", "1.50", "0.00", "3.00", "0", "0", "0", "-", "-"]]
