@@ -67,8 +67,8 @@ class Report:
 
 def load(output: str) -> Report:
     """The journal's view of `output`; raises OutputError when it is not an export folder."""
-    info = status.status(output)
-    st = journal.read(output)
+    st = status.read_state(output)  # read once: a running export's journal grows between two reads
+    info = status.status(output, st)
     parts = sorted(st.shards.values(), key=lambda r: (r.index == NON_LAYER, r.index))
     return Report(output=os.path.abspath(output), info=info, parts=parts)
 
