@@ -17,9 +17,12 @@ def test_version():
 
 
 def test_run_help_shows_a_valid_job_file():
-    """`supervisor run --help` ends with a job.toml example that parses as a valid job."""
+    """`supervisor run --help` ends with a job.toml example that parses as a valid job: the README's."""
     text = cli.run("run", "--help").stdout
     example = text[text.index("[source]"):]
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        readme = f.read()
+    assert readme[readme.index("# job.toml\n") + len("# job.toml\n"):].startswith(example.rstrip("\n") + "\n```")
     assert "[export]" in example and "[resources]" in example
     job = parse_toml(example)
     assert (job.export.scheme, job.resources.device) == ("FP8_DYNAMIC", "auto")
