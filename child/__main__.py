@@ -26,7 +26,8 @@ from child import faults
 from shared import layout
 from shared.framing import EndOfStream, FrameError, Reader, Writer
 from shared.messages import (NON_LAYER, PROTOCOL_VERSION, CheckLoad, ConfigWritten, Describe, Described, ExportLayer,
-                             Failed, Heartbeat, Hello, LayerWritten, LoadChecked, Ready, Stop, ToChild, WriteConfig)
+                             Failed, Heartbeat, Hello, LayerWritten, LoadChecked, LoadReport, Ready, Stop, ToChild,
+                             WriteConfig)
 
 HEARTBEAT_SECONDS = 1.0
 PR_SET_PDEATHSIG = 1
@@ -111,6 +112,7 @@ class Exporter:
     """What one worker does with ExportLayer / WriteConfig: read, quantize, write."""
 
     def __init__(self, hello: Hello, beat: Beat):
+        from child import quant_error
         from child.backend import make_backend  # heavy: torch, transformers, llm-compressor
         from child.source import open_source
 
@@ -119,8 +121,9 @@ class Exporter:
             import torch
             torch.set_num_threads(job.resources.torch_threads)
         self.job, self.output, self.device, self.beat = job, hello.output, hello.device, beat
+        quant_error.enabled = job.export.measure_error
         self.source = open_source(job)
-        self.backend = make_backend(job, job.source.path, hello.device, self.source.names())
+        self.backend = make_backend(job, job.source.path, hello.device, self.source.all_names())
         self.prefix = self.backend.layer_prefix
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self._ahead: dict[int, Future] = {}
@@ -142,9 +145,11 @@ class Exporter:
             self._ahead[index] = self._pool.submit(self.source.read, self._names(index))
 
     def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:
+        from child import quant_error
         from child.writer import write_shard
 
         index, t0 = msg.index, time.perf_counter()
+        quant_error.take()  # drop what a failed earlier part may have left
         _reset_peak_rss()
         gpu = self._gpu_reset()
         self.beat.set(index, "read")
@@ -158,6 +163,7 @@ class Exporter:
         else:
             out = self.backend.quantize_layer(index, tensors)
         del tensors
+        errors = quant_error.take()
         faults.hit("quantize", index, writer)
         self.beat.set(index, "write")
         parent_alive()
@@ -167,16 +173,17 @@ class Exporter:
             faults.hit(stage, index, writer)
 
         name = layout.shard_name(index)
-        sha, nbytes = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint,
-                                  metadata=self.backend.shard_metadata())
+        out, metadata = self.backend.serialize(out)
+        w = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint,
+                        metadata=metadata)
         del out
         gc.collect()
         _malloc_trim()
         faults.log_live_tensors(index, settle=lambda: [f.result() for f in self._ahead.values()])
         self.beat.set(None, "idle")
-        return LayerWritten(index=index, file=name, sha256=sha, nbytes=nbytes,
+        return LayerWritten(index=index, file=name, digest=w.digest, nbytes=w.nbytes, ino=w.ino, mtime_ns=w.mtime_ns,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
-                            peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu))
+                            peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), quant_error=errors)
 
     def write_config(self, msg: WriteConfig, writer: Writer) -> ConfigWritten:
         self.beat.set(None, "config")
@@ -202,7 +209,10 @@ class Exporter:
         from child.loadcheck import check_folder
 
         self.beat.set(None, "check")
-        report = check_folder(msg.folder, self.job.source.allow_remote_code)
+        if not self.backend.checks_loading:
+            report = LoadReport(checked=False, reason="the loader check covers compressed-tensors outputs")
+        else:
+            report = check_folder(msg.folder, self.job.source.allow_remote_code)
         self.beat.set(None, "idle")
         return LoadChecked(load=report)
 
@@ -251,6 +261,8 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
     except Exception as exc:  # noqa: BLE001 - every failure crosses the pipe as data
         writer.send(_failed(None, exc))
         return 1
+    gc.freeze()  # what the worker built to start (skeleton, config) lives as long as it: keep it out of each
+    # layer's gc.collect(), which then costs milliseconds instead of a third of a second (see child.zygote)
     free, total = _gpu_memory(hello.device)
     writer.send(Ready(version=PROTOCOL_VERSION, pid=os.getpid(), device=hello.device,
                       layer_prefix=exporter.prefix, num_layers=exporter.backend.num_layers,
@@ -296,7 +308,7 @@ def _gpu_memory(device: str) -> tuple[int, int]:
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
     out = {}
-    for pkg in ("torch", "transformers", "llmcompressor", "compressed-tensors", "safetensors"):
+    for pkg in ("torch", "transformers", "llmcompressor", "compressed-tensors", "torchao", "safetensors"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:

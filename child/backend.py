@@ -2,17 +2,20 @@
 
     Exporter (child/__main__.py)          Backend (one per job, built once per worker)
       tensors of part i ─────────────────▶ quantize_layer(i, tensors) | quantize_non_layer(tensors)
-      ◀──────────────────────── {name: CPU tensor}  (written by child/writer.py with shard_metadata())
+      ◀──────────────────────── {name: tensor}  (the format's own objects, e.g. torchao tensor subclasses)
+      that dict ─────────────────────────▶ serialize(tensors)
+      ◀──────────────────────── ({name: plain CPU tensor}, __metadata__)   written by child/writer.py
       WriteConfig(dest) ─────────────────▶ write_config(dest): dest/config.json
 
 The worker loop, the journal, resume and finalize never branch on the format: everything that differs between
 compressed-tensors and another stack lives behind this interface. `make_backend` is the one place that picks an
-implementation from the job and the source: child/quantize.py (LayerQuantizer) when transformers knows the
-architecture (a meta model gives modules, their names and the layer list), child/name_only.py
-(NameOnlyQuantizer: llm-compressor's model_free_ptq rules on tensor names) when it does not, or when the
-checkpoint asks for remote code the job did not allow. Tensors passed as meta tensors come back as meta tensors:
-the output's names, shapes and dtypes without reading a weight (child/preview.py). Owns that choice only; it
-never reads the source or writes shards itself.
+implementation from the job and the source: for compressed-tensors, child/quantize.py (LayerQuantizer) when
+transformers knows the architecture (a meta model gives modules, their names and the layer list), and
+child/name_only.py (NameOnlyQuantizer: llm-compressor's model_free_ptq rules on tensor names) when it does not or
+when the checkpoint asks for remote code the job did not allow; child/torchao_backend.py for torchao.
+A backend with `previews = True` takes meta tensors too and returns meta tensors: the output's names, shapes and
+dtypes without reading a weight (child/preview.py: `supervisor plan` and the pre-export loader check).
+Owns that choice only; it never reads the source or writes shards itself.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ class Backend(Protocol):
     layer_prefix: str  # e.g. "model.layers."
     num_layers: int
     ignore: list[str]  # the ignore list in effect
+    previews: bool  # quantize_* accept meta tensors (shapes and dtypes only) and return meta tensors
+    checks_loading: bool  # transformers' loader check (child/loadcheck.py) applies to this format's output
 
     def quantize_layer(self, index: int, tensors: dict) -> dict:
         """Layer `index`'s checkpoint tensors (full names) in, the tensors of its output shard out (CPU)."""
@@ -36,8 +41,9 @@ class Backend(Protocol):
     def quantize_non_layer(self, tensors: dict) -> dict:
         """Everything outside the decoder layers (embeddings, final norm, lm_head) in, its shard's tensors out."""
 
-    def shard_metadata(self) -> dict[str, str]:
-        """The safetensors `__metadata__` every shard of this format carries (written in sorted key order)."""
+    def serialize(self, tensors: dict) -> tuple[dict, dict[str, str]]:
+        """A part's quantized tensors as a shard stores them: plain CPU tensors and the safetensors `__metadata__`
+        (the writer stores its keys in sorted order)."""
 
     def write_config(self, source_config_json: str, dest_dir: str) -> str:
         """Write dest_dir/config.json (the source's config plus this format's quantization_config); its path."""
@@ -46,10 +52,33 @@ class Backend(Protocol):
         """What drives the export, for `supervisor plan`: the model class, or the tensor-name rules."""
 
 
+# The modules each format's backend imports: the warm parent (child.zygote) imports them once, before forking.
+_MODULES: dict[str, tuple[str, ...]] = {
+    "compressed-tensors": ("child.quantize", "child.name_only", "child.loadcheck"),
+    "torchao": ("child.torchao_backend",),
+}
+
+
+def preload(fmt: str) -> None:
+    """Import what a worker for `fmt` will need (never touching CUDA), so forked workers start warm."""
+    import importlib
+
+    import child.source  # noqa: F401 - safetensors
+    import child.writer  # noqa: F401 - torch, safetensors
+
+    for name in _MODULES.get(fmt, ()):
+        importlib.import_module(name)
+
+
 def make_backend(job: Job, config_dir: str, device: str, names: list[str]) -> Backend:
     """The backend for job.export.format and this source (`names`: its tensor names), ready for its first layer."""
     from shared.job import effective_ignore
 
+    if job.export.format == "torchao":
+        from child.torchao_backend import TorchaoBackend
+
+        return TorchaoBackend(config_dir, job.export.scheme, job.export.torchao or {}, effective_ignore(job),
+                              device=device, tensor_names=names)
     if job.export.format != "compressed-tensors":
         raise ValueError(f"unknown export format {job.export.format!r}")
     allow = job.source.allow_remote_code

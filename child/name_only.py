@@ -33,6 +33,9 @@ __all__ = ["NameOnlyQuantizer"]
 class NameOnlyQuantizer:
     """Backend over llm-compressor's model_free_ptq converter, one layer (or the non-layer part) at a time."""
 
+    previews = True
+    checks_loading = True  # it reports "not checked" when transformers cannot build the architecture
+
     def __init__(self, config_dir: str, scheme: str, ignore: list[str], names: list[str], device: str = "cpu",
                  why: str = "transformers does not know this architecture"):
         from llmcompressor.entrypoints.model_free.converter import ModelFreePtqConverter
@@ -59,8 +62,8 @@ class NameOnlyQuantizer:
     def quantize_non_layer(self, tensors: dict) -> dict:
         return self._process(tensors)
 
-    def shard_metadata(self) -> dict[str, str]:
-        return {"format": "pt"}
+    def serialize(self, tensors: dict) -> tuple[dict, dict[str, str]]:
+        return tensors, {"format": "pt"}
 
     def write_config(self, source_config_json: str, dest_dir: str) -> str:
         """The source config.json with model_free_ptq's quantization_config (its own update_config writes it)."""

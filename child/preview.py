@@ -15,12 +15,15 @@ from __future__ import annotations
 import tempfile
 
 from child import loadcheck
-from shared.messages import NON_LAYER, Described, PartPlan
+from shared.messages import NON_LAYER, Described, LoadReport, PartPlan
 
 
 def describe(source, backend, source_config_json: str, trust_remote_code: bool = False, on_part=None) -> Described:
     """The plan of every part (layers, then the non-layer part) and the loader check of the predicted output."""
     prefix, n = backend.layer_prefix, backend.num_layers
+    if not backend.previews:
+        return Described(backend=backend.describe(), layer_prefix=prefix, ignore=list(backend.ignore),
+                         load=LoadReport(checked=False, reason="this format's output is not predicted"))
     cacheable = not any(ch.isdigit() for entry in backend.ignore for ch in entry)
     cache: dict[tuple, dict] = {}
     predicted: dict = {}
@@ -39,9 +42,12 @@ def describe(source, backend, source_config_json: str, trust_remote_code: bool =
         kept = [k for k in names if k in out and (out[k].dtype, out[k].shape) == (tensors[k].dtype, tensors[k].shape)]
         parts.append(PartPlan(index=index, quantized=sorted(set(names) - set(kept)), kept=kept,
                               out_bytes=sum(t.numel() * t.element_size() for t in out.values())))
-    with tempfile.TemporaryDirectory(prefix="plan-config-") as tmp:
-        backend.write_config(source_config_json, tmp)
-        load = loadcheck.check(tmp, predicted, trust_remote_code)
+    if not backend.checks_loading:
+        load = LoadReport(checked=False, reason="the loader check covers compressed-tensors outputs")
+    else:
+        with tempfile.TemporaryDirectory(prefix="plan-config-") as tmp:
+            backend.write_config(source_config_json, tmp)
+            load = loadcheck.check(tmp, predicted, trust_remote_code)
     return Described(backend=backend.describe(), layer_prefix=prefix, ignore=list(backend.ignore), parts=parts,
                      load=load)
 

@@ -59,6 +59,7 @@ from llmcompressor.utils.dev import skip_weights_initialize
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from child import quant_error
 from child.naming import NameMap
 from shared.job import DEFAULT_IGNORE as _JOB_DEFAULT_IGNORE
 
@@ -75,6 +76,9 @@ DEFAULT_IGNORE: list[str] = list(_JOB_DEFAULT_IGNORE)
 
 class LayerQuantizer:
     """Quantizes one decoder layer (or the non-layer modules) at a time, exactly as `oneshot` would."""
+
+    previews = True  # meta tensors in, meta tensors out (child/preview.py)
+    checks_loading = True
 
     def __init__(self, config_dir: str, scheme: str, ignore: list[str], device: str = "cpu", *,
                  trust_remote_code: bool = False, tensor_names: list[str] | None = None):
@@ -120,8 +124,8 @@ class LayerQuantizer:
             out.update(self._quantize_subtree(name, self._skeleton.get_submodule(name), own))
         return out
 
-    def shard_metadata(self) -> dict[str, str]:
-        return {"format": "pt"}  # what transformers' save_pretrained writes into every shard
+    def serialize(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        return tensors, {"format": "pt"}  # what transformers' save_pretrained writes into every shard
 
     def describe(self) -> str:
         return f"{type(self._skeleton).__name__} (transformers' model class, experts linearized as oneshot does)"
@@ -153,9 +157,15 @@ class LayerQuantizer:
         root = _rooted(path, module)
         with torch.no_grad():
             probes = self._probes if device.type == "meta" else None
-            quantized = {name for name, _ in _quantize_modules(root, self._qcfg, self._targets, self.ignore, probes)}
-            out = _assemble(root, tensors, mapped, quantized)
-        del module, root
+            weights = _source_weights(root, tensors, mapped) if probes is None else {}
+            quantized = _quantize_modules(root, self._qcfg, self._targets, self.ignore, probes)
+            if weights:
+                # the error of each module against its source weight, reported under the checkpoint's module name
+                quant_error.measure([(weights[n][0], m) for n, m in quantized if n in weights],
+                                    {f"{label}.weight": w for label, w in weights.values()})
+            del weights
+            out = _assemble(root, tensors, mapped, {name for name, _ in quantized})
+        del module, root, quantized
         if device.type == "meta":
             return out
         return {k: v.to("cpu").contiguous() for k, v in out.items()}
@@ -309,6 +319,24 @@ def _linearized(raw: nn.Module, params: dict[str, torch.Tensor], cls: type, devi
         for index in range(linear.num_experts):
             linear[index].copy_from_experts_module(experts, index)
     return linear
+
+
+def _source_weights(root: nn.Module, tensors: dict, mapped: dict) -> dict[str, tuple[str, torch.Tensor]]:
+    """{model module name: (checkpoint module name, source weight)} for quant_error, taken before compression.
+
+    A fused experts module has no per-expert source tensor: its linearized Linears' weights (exact copies of the
+    source's slices) stand in, under their model names."""
+    if not quant_error.enabled:
+        return {}
+    out = {}
+    for key, m in mapped.items():
+        if m.fused is None and key.endswith(".weight") and m.key.endswith(".weight"):
+            out[m.key[: -len(".weight")]] = (key[: -len(".weight")], tensors[key])
+    for path in {m.fused for m in mapped.values() if m.fused is not None}:
+        for name, sub in root.get_submodule(path).named_modules(prefix=path):
+            if isinstance(sub, nn.Linear):
+                out[name] = (name, sub.weight)
+    return out
 
 
 def _assemble(root: nn.Module, tensors: dict[str, torch.Tensor], mapped: dict, quantized: set[str]) -> dict:

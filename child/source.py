@@ -35,9 +35,6 @@ def _inside(folder: str, name: str) -> str:
 
 
 class Source(Protocol):
-    def names(self) -> list[str]:
-        """Every tensor name, sorted."""
-
     def layer_names(self, prefix: str, index: int) -> list[str]:
         """Names of layer `index`'s tensors (full checkpoint names, sorted)."""
 
@@ -53,6 +50,9 @@ class Source(Protocol):
 
     def nbytes(self, tensors: dict) -> int:
         """Bytes of `tensors` as read (for progress)."""
+
+    def all_names(self) -> list[str]:
+        """Every tensor name of the model, sorted (a torchao shard lists them all in its metadata)."""
 
 
 def open_source(job) -> Source:
@@ -74,9 +74,6 @@ class Checkpoint:
                     with safe_open(_inside(folder, fn), "pt") as f:
                         for k in f.keys():
                             self.weight_map[k] = fn
-
-    def names(self) -> list[str]:
-        return sorted(self.weight_map)
 
     def layer_names(self, prefix: str, index: int) -> list[str]:
         p = f"{prefix}{index}."
@@ -119,3 +116,6 @@ class Checkpoint:
 
     def nbytes(self, tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def all_names(self) -> list[str]:
+        return sorted(self.weight_map)

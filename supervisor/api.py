@@ -21,20 +21,25 @@ import tempfile
 import threading
 import time
 import traceback as tb
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+import msgspec
 
 from shared import layout
 from shared.job import Job, JobSyntaxError, parse_toml
 from shared.load_verdict import problems as load_problems
-from shared.messages import (NON_LAYER, PROTOCOL_VERSION, CheckLoad, ConfigWritten, Describe, Described, ExportLayer,
-                             Failed, Heartbeat, Hello, LayerWritten, LoadChecked, WriteConfig)
+from shared.messages import (NON_LAYER, PROTOCOL_VERSION, CheckLoad, Describe, Described, Failed, Heartbeat, Hello,
+                             LayerWritten, LoadChecked)
 from supervisor import events as ev
 from supervisor import finalize, journal
 from supervisor.errors import (Cancelled, DeviceError, ExportFailed, InputError, JobError, OutputError, SourceError,
                                SupervisorError)
 from supervisor.lock import Lock, probe
 from supervisor.source import SourceInfo, inspect
+from supervisor.scheduler import Scheduler, Slot, for_good
 from supervisor.worker import CancelledWait, Worker, WorkerLost
+from supervisor.zygote import Zygote, ZygoteLost
 
 ENOSPC = 28
 
@@ -66,7 +71,8 @@ class Plan:
     source: SourceInfo
     fingerprint: str
     state: journal.State
-    device: str
+    device: str  # the first of `devices`
+    devices: list[str]  # every device the workers use ("cpu" or "cuda:N", the supervisor's numbering)
     fresh: bool = False  # the output folder did not exist or was empty: a refused run leaves it that way
 
 
@@ -101,9 +107,13 @@ def prepare(job: Job) -> Plan:
     fp, parts = journal.fingerprint(job, source.stats)
     state = journal.check_owner(output, fp, parts)
     _check_writable(output)
-    device = devices.resolve_device(job.resources.device)
+    devs = devices.resolve_devices(job.resources.device)
+    if job.export.format == "torchao":
+        from supervisor import torchao_job  # imports torchao (and torch): only for torchao jobs
+
+        torchao_job.check(job, source, devs[0])
     fresh = not os.path.exists(output) or not os.listdir(output)
-    return Plan(job, output, source, fp, state, device, fresh)
+    return Plan(job, output, source, fp, state, devs[0], devs, fresh)
 
 
 class Supervisor:
@@ -120,7 +130,11 @@ class Supervisor:
         self._lock: Lock | None = None
         self._handle = None  # offload handle while the live model is released
         self._journal: journal.Journal | None = None
-        self._worker: Worker | None = None
+        self._scheduler: Scheduler | None = None
+        self._zygote: Zygote | None = None
+        self._zygote_lock = threading.Lock()
+        self._spawner: ThreadPoolExecutor | None = None
+        self._done: dict[int, journal.Shard] = {}
         self._t0 = time.monotonic()
         self._terminal: ev.Event | None = None
         self._error: BaseException | None = None
@@ -242,12 +256,18 @@ class Supervisor:
             if self._journal is not None:
                 steps.callback(self._journal.close)
                 self._journal = None
-            if self._worker is not None:
-                steps.callback(self._worker.stop, grace=2.0)
-                self._worker = None
+            if self._spawner is not None:
+                steps.callback(self._spawner.shutdown, wait=True)
+                self._spawner = None
+            if self._zygote is not None:
+                steps.callback(self._zygote.close)
+                self._zygote = None
+            if self._scheduler is not None:
+                steps.callback(self._scheduler.close)
+                self._scheduler = None
 
     def _discard_fresh_output(self) -> None:
-        """Bad input found by the worker (before any part): leave a new output folder as it was, absent or empty, so
+        """Bad input found by a worker (before any part): leave a new output folder as it was, absent or empty, so
         the fixed job runs there without a 'holds another export' refusal."""
         out = self.plan.output
         if not self.plan.fresh or os.path.exists(journal.path(out)):
@@ -301,19 +321,53 @@ class Supervisor:
         if not complete:
             self._preflight()  # before the journal: a refused export leaves a new output folder untouched
         self._journal = journal.Journal(out, st) if st.header else journal.start(out, self.job, plan.fingerprint, n)
+        for idx, rec in done.items():
+            # verified by its bytes under a new identity (copied, restored from a backup): journal the new
+            # identity, so the next run trusts it again by its stat
+            fresh = journal.restat(out, rec)
+            if fresh is not rec:
+                self._journal.append(fresh)
+                done[idx] = fresh
         self._clear_tmp()
         self._emit(ev.Started(output=out, total=len(parts), todo=len(todo), resumed=len(done), redo=sorted(redo)))
         if complete:
             return ev.Finished(output=out, parts=len(parts), nbytes=sum(r.nbytes for r in done.values()),
                                seconds=0.0, already_complete=True)
         self._progress = _Progress(total=len(parts), done=len(done), source_bytes=plan.source.nbytes)
-        for i, idx in enumerate(todo):
-            nxt = todo[i + 1] if i + 1 < len(todo) else None
-            done[idx] = self._export_part(idx, nxt)
+        self._done = done
+        self._scheduler.run(todo)
         self._finalize(done)
         total_bytes = sum(r.nbytes for r in done.values())
         return ev.Finished(output=out, parts=len(parts), nbytes=total_bytes,
                            seconds=round(time.monotonic() - self._t0, 3))
+
+    def _preflight(self) -> None:
+        """Before the first part (and before the journal): start the pool, and have slot 0's worker predict every
+        part's output on meta tensors and run transformers' loader on it. An export that would quantize nothing,
+        or whose output would load with missing or unexpected weights, is refused with the reason."""
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
+        self._start_zygote()
+        self._scheduler = self._make_scheduler()
+        described = self._scheduler.request(Describe(), Described, "the export plan")
+        what = f"{self.job.export.scheme} export of {self.job.source.path!r}"
+        if described.parts and not any(part.quantized for part in described.parts):
+            raise SourceError(f"{what} would quantize nothing: no weight matches the scheme's targets outside the "
+                              f"ignore list (by {described.backend}); see `supervisor plan`")
+        problem = load_problems(described.load)
+        if problem:
+            raise SourceError(f"{what} would not load in transformers: {problem}")
+
+    def _make_scheduler(self) -> Scheduler:
+        from supervisor import devices
+
+        r = self.job.resources
+        layer_bytes = self.plan.source.nbytes // max(self.plan.source.num_layers, 1)
+        slots = devices.worker_slots(self.plan.devices, r.workers, layer_bytes)
+        slots = [Slot(id=i, device=d) for i, d in enumerate(slots)]
+        return Scheduler(slots, max_attempts=r.max_attempts, part_timeout=r.part_timeout,
+                         retry_delay=self.retry_delay, sequential=False, cancel=self._cancel, emit=self._emit,
+                         start_worker=self._start_worker, on_written=self._record, on_heartbeat=self._on_heartbeat,
+                         recycle=self._should_recycle)
 
     def _clear_tmp(self) -> None:
         tmp = layout.state_path(self.plan.output, layout.TMP)
@@ -324,26 +378,69 @@ class Supervisor:
         if self._cancel.is_set():
             raise Cancelled("export cancelled; run the same job again to resume")
 
-    def _ensure_worker(self) -> Worker:
-        if self._worker is not None:
-            return self._worker
+    def _start_zygote(self) -> None:
+        """Start the warm parent that forks workers. It is spawned from the long-lived spawner thread: a
+        parent-death signal fires when the *thread* that spawned a process ends, not only its process."""
+        from supervisor import devices
+
+        self._check_cancel()
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.plan.devices == ["cpu"]:
+            env = devices.child_env("cpu", env)
+        log = layout.state_path(self.plan.output, layout.LOGS, "zygote.log")
+        z = Zygote(env, log, self.job.export.format, self.job.resources.startup_timeout)
+        t = time.monotonic()
+        try:
+            self._spawner.submit(z.start, self._cancel.is_set).result()
+        except ZygoteLost as exc:
+            raise ExportFailed(f"workers cannot start: {exc.reason}", traceback=exc.log_tail) from None
+        except CancelledWait:
+            raise Cancelled("export cancelled; run the same job again to resume") from None
+        self._zygote = z
+        self._emit(ev.PoolStarted(pid=z.proc.pid, seconds=round(time.monotonic() - t, 3), imports=z.seconds))
+
+    def _fork(self, env: dict, fds: tuple[int, int], log_fd: int):
+        """Fork a worker from the zygote; a zygote that died is started again once (on the spawner thread)."""
+        with self._zygote_lock:
+            try:
+                if self._zygote is None or not self._zygote.alive:
+                    old, self._zygote = self._zygote, None
+                    if old is not None:
+                        old.close()
+                    self._start_zygote()
+                return self._zygote.fork([], env, fds, log_fd)
+            except ZygoteLost as exc:
+                raise WorkerLost(exc.reason, exc.log_tail) from None
+
+    def _start_worker(self, slot: Slot) -> Worker:
+        """A ready worker for `slot`: the child sees only the slot's GPU (as cuda:0), or none on CPU."""
         from supervisor import devices
 
         self._check_cancel()
         plan, r = self.plan, self.job.resources
-        env = devices.child_env(plan.device, dict(os.environ))
+        env = devices.child_env(slot.device, dict(os.environ))
         env["PYTHONUNBUFFERED"] = "1"
-        child_device = "cpu" if plan.device == "cpu" else "cuda:0"
-        hello = Hello(version=PROTOCOL_VERSION, job=self.job, output=plan.output, device=child_device)
-        log = layout.state_path(plan.output, layout.LOGS, "worker-0.log")
-        w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout)
-        self._worker = w
+        child_device = "cpu" if slot.device == "cpu" else "cuda:0"
+        job = self.job
+        cpu_slots = sum(s.device == "cpu" for s in self._scheduler.slots) if self._scheduler else 1
+        if slot.device == "cpu" and cpu_slots > 1 and not r.torch_threads:
+            # several CPU workers share the cores instead of each starting one thread per core
+            threads = max(1, (os.cpu_count() or 1) // cpu_slots)
+            job = msgspec.structs.replace(job, resources=msgspec.structs.replace(r, torch_threads=threads))
+        hello = Hello(version=PROTOCOL_VERSION, job=job, output=plan.output, device=child_device, worker=slot.id)
+        log = layout.state_path(plan.output, layout.LOGS, f"worker-{slot.id}.log")
+        w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout,
+                   fork=self._fork)
+        slot.worker = w  # so a stop or kill reaches it while it starts
         t = time.monotonic()
         ready = w.start(self._cancel.is_set, self._on_heartbeat)
         _check_layers(ready, plan.source)
-        self._emit(ev.WorkerStarted(pid=ready.pid, device=plan.device, seconds=round(time.monotonic() - t, 3),
+        now = time.monotonic()
+        self._emit(ev.WorkerStarted(pid=ready.pid, device=slot.device, seconds=round(now - t, 3), worker=slot.id,
+                                    since_death=None if slot.died_at is None else round(now - slot.died_at, 3),
                                     gpu_free=ready.gpu_free, gpu_total=ready.gpu_total))
-        self._check_gpu_room(ready)
+        self._check_gpu_room(ready, slot.device)
         p = self._progress
         if p is not None and p.done == p.done_at_start:
             p.start = time.monotonic()  # rates measure exporting, not the first worker's imports
@@ -363,135 +460,66 @@ class Supervisor:
         if self.plan.device == "cpu" or torch is None or not torch.cuda.is_initialized():
             return
         from supervisor import devices
-        devices.check_free_memory(self.plan.device, self._layer_need() + (512 << 20))  # + the child's context
+        for device in self.plan.devices:
+            devices.check_free_memory(device, self._layer_need() + (512 << 20))  # + the child's context
 
-    def _check_gpu_room(self, ready) -> None:
+    def _check_gpu_room(self, ready, device: str | None = None) -> None:
         """Refuse a GPU that cannot hold a layer: the worker measured its free memory after starting."""
+        device = device or self.plan.device
         if not ready.gpu_total:
             return
         need = self._layer_need()
         if ready.gpu_free < need:
-            raise DeviceError(f"{self.plan.device} has {ready.gpu_free / 2**30:.1f} GiB free as the worker sees it, "
+            raise DeviceError(f"{device} has {ready.gpu_free / 2**30:.1f} GiB free as the worker sees it, "
                               f"a layer needs about {need / 2**30:.1f} GiB: free memory on that GPU (or hand the live "
                               "model to Supervisor(model=...)), or set [resources] device to another one")
-
-    def _drop_worker(self, kill: bool) -> None:
-        if self._worker is not None:
-            self._worker.kill() if kill else self._worker.stop()
-            self._worker = None
 
     def _on_heartbeat(self, hb: Heartbeat) -> None:
         p = self._progress
         if p is not None and hb.index is not None:
             self._emit(p.event(worker_rss=hb.rss, stage=hb.stage, index=hb.index))
 
-    def _preflight(self) -> None:
-        """Before the first part: the worker predicts every part's output on meta tensors and runs transformers'
-        loader on it; an output that would load with missing or unexpected weights is refused with the reason."""
-        _, described = self._with_retries(None, lambda attempt: Describe(), Described, what="the export plan")
-        what = f"{self.job.export.scheme} export of {self.job.source.path!r}"
-        if not any(part.quantized for part in described.parts):
-            raise SourceError(f"{what} would quantize nothing: no weight matches the scheme's targets outside the "
-                              f"ignore list (by {described.backend}); see `supervisor plan`")
-        problem = load_problems(described.load)
-        if problem:
-            raise SourceError(f"{what} would not load in transformers: {problem}")
-
-    def _export_part(self, index: int, prefetch: int | None) -> journal.Shard:
-        w, reply = self._with_retries(
-            index, lambda attempt: ExportLayer(index=index, attempt=attempt, prefetch=prefetch), LayerWritten)
-        return self._record(reply, w)
-
-    def _with_retries(self, index: int | None, make_request, success: type, what: str = "config.json"):
-        """Send make_request(attempt) until the reply is a `success`, each retry in a fresh worker; returns
-        (worker, reply). index None is a request about the whole export (`what` names it). Disk full ends at once,
-        and so does a failure the child says would repeat (Failed.retry False: a bad layout, an unsupported model);
-        other failures are retried up to max_attempts, then ExportFailed names the part and carries the child's
-        last traceback."""
-        r = self.job.resources
-        what = what if index is None else _part_name(index)
-        last_reason, last_tb = "", ""
-        for attempt in range(1, r.max_attempts + 1):
-            self._check_cancel()
-            try:
-                w = self._ensure_worker()
-                if index is not None:
-                    self._emit(ev.LayerStarted(index=index, attempt=attempt))
-                reply = w.request(make_request(attempt), self._cancel.is_set, self._on_heartbeat,
-                                  timeout=r.part_timeout if index is not None else 0.0)
-                if isinstance(reply, success):
-                    return w, reply
-                if isinstance(reply, Failed):
-                    if reply.errno == ENOSPC:
-                        raise ExportFailed(f"disk full while writing {what} into {self.plan.output!r}: "
-                                           "free some space and run again to resume", index=index,
-                                           traceback=reply.traceback)
-                    if not reply.retry or reply.refused:
-                        raise _for_good(reply, what)
-                    last_reason, last_tb = f"{reply.kind}: {reply.message}", reply.traceback
-                else:
-                    last_reason, last_tb = f"unexpected reply {type(reply).__name__}", ""
-            except WorkerLost as exc:
-                if exc.failed is not None and (not exc.failed.retry or exc.failed.refused):
-                    raise _for_good(exc.failed, "starting the worker") from None
-                last_reason, last_tb = exc.reason, exc.log_tail
-            except CancelledWait:
-                raise Cancelled("export cancelled; run the same job again to resume") from None
-            # Whatever went wrong, the next attempt gets a fresh process: a failed child's state is suspect.
-            self._drop_worker(kill=True)
-            self._retry_later(index, attempt, last_reason)
-        raise ExportFailed(f"{what} failed {r.max_attempts} times; last error: {last_reason}",
-                           index=index, traceback=last_tb)
-
-    def _retry_later(self, index: int | None, attempt: int, reason: str) -> None:
-        """Announce the next attempt (index None: config.json at finalize) and back off; no-op after the last."""
-        if attempt >= self.job.resources.max_attempts:
-            return
-        delay = min(self.retry_delay * 2 ** (attempt - 1), 10.0)
-        self._emit(ev.Retrying(index=index, attempt=attempt + 1, reason=reason, delay=delay))
-        if self._cancel.wait(delay):
-            raise Cancelled("export cancelled; run the same job again to resume")
-
-    def _record(self, reply: LayerWritten, w: Worker) -> journal.Shard:
+    def _record(self, reply: LayerWritten, w: Worker, retries: int) -> None:
+        """Journal a written part (the scheduler calls this one part at a time, with its failed attempts)."""
         path = os.path.join(self.plan.output, reply.file)
         if reply.file != layout.shard_name(reply.index) or not os.path.isfile(path) \
                 or os.path.getsize(path) != reply.nbytes:
-            raise WorkerLost(f"worker reported {reply.file} but it is not on disk as described")
-        rec = journal.Shard(index=reply.index, file=reply.file, sha256=reply.sha256, nbytes=reply.nbytes,
-                            seconds=round(reply.seconds, 3))
+            raise ExportFailed(f"worker reported {reply.file} but it is not on disk as described", index=reply.index)
+        rec = journal.Shard(index=reply.index, file=reply.file, digest=reply.digest, nbytes=reply.nbytes,
+                            seconds=round(reply.seconds, 3), ino=reply.ino, mtime_ns=reply.mtime_ns,
+                            source_bytes=reply.source_bytes, peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
+                            retries=retries, quant_error=reply.quant_error)
         self._journal.append(rec)
+        self._done[reply.index] = rec
         w.layers_done += 1
         w.rss = reply.rss
         self._emit(ev.LayerWritten(index=reply.index, file=reply.file, nbytes=reply.nbytes,
-                                   seconds=round(reply.seconds, 3), peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu))
+                                   seconds=round(reply.seconds, 3), peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
+                                   retries=retries, quant_error=reply.quant_error))
         self._progress.add(reply.source_bytes, reply.nbytes)
         self._emit(self._progress.event(worker_rss=reply.rss))
-        self._maybe_recycle(w)
-        return rec
 
-    def _maybe_recycle(self, w: Worker) -> None:
+    def _should_recycle(self, w: Worker) -> bool:
         r = self.job.resources
         by_count = r.recycle_after_layers and w.layers_done >= r.recycle_after_layers
         by_rss = r.recycle_above_rss_mb and w.rss > r.recycle_above_rss_mb * 1024 * 1024
-        if by_count or by_rss:
-            self._drop_worker(kill=False)
+        return bool(by_count or by_rss)
 
     def _finalize(self, done: dict[int, journal.Shard]) -> None:
         out = self.plan.output
         staging = layout.state_path(out, layout.STAGING)
-        _, reply = self._with_retries(None, lambda attempt: WriteConfig(dest=staging), ConfigWritten)
+        reply = self._scheduler.write_config(staging)
         finalize.place_config(reply.path, out)
         shards = finalize.shard_files(self.plan.source.num_layers)
         finalize.write_index(out, shards)
         finalize.copy_side_files(self.plan.source.path, out)
         # the folder as a loader sees it: every weight must land where transformers expects it (no random experts)
-        _, checked = self._with_retries(None, lambda attempt: CheckLoad(folder=out), LoadChecked,
-                                        what="the loader check")
-        self._drop_worker(kill=False)
+        checked = self._scheduler.request(CheckLoad(folder=out), LoadChecked, "the loader check")
+        self._scheduler.close()
         problem = load_problems(checked.load)
         if problem:
             raise ExportFailed(f"the export in {out!r} does not load correctly in transformers: {problem}")
-        files = finalize.output_files(out, {r.file: r.sha256 for r in done.values()})
+        files = finalize.output_files(out, {r.file: r.digest for r in done.values()})
         self._journal.append(journal.Finalized(files=files))
         finalize.write_done(out, files)
 
@@ -500,19 +528,6 @@ def _not_in(files: dict[str, str], shards: dict[int, journal.Shard]) -> dict[str
     """The finalized files that are not shards (those were just verified against their own records)."""
     hashed = {r.file for r in shards.values()}
     return {fn: sha for fn, sha in files.items() if fn not in hashed}
-
-
-def _for_good(failed: Failed, what: str) -> SupervisorError:
-    """A failure the child says would repeat: bad input (exit 2) when it refused the job, else a failed export."""
-    message = " ".join(failed.message.split())  # one line, whatever the library's message looked like
-    if failed.refused:
-        return SourceError(message)
-    return ExportFailed(f"{what} failed: {failed.kind}: {message} (not retried: the same input fails the same way)",
-                        index=failed.index, traceback=failed.traceback)
-
-
-def _part_name(index: int) -> str:
-    return "the non-layer shard" if index == NON_LAYER else f"layer {index}"
 
 
 class _Progress:
@@ -551,19 +566,21 @@ def describe(job: Job | str | os.PathLike) -> Described:
     with tempfile.TemporaryDirectory(prefix="supervisor-plan-") as tmp:
         from supervisor import devices
 
-        w = Worker(hello, os.path.join(tmp, "worker.log"), devices.child_env("cpu"),
-                   startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout)
+        env = devices.child_env("cpu")
+        env["PYTHONUNBUFFERED"] = "1"
+        w = Worker(hello, os.path.join(tmp, "worker.log"), env, startup_timeout=r.startup_timeout,
+                   heartbeat_timeout=r.heartbeat_timeout)
         try:
             ready = w.start(never, ignore)
             reply = w.request(Describe(), never, ignore)
         except WorkerLost as exc:
             if exc.failed is not None:
-                raise _for_good(exc.failed, "starting the worker") from None
+                raise for_good(exc.failed, "starting the worker") from None
             raise ExportFailed(f"planning failed: {exc.reason}", traceback=exc.log_tail) from None
         finally:
             w.stop()
     if isinstance(reply, Failed):
-        raise _for_good(reply, "the export plan")
+        raise for_good(reply, "the export plan")
     _check_layers(ready, plan.source)
     return reply
 

@@ -20,6 +20,8 @@ class Display:
     def __init__(self, json_lines: bool, total_hint: int):
         self.json_lines = json_lines
         self.console = Console(stderr=True)
+        if not self.console.is_terminal:
+            self.console = Console(stderr=True, soft_wrap=True)  # into a file or pipe: one line per notice
         self.progress: Progress | None = None
         self.task = None
         self.total_hint = total_hint
@@ -57,8 +59,11 @@ class Display:
                     p.console.print(f"released the live model: {_mb(e.moved_bytes)} in {e.seconds:.2f}s")
                 else:
                     p.console.print(f"live model not released: {e.reason}")
+            case ev.PoolStarted():
+                p.console.print(f"libraries imported in {e.seconds:.1f}s (workers are forked from pid {e.pid})")
             case ev.WorkerStarted():
-                p.console.print(f"worker pid {e.pid} on {e.device} ready in {e.seconds:.1f}s")
+                again = "" if e.since_death is None else f", {e.since_death:.1f}s after the last one was lost"
+                p.console.print(f"worker {e.worker} (pid {e.pid}) on {e.device} ready in {e.seconds:.1f}s{again}")
             case ev.Progress():
                 rate = f"{e.mb_per_s:,.1f} MB/s"
                 eta = "-" if e.eta_s is None else f"{e.eta_s:,.0f}s"

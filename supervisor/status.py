@@ -14,13 +14,13 @@ import msgspec
 
 from shared import layout
 from shared.load_verdict import problems as load_problems
-from shared.messages import LoadReport
-from shared.messages import NON_LAYER
+from shared.messages import NON_LAYER, LoadReport
 from supervisor import journal
 from supervisor.errors import OutputError
 
 
-def _state(output: str) -> journal.State:
+def read_state(output: str) -> journal.State:
+    """The export's journal; OutputError if `output` is not an export folder."""
     if not os.path.isdir(output):
         raise OutputError(f"{output!r} is not a folder")
     st = journal.read(output)
@@ -39,8 +39,9 @@ def _running_pid(output: str) -> int | None:
     return None
 
 
-def status(output: str) -> dict:
-    st = _state(output)
+def status(output: str, state: journal.State | None = None) -> dict:
+    """What is done and left in `output` (from `state`, its journal as already read, when given)."""
+    st = read_state(output) if state is None else state
     n = st.header.num_layers
     parts = list(range(n)) + [NON_LAYER]
     left = [p for p in parts if p not in st.shards]
@@ -62,19 +63,22 @@ LOADER = "(transformers loader)"  # the key of a loader problem in verify's resu
 
 
 def verify(output: str, load_check: bool = True) -> dict[str, str]:
-    """file -> problem, for every journaled shard (and finalized file) that does not match its hash; on a finished
-    export, LOADER -> why transformers would not load it correctly."""
-    st = _state(output)
+    """file -> problem, for every journaled shard (and finalized file) whose bytes do not match its digest: every
+    byte is re-read (resume trusts an unchanged stat; verify never does); on a finished export whose files are
+    intact, LOADER -> why transformers would not load it correctly."""
+    st = read_state(output)
     problems = {}
     for rec in st.shards.values():
-        why = journal.verify_shard(output, rec)
+        why = journal.verify_shard(output, rec, rehash=True)
         if why:
             problems[rec.file] = why
     if st.finalized is not None:
         unchecked = {fn: sha for fn, sha in st.finalized.files.items() if fn not in problems}
         problems.update(journal.verify_files(output, unchecked))
-        if load_check and not problems:
-            report = load_report(output, st.header.job.get("source", {}).get("allow_remote_code", False))
+        job = st.header.job
+        if load_check and not problems and job.get("export", {}).get("format", "compressed-tensors") == \
+                "compressed-tensors":
+            report = load_report(output, job.get("source", {}).get("allow_remote_code", False))
             problem = load_problems(report)
             if problem:
                 problems[LOADER] = problem

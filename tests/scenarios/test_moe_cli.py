@@ -54,9 +54,10 @@ def _rerecord_hashes(out) -> None:
     for line in path.read_text().splitlines():
         rec = json.loads(line)
         if rec["type"] == "Shard":
-            rec.update(sha256=durable.sha256_file(str(out / rec["file"])), nbytes=os.path.getsize(out / rec["file"]))
+            rec.update(digest=durable.hash_file(str(out / rec["file"])), nbytes=os.path.getsize(out / rec["file"]),
+                       ino=0, mtime_ns=0)
         elif rec["type"] == "Finalized":
-            rec["files"] = {fn: durable.sha256_file(str(out / fn)) for fn in rec["files"]}
+            rec["files"] = {fn: durable.hash_file(str(out / fn)) for fn in rec["files"]}
         lines.append(json.dumps(rec))
     path.write_text("\n".join(lines) + "\n")
 
