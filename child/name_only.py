@@ -89,6 +89,7 @@ class NameOnlyQuantizer:
         (shape, dtype) on random CPU data (model_free's meta path is slow and packs no W4A16_ASYM zero point)."""
         from compressed_tensors.utils import match_quantizable_tensors
         from llmcompressor.entrypoints.model_free.converter import split_fused_moe_experts
+        from llmcompressor.entrypoints.model_free.lifecycle import validate_weight_for_quantization
 
         tensors = split_fused_moe_experts(dict(tensors))
         out = dict(tensors)
@@ -98,6 +99,7 @@ class NameOnlyQuantizer:
                 if name in matched:
                     continue
                 matched.add(name)
+                validate_weight_for_quantization(tensors[name], scheme, name)  # model_free's error, with the name
                 del out[name]
                 for param, t in self._probe(group, tensors[name]).items():
                     out[f"{module}.{param}"] = t

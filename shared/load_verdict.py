@@ -32,6 +32,8 @@ def problems(report: LoadReport) -> str | None:
 def explain(report: LoadReport) -> str:
     """The known cause behind a report, with the fix; "" when none applies. Details: docs/fidelity.md."""
     expert_scales = [k for k in report.unexpected if ".experts." in k and k.endswith(".weight_global_scale")]
+    expert_zeros = [k for k in report.unexpected if ".experts." in k and k.endswith(".weight_zero_point")]
+    expert_conversion = "experts" in report.error and "conversion" in report.error
     fused_missing = [k for k in report.missing if ".experts." in k and k.rsplit(".", 1)[-1] in (
         "gate_up_proj", "down_proj", "up_proj", "gate_up_proj_bias", "down_proj_bias")]
     if expert_scales:
@@ -39,6 +41,13 @@ def explain(report: LoadReport) -> str:
                 "compressed-tensors expert converter collects weight_packed/weight_scale/weight_shape only), so the "
                 "experts would load wrong; use W4A16 or FP8_DYNAMIC, or leave the experts dense "
                 "(ignore 're:.*experts.*'); see docs/fidelity.md")
+    if expert_zeros:
+        return ("transformers 5.17 decompresses MoE experts without their weight_zero_point (asymmetric schemes), so "
+                "the experts would load wrong; use a symmetric scheme (W4A16) or leave the experts dense "
+                "(ignore 're:.*experts.*'); see docs/fidelity.md")
+    if expert_conversion:
+        return ("transformers 5.17's compressed-tensors expert converter cannot decompress this scheme's experts; use "
+                "W4A16 or FP8_DYNAMIC, or leave the experts dense (ignore 're:.*experts.*'); see docs/fidelity.md")
     if fused_missing:
         return ("transformers 5.17 holds these experts as fused 3D parameters and maps no quantized per-expert "
                 "tensors onto them, so they would load as random weights; leave the experts dense (add "

@@ -318,6 +318,7 @@ class Supervisor:
         todo = [p for p in parts if p not in done]
         complete = not todo and st.finalized is not None and not redo and \
             not journal.verify_files(out, _not_in(st.finalized.files, done))
+        self._emit(ev.Started(output=out, total=len(parts), todo=len(todo), resumed=len(done), redo=sorted(redo)))
         if not complete:
             self._preflight()  # before the journal: a refused export leaves a new output folder untouched
         self._journal = journal.Journal(out, st) if st.header else journal.start(out, self.job, plan.fingerprint, n)
@@ -329,7 +330,6 @@ class Supervisor:
                 self._journal.append(fresh)
                 done[idx] = fresh
         self._clear_tmp()
-        self._emit(ev.Started(output=out, total=len(parts), todo=len(todo), resumed=len(done), redo=sorted(redo)))
         if complete:
             return ev.Finished(output=out, parts=len(parts), nbytes=sum(r.nbytes for r in done.values()),
                                seconds=0.0, already_complete=True)

@@ -35,10 +35,11 @@ DENSE = {
 }
 
 
-def export_in_process(model_dir: str, scheme: str, ignore: list[str], out: str | None = None) -> dict:
+def export_in_process(model_dir: str, scheme: str, ignore: list[str], out: str | None = None,
+                      device: str = "cpu") -> dict:
     """Every part through LayerQuantizer, as the worker does; with `out`, also the folder (one shard, config.json)."""
     source = load_tensors(model_dir)
-    q = LayerQuantizer(model_dir, scheme, ignore, tensor_names=list(source))
+    q = LayerQuantizer(model_dir, scheme, ignore, device=device, tensor_names=list(source))
     got = {}
     for i in range(q.num_layers):
         prefix = f"{q.layer_prefix}{i}."
