@@ -4,17 +4,23 @@ This module owns the recipe that makes a layer quantized in isolation bit-identi
 whole-model `oneshot` + `save_pretrained(save_compressed=True)` for data-free schemes, and the
 `quantization_config` block that oneshot writes into config.json.
 
-    config.json ─▶ meta skeleton (built once) ─┐
-    {name: tensor} of layer i ──────────────────┴▶ deepcopy(meta layer i), load (assign=True)
-        ─▶ rooted at its full path ("model.layers.i") so targets/ignore see checkpoint names
+    config.json ─▶ meta skeleton (built once, MoE experts linearized) + the checkpoint name map (child/naming.py)
+    {name: tensor} of layer i ─▶ names mapped to the model's ─▶ deepcopy(meta layer i), load (assign=True);
+                                  fused experts on disk (GPT-OSS) through the fused module, then linearized
+        ─▶ rooted at its full path ("model.layers.i") so targets/ignore see the model's module names
         ─▶ apply_quantization_config ─▶ weight observers ─▶ fuse (NVFP4: q/k/v, gate/up share a
            global scale) ─▶ observe + update_qparams ─▶ freeze ─▶ compress_module
-        ─▶ {name: CPU tensor}: the source with each quantized module's entries replaced
+        ─▶ {name: CPU tensor}: every source tensor that feeds no quantized module, unchanged under its own name;
+           each quantized module's compressed tensors under the checkpoint's name for it
 
 All arithmetic and formats come from compressed-tensors / llm-compressor calls (the same ones oneshot
 makes, in the same order); nothing here computes a scale by hand. MoE experts are linearized on the
-meta skeleton the way oneshot's fallback does (llm-compressor's LinearExperts2D), so a Qwen3-MoE
-layer's per-expert checkpoint tensors load straight into per-expert Linears.
+meta skeleton the way oneshot's fallback does (llm-compressor's LinearExperts2D); checkpoint tensors reach
+them through transformers' own conversion mapping (Mixtral's `w1/w3/w2` included), and the output keeps the
+checkpoint's names, which is what transformers' converters expect when they load it (oneshot's do not:
+docs/fidelity.md). Meta tensors in give meta tensors out: the output's names, shapes and dtypes without a
+weight read (child/preview.py). Targeted Linear subclasses that compressed-tensors would write uncompressed
+(Falcon's) are refused up front.
 
 It must never import `supervisor` (the two meet only on the wire), never read or write files except
 the config it is given and `write_config`'s destination, never change torch's thread count, and keep

@@ -141,10 +141,11 @@ def test_layer_killing_its_child_every_time_fails_naming_it_with_the_child_trace
 
 
 def test_child_failing_at_every_start_shows_its_traceback_under_debug(runs):
-    """A child that raises on every start ends the export after 2 attempts; --debug prints its traceback."""
+    """A child that raises on every start ends the export after 2 attempts (of the first request, the export plan);
+    --debug prints its traceback."""
     r = runs["raise_every_start"]
     assert r.rc == 1
-    assert r.stderr.strip().splitlines()[-1].startswith("error: layer 0 failed 2 times; last error: worker "
+    assert r.stderr.strip().splitlines()[-1].startswith("error: the export plan failed 2 times; last error: worker "
                                                         "failed to start: RuntimeError: injected fault")
     assert "Traceback (most recent call last)" in r.stderr and "child/faults.py" in r.stderr
     assert len(r.of("Retrying")) == 1 and not r.of("WorkerStarted")
