@@ -120,7 +120,8 @@ class Exporter:
             import torch
             torch.set_num_threads(job.resources.torch_threads)
         self.job, self.output, self.device, self.beat = job, hello.output, hello.device, beat
-        quant_error.enabled = job.export.measure_error
+        measure = job.export.measure_error
+        quant_error.enabled = hello.device.startswith("cuda") if measure is None else measure
         self.source = open_source(job)
         self.backend = make_backend(job, job.source.path, hello.device)
         self.prefix = self.backend.layer_prefix
