@@ -121,7 +121,8 @@ class Exporter:
             import torch
             torch.set_num_threads(job.resources.torch_threads)
         self.job, self.output, self.device, self.beat = job, hello.output, hello.device, beat
-        quant_error.enabled = job.export.measure_error
+        measure = job.export.measure_error
+        quant_error.enabled = hello.device.startswith("cuda") if measure is None else measure
         self.source = open_source(job)
         self.backend = make_backend(job, job.source.path, hello.device, self.source.all_names())
         self.prefix = self.backend.layer_prefix
@@ -135,14 +136,24 @@ class Exporter:
 
     def _read(self, index: int) -> dict:
         fut = self._ahead.pop(index, None)
-        return fut.result() if fut is not None else self.source.read(self._names(index))
+        return fut.result() if fut is not None else self._load(index)
+
+    def _load(self, index: int) -> dict:
+        """Part `index`'s tensors, for a layer on a GPU already on the device. safetensors hands out tensors that
+        map the file, so the bytes are only read (page faults, then the copy to the GPU) when first touched:
+        doing that here, in the prefetch thread, overlaps it with the quantization of the part before
+        (measured on an H200: a 436 MB layer spent ~0.2 s of its 0.43 s "quantize" stage reading)."""
+        tensors = self.source.read(self._names(index))
+        if index != NON_LAYER and self.device.startswith("cuda"):
+            tensors = {k: v.to(self.device) for k, v in tensors.items()}
+        return tensors
 
     def _prefetch(self, index: int | None) -> None:
         # Overlap reading the next layer with quantizing this one; keep at most one layer in flight.
         for stale in [k for k in self._ahead if k != index]:
             self._ahead.pop(stale).cancel()
         if index is not None and index not in self._ahead:
-            self._ahead[index] = self._pool.submit(self.source.read, self._names(index))
+            self._ahead[index] = self._pool.submit(self._load, index)
 
     def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:
         from child import quant_error
@@ -158,11 +169,15 @@ class Exporter:
         source_bytes = self.source.nbytes(tensors)
         faults.hit("read", index, writer)
         self.beat.set(index, "quantize")
+        t1 = time.perf_counter()
         if index == NON_LAYER:
             out = self.backend.quantize_non_layer(tensors)
         else:
             out = self.backend.quantize_layer(index, tensors)
         del tensors
+        out = {k: v.to("cpu") for k, v in out.items()}  # pass-through tensors may still be on the device
+        t2 = time.perf_counter()
+        error_seconds = quant_error.spent
         errors = quant_error.take()
         faults.hit("quantize", index, writer)
         self.beat.set(index, "write")
@@ -174,16 +189,20 @@ class Exporter:
 
         name = layout.shard_name(index)
         out, metadata = self.backend.serialize(out)
+        stages = {"read": t1 - t0, "quantize": t2 - t1 - error_seconds, "error": error_seconds}
         w = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint,
-                        metadata=metadata)
+                        metadata=metadata, timings=stages)
         del out
+        t3 = time.perf_counter()
         gc.collect()
         _malloc_trim()
+        stages["cleanup"] = time.perf_counter() - t3
         faults.log_live_tensors(index, settle=lambda: [f.result() for f in self._ahead.values()])
         self.beat.set(None, "idle")
         return LayerWritten(index=index, file=name, digest=w.digest, nbytes=w.nbytes, ino=w.ino, mtime_ns=w.mtime_ns,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
-                            peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), quant_error=errors)
+                            peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), quant_error=errors,
+                            stages={k: round(v, 4) for k, v in stages.items()})
 
     def write_config(self, msg: WriteConfig, writer: Writer) -> ConfigWritten:
         self.beat.set(None, "config")

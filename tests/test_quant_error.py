@@ -44,9 +44,10 @@ class _Beat:
         pass
 
 
-@pytest.mark.parametrize("measure", [True, False])
+@pytest.mark.parametrize("measure", [True, False, None])
 def test_worker_sends_the_errors_unless_the_job_turns_them_off(tiny_models, tmp_path, measure):
-    """The child's LayerWritten carries every quantized module's error; [export] measure_error = false: none."""
+    """The child's LayerWritten carries every quantized module's error; [export] measure_error = false, or
+    unset on a CPU worker: none."""
     from child.__main__ import Exporter
     from shared.job import parse_job
     from shared.messages import PROTOCOL_VERSION, ExportLayer, Hello
@@ -63,4 +64,4 @@ def test_worker_sends_the_errors_unless_the_job_turns_them_off(tiny_models, tmp_
         quant_error.enabled = True
     names = {f"model.layers.1.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                              "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
-    assert set(reply.quant_error) == (names if measure else set())
+    assert set(reply.quant_error) == (names if measure else set())  # None on "cpu": off
