@@ -268,9 +268,10 @@ class Supervisor:
 
     def _discard_fresh_output(self) -> None:
         """Bad input found by a worker (before any part): leave a new output folder as it was, absent or empty, so
-        the fixed job runs there without a 'holds another export' refusal."""
+        the fixed job runs there without a 'holds another export' refusal. Only a folder this run created (or found
+        empty) and whose journal holds no part is removed; a killed run's journal header stays, so a re-run resumes."""
         out = self.plan.output
-        if not self.plan.fresh or os.path.exists(journal.path(out)):
+        if not self.plan.fresh or journal.read(out).shards:
             return
         shutil.rmtree(layout.state_dir(out), ignore_errors=True)
         if not self._output_existed:
@@ -315,12 +316,6 @@ class Supervisor:
                 done[idx] = rec
             else:
                 redo.append(idx)
-        todo = [p for p in parts if p not in done]
-        complete = not todo and st.finalized is not None and not redo and \
-            not journal.verify_files(out, _not_in(st.finalized.files, done))
-        self._emit(ev.Started(output=out, total=len(parts), todo=len(todo), resumed=len(done), redo=sorted(redo)))
-        if not complete:
-            self._preflight()  # before the journal: a refused export leaves a new output folder untouched
         self._journal = journal.Journal(out, st) if st.header else journal.start(out, self.job, plan.fingerprint, n)
         for idx, rec in done.items():
             # verified by its bytes under a new identity (copied, restored from a backup): journal the new
@@ -330,9 +325,12 @@ class Supervisor:
                 self._journal.append(fresh)
                 done[idx] = fresh
         self._clear_tmp()
-        if complete:
+        todo = [p for p in parts if p not in done]
+        self._emit(ev.Started(output=out, total=len(parts), todo=len(todo), resumed=len(done), redo=sorted(redo)))
+        if not todo and st.finalized is not None and not redo and not journal.verify_files(out, _not_in(st.finalized.files, done)):
             return ev.Finished(output=out, parts=len(parts), nbytes=sum(r.nbytes for r in done.values()),
                                seconds=0.0, already_complete=True)
+        self._preflight()
         self._progress = _Progress(total=len(parts), done=len(done), source_bytes=plan.source.nbytes)
         self._done = done
         self._scheduler.run(todo)
@@ -342,9 +340,10 @@ class Supervisor:
                            seconds=round(time.monotonic() - self._t0, 3))
 
     def _preflight(self) -> None:
-        """Before the first part (and before the journal): start the pool, and have slot 0's worker predict every
-        part's output on meta tensors and run transformers' loader on it. An export that would quantize nothing,
-        or whose output would load with missing or unexpected weights, is refused with the reason."""
+        """Before the first part: start the pool, and have slot 0's worker predict every part's output on meta
+        tensors and run transformers' loader on it. An export that would quantize nothing, or whose output would
+        load with missing or unexpected weights, is refused with the reason (a new output folder is then removed
+        again: _discard_fresh_output)."""
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
         self._start_zygote()
         self._scheduler = self._make_scheduler()
