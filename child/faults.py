@@ -8,8 +8,9 @@ reach it. The value is one fault object or a list of them::
      {"point": "start", "action": "garbage", "once": "/tmp/m1", "after": "/tmp/m0"}]
 
 point:  start | read | quantize | write_tmp | after_rename | config | any
-action: sigkill | sigsegv | exit | raise | repeats | memoryerror | hang | stall | garbage | truncated | oversized | leak |
-        enospc  (raise: a RuntimeError, retried; repeats: a ValueError, which the child reports as certain to repeat)
+action: sigkill | sigsegv | exit | raise | repeats | memoryerror | hang | stall | garbage | truncated | oversized |
+        leak | enospc  (raise: a RuntimeError, retried; repeats: a ValueError, which the child reports as certain
+        to repeat)
         (hang stops heartbeats too; stall keeps them going, as a main thread stuck in a GIL-free C call would)
 index:  the layer it fires on (omit: every layer; -1 is the non-layer shard); start and config have no layer
 once:   a marker file; the fault fires only while the file does not exist, and creates it when firing (so a

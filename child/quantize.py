@@ -295,10 +295,12 @@ def _materialise(
     expected = {k for k in module.state_dict() if not k.startswith(owned)}
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
-        moe = " (MoE checkpoints whose expert tensors match neither transformers' conversion mapping nor the fused layout are not supported)"
+        moe = (" (MoE checkpoints whose expert tensors match neither transformers' conversion mapping nor the fused "
+               "layout are not supported)")
         hint = moe if any(".experts." in k for k in missing + unexpected) else ""
         error = NotImplementedError if hint else ValueError
-        raise error(f"{path}: tensors do not match the model's layout{hint}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise error(f"{path}: tensors do not match the model's layout{hint}: missing {missing[:5]}, "
+                    f"unexpected {unexpected[:5]}")
     # assign=True keeps the checkpoint's dtypes and puts the loaded tensors in place of the meta ones, so the
     # layer is never allocated twice (to_empty first would hold an empty copy beside the loaded one)
     module.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=False, assign=True)
@@ -317,7 +319,8 @@ def _linearized(raw: nn.Module, params: dict[str, torch.Tensor], cls: type, devi
     expected = set(experts.state_dict())
     if expected != set(params):
         raise NotImplementedError(f"{path}: fused experts tensors do not match {type(raw).__name__}: missing "
-                                  f"{sorted(expected - set(params))[:5]}, unexpected {sorted(set(params) - expected)[:5]}")
+                                  f"{sorted(expected - set(params))[:5]}, "
+                                  f"unexpected {sorted(set(params) - expected)[:5]}")
     experts.load_state_dict({k: v.to(device) for k, v in params.items()}, strict=True, assign=True)
     with torch.device(device), skip_weights_initialize():
         linear = cls(getattr(experts, "config", config))

@@ -1,8 +1,8 @@
 """Tiny checkpoints of every MoE family and of layouts other than `*.layers.N`, and their upstream references.
 
 Owns: building tiny random bf16 checkpoints of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GPT-OSS and GLM-4.5
-(Glm4Moe), of Falcon / GPT-2 / BLOOM / GPT-J (layers under `transformer.h.N`), and of an architecture transformers does not
-know; the name mapping between oneshot's output and the checkpoint's own names; llm-compressor's `model_free_ptq`
+(Glm4Moe), of Falcon / GPT-2 / BLOOM / GPT-J (layers under `transformer.h.N`), and of an architecture transformers
+does not know; the name mapping between oneshot's output and the checkpoint's own names; llm-compressor's `model_free_ptq`
 as the reference for the name-only path. Like tests/models.py it never imports `supervisor` or `child`.
 
 Sizes: every Linear's input width is a multiple of 128 (W4A16's group), e.g. hidden 128, `moe_intermediate_size`
@@ -48,12 +48,13 @@ def family_config(kind: str, layers: int = 2, experts: int = 4):
         return tf.DeepseekV3Config(**c, intermediate_size=256, moe_intermediate_size=128, n_routed_experts=experts,
                                    n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
                                    first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=32,
-                                   qk_nope_head_dim=32, v_head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+                                   qk_nope_head_dim=32, v_head_dim=32,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if kind == "gptoss":
         # bf16 (not MXFP4): experts stored fused on disk as [experts, hidden, 2 * intermediate], attention sinks
         return tf.GptOssConfig(**c, intermediate_size=128, num_local_experts=experts, num_experts_per_tok=2,
                                head_dim=32, sliding_window=64,
-                               layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2))
+                               layer_types=(["sliding_attention", "full_attention"] * layers)[:layers])
     if kind == "glm4moe":
         return tf.Glm4MoeConfig(**c, intermediate_size=256, moe_intermediate_size=128, n_routed_experts=experts,
                                 n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
