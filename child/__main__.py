@@ -119,8 +119,11 @@ class Exporter:
             import torch
             torch.set_num_threads(job.resources.torch_threads)
         self.job, self.output, self.device, self.beat = job, hello.output, hello.device, beat
+        self._index: int | None = None
+        self._writer: Writer | None = None
         self.source = open_source(job)
-        self.backend = make_backend(job, job.source.path, hello.device)
+        self.backend = make_backend(job, job.source.path, hello.device, output=hello.output, source=self.source,
+                                    stage=self._stage, calibration_sha256=hello.calibration_sha256)
         self.prefix = self.backend.layer_prefix
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self._ahead: dict[int, Future] = {}
@@ -141,10 +144,18 @@ class Exporter:
         if index is not None and index not in self._ahead:
             self._ahead[index] = self._pool.submit(self.source.read, self._names(index))
 
+    def _stage(self, name: str) -> None:
+        """A stage inside the part in progress (calibrated: forward, calibrate, propagate, quantize): shown in
+        heartbeats, and a fault point for tests ("quantize" fires once, after the part, as for every backend)."""
+        self.beat.set(self._index, name)
+        if name != "quantize":
+            faults.hit(name, self._index, self._writer)
+
     def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:
         from child.writer import write_shard
 
         index, t0 = msg.index, time.perf_counter()
+        self._index, self._writer = index, writer
         _reset_peak_rss()
         gpu = self._gpu_reset()
         self.beat.set(index, "read")
@@ -152,6 +163,7 @@ class Exporter:
         self._prefetch(msg.prefetch)
         source_bytes = self.source.nbytes(tensors)
         faults.hit("read", index, writer)
+        self.backend.begin(index, msg.boundary)
         self.beat.set(index, "quantize")
         if index == NON_LAYER:
             out = self.backend.quantize_non_layer(tensors)
@@ -170,12 +182,14 @@ class Exporter:
         sha, nbytes = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint,
                                   metadata=self.backend.shard_metadata())
         del out
+        boundary = self.backend.commit(index)
+        checkpoint("boundary")
         gc.collect()
         _malloc_trim()
         self.beat.set(None, "idle")
         return LayerWritten(index=index, file=name, sha256=sha, nbytes=nbytes,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
-                            peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu))
+                            peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), boundary=boundary)
 
     def write_config(self, msg: WriteConfig, writer: Writer) -> ConfigWritten:
         self.beat.set(None, "config")

@@ -1,30 +1,42 @@
-"""The Backend: one per output format; how a layer is quantized, how its shard is serialized, what config.json says.
+"""The Backend: one per output format and method; how a layer is quantized, how its shard is serialized, what
+config.json says, and (calibrated methods) the activations that cross from one layer to the next.
 
     Exporter (child/__main__.py)          Backend (one per job, built once per worker)
+      ExportLayer(i, boundary) ──────────▶ begin(i, boundary)       calibrated: layer i's inputs at hand
       tensors of part i ─────────────────▶ quantize_layer(i, tensors) | quantize_non_layer(tensors)
       ◀──────────────────────── {name: CPU tensor}  (written by child/writer.py with shard_metadata())
+      shard durable ─────────────────────▶ commit(i) -> Boundary | None  calibrated: next layer's inputs durable
       WriteConfig(dest) ─────────────────▶ write_config(dest): dest/config.json
 
-The worker loop, the journal, resume and finalize never branch on the format: everything that differs between
-compressed-tensors and another stack lives behind this interface. `make_backend` is the one place that picks an
-implementation from the job. Owns that choice only; it never reads the source or writes shards itself.
+The worker loop, the journal, resume and finalize never branch on the format or the method: everything that
+differs lives behind this interface. Data-free backends keep no state across layers (begin/commit do nothing).
+`make_backend` is the one place that picks an implementation from the job. Owns that choice only; it never reads
+the source or writes shards itself.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
-from shared.job import Job
+from shared.job import Job, is_calibrated
+from shared.messages import Boundary
 
 
 class Backend(Protocol):
     layer_prefix: str  # e.g. "model.layers."
     num_layers: int
 
+    def begin(self, index: int, boundary: Boundary | None) -> None:
+        """Before part `index` (NON_LAYER included): `boundary` is the journaled input of layer `index` when the
+        supervisor knows one (calibrated methods); a backend that keeps it in memory may ignore it."""
+
     def quantize_layer(self, index: int, tensors: dict) -> dict:
         """Layer `index`'s checkpoint tensors (full names) in, the tensors of its output shard out (CPU)."""
 
     def quantize_non_layer(self, tensors: dict) -> dict:
         """Everything outside the decoder layers (embeddings, final norm, lm_head) in, its shard's tensors out."""
+
+    def commit(self, index: int) -> Boundary | None:
+        """After part `index`'s shard is durable: make whatever the next layer needs durable, and name it."""
 
     def shard_metadata(self) -> dict[str, str]:
         """The safetensors `__metadata__` every shard of this format carries (written in sorted key order)."""
@@ -33,12 +45,19 @@ class Backend(Protocol):
         """Write dest_dir/config.json (the source's config plus this format's quantization_config); its path."""
 
 
-def make_backend(job: Job, config_dir: str, device: str) -> Backend:
-    """The backend for job.export.format, ready for its first layer."""
+def make_backend(job: Job, config_dir: str, device: str, *, output: str = "", source=None,
+                 stage: Callable[[str], None] = lambda name: None, calibration_sha256: str = "") -> Backend:
+    """The backend for the job's format and method, ready for its first layer. `stage(name)` reports progress
+    inside a part (calibrated methods: forward, calibrate, propagate, quantize)."""
     from shared.job import effective_ignore
 
-    if job.export.format == "compressed-tensors":
-        from child.quantize import LayerQuantizer
+    if job.export.format != "compressed-tensors":
+        raise ValueError(f"unknown export format {job.export.format!r}")
+    if is_calibrated(job):
+        from child.calibrate import Calibrator
 
-        return LayerQuantizer(config_dir, job.export.scheme, effective_ignore(job), device=device)
-    raise ValueError(f"unknown export format {job.export.format!r}")
+        return Calibrator(job, config_dir, device, output=output, source=source, stage=stage,
+                          calibration_sha256=calibration_sha256)
+    from child.quantize import LayerQuantizer
+
+    return LayerQuantizer(config_dir, job.export.scheme, effective_ignore(job), device=device)

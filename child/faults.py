@@ -7,7 +7,9 @@ reach it. The value is one fault object or a list of them::
     [{"point": "read", "action": "hang", "index": 0, "once": "/tmp/m0"},
      {"point": "start", "action": "garbage", "once": "/tmp/m1", "after": "/tmp/m0"}]
 
-point:  start | read | quantize | write_tmp | after_rename | config | any
+point:  start | read | quantize | write_tmp | after_rename | boundary | config | any
+        calibrated methods also: forward | calibrate | propagate (stages inside quantize), and boundary fires
+        after the next layer's inputs were made durable, before the supervisor hears of the layer
 action: sigkill | sigsegv | exit | raise | memoryerror | hang | stall | garbage | truncated | oversized | leak | enospc
         (hang stops heartbeats too; stall keeps them going, as a main thread stuck in a GIL-free C call would)
 index:  the layer it fires on (omit: every layer; -1 is the non-layer shard); start and config have no layer

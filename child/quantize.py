@@ -45,7 +45,7 @@ from compressed_tensors.quantization.utils import is_module_quantized
 from compressed_tensors.utils import match_named_modules
 from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
 from llmcompressor.modeling.moe.linearize import get_non_linearized_moes
-from llmcompressor.modifiers.quantization import QuantizationModifier
+from llmcompressor.modifiers.quantization import QuantizationMixin, QuantizationModifier
 from llmcompressor.modifiers.quantization.calibration import (
     apply_calibration_status,
     freeze_module_quantization,
@@ -75,11 +75,14 @@ DEFAULT_IGNORE: list[str] = list(_JOB_DEFAULT_IGNORE)
 class LayerQuantizer:
     """Quantizes one decoder layer (or the non-layer modules) at a time, exactly as `oneshot` would."""
 
-    def __init__(self, config_dir: str, scheme: str, ignore: list[str], device: str = "cpu"):
+    def __init__(self, config_dir: str, scheme: str, ignore: list[str], device: str = "cpu",
+                 modifier: QuantizationMixin | None = None):
+        """`modifier`: the calibrated recipe's quantization modifier (GPTQModifier's config carries its actorder);
+        None builds the data-free QuantizationModifier oneshot would, refusing schemes that need data."""
         self.scheme = scheme
         self.ignore = list(ignore)
         self.device = torch.device(device)
-        self._modifier = _modifier(scheme, self.ignore)
+        self._modifier = modifier if modifier is not None else _modifier(scheme, self.ignore)
         self._targets = self._modifier.resolved_targets
         self._qcfg = self._modifier.resolved_config
         self.config = _load_config(config_dir)
@@ -118,7 +121,19 @@ class LayerQuantizer:
         return {"format": "pt"}  # what transformers' save_pretrained writes into every shard
 
     def write_config(self, source_config_json: str, dest_dir: str) -> str:
-        return write_config(source_config_json, dest_dir, self.scheme, self.ignore)
+        return write_config(source_config_json, dest_dir, self.scheme, self.ignore, self._modifier)
+
+    def begin(self, index: int, boundary) -> None:
+        """Data-free: no state crosses layers."""
+
+    def commit(self, index: int):
+        """Data-free: nothing beyond the shard."""
+        return None
+
+    @property
+    def non_layer_targets(self) -> list[str]:
+        """Targeted modules outside the decoder layers (lm_head unless ignored)."""
+        return sorted(self._non_layer_targets)
 
     def _quantize_subtree(
         self, path: str, meta_module: nn.Module, tensors: dict[str, torch.Tensor]
@@ -140,13 +155,14 @@ class LayerQuantizer:
         return {k: v.contiguous() for k, v in out.items()}
 
 
-def quantization_config_dict(scheme: str, ignore: list[str], config: str) -> dict:
+def quantization_config_dict(scheme: str, ignore: list[str], config: str,
+                             modifier: QuantizationMixin | None = None) -> dict:
     """The `quantization_config` block oneshot writes for `scheme`/`ignore` on the model that `config` describes.
 
     `config` is the source config.json or its folder. The model's structure is needed because oneshot's block
     lists the unquantized Linear-like modules by name (e.g. every MoE router) rather than the ignore patterns.
     """
-    qcfg, _ = _compressed_qconfig(scheme, ignore, _load_config(config))
+    qcfg, _ = _compressed_qconfig(modifier if modifier is not None else _modifier(scheme, ignore), _load_config(config))
     # the same keys, in the same order, as ModelCompressor.update_config writes
     return {
         COMPRESSION_VERSION_NAME: compressed_tensors.__version__,
@@ -157,11 +173,12 @@ def quantization_config_dict(scheme: str, ignore: list[str], config: str) -> dic
     }
 
 
-def write_config(source_config_json: str, dest_dir: str, scheme: str, ignore: list[str]) -> str:
+def write_config(source_config_json: str, dest_dir: str, scheme: str, ignore: list[str],
+                 modifier: QuantizationMixin | None = None) -> str:
     """Write dest_dir/config.json: the source config plus the quantization_config block, as oneshot's save does."""
     with open(source_config_json) as f:
         source = json.load(f)
-    qcfg, unties = _compressed_qconfig(scheme, ignore, _load_config(source_config_json))
+    qcfg, unties = _compressed_qconfig(modifier if modifier is not None else _modifier(scheme, ignore), _load_config(source_config_json))
     if unties:
         # oneshot unties a targeted tied head, and resave_config copies that into the original config
         text = source.get("text_config", source)
@@ -242,10 +259,13 @@ def _materialise(
     # assign=True keeps the checkpoint's dtypes and puts the loaded tensors in place of the meta ones, so the
     # layer is never allocated twice (to_empty first would hold an empty copy beside the loaded one)
     module.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=True, assign=True)
-    for sub in module.modules():  # non-persistent buffers are not in a checkpoint; quantization never reads them
+    for sub in module.modules():
         for name, buf in sub._buffers.items():
             if buf is not None and buf.is_meta:
+                # not in a checkpoint; data-free quantization never reads them (a calibrated skeleton has them real)
                 sub._buffers[name] = torch.empty_like(buf, device=device)
+            elif buf is not None and buf.device != device:
+                sub._buffers[name] = buf.to(device)
     return module
 
 
@@ -297,12 +317,11 @@ def _non_layer_targets(
     return out
 
 
-def _compressed_qconfig(scheme: str, ignore: list[str], config: PretrainedConfig) -> tuple[QuantizationConfig, bool]:
+def _compressed_qconfig(modifier: QuantizationMixin, config: PretrainedConfig) -> tuple[QuantizationConfig, bool]:
     """The config oneshot's save derives from the quantized model, built on the meta skeleton instead.
 
     Also says whether oneshot would untie the embeddings (a tied lm_head that the scheme targets).
     """
-    modifier = _modifier(scheme, ignore)
     model = _meta_skeleton(config)
     prefix, _ = _find_layers(model, config)
     unties = any(_non_layer_targets(model, prefix, modifier.resolved_targets, modifier.ignore).values())

@@ -6,6 +6,7 @@ New fields always get defaults, so journals written by an older version still de
 """
 from __future__ import annotations
 
+import re
 import tomllib
 from typing import Literal
 
@@ -26,6 +27,14 @@ class Export(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # None means the defaults: lm_head and MoE routers (DEFAULT_IGNORE below).
     ignore: list[str] | None = None
     format: Literal["compressed-tensors"] = "compressed-tensors"
+    # rtn: round-to-nearest (llm-compressor's QuantizationModifier); gptq / awq need [calibration].
+    method: Literal["rtn", "gptq", "awq"] = "rtn"
+
+
+class Calibration(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    dataset: str  # local JSONL: one {"text": ...} or {"input_ids": [...]} per line
+    samples: int = 128  # the first N lines of the file
+    seq_len: int = 2048  # each sample is truncated to this many tokens
 
 
 class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -37,12 +46,16 @@ class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     recycle_after_layers: int = 0  # restart the worker after this many layers (0: never)
     recycle_above_rss_mb: int = 0  # restart the worker when its RSS exceeds this (0: never)
     torch_threads: int = 0  # torch.set_num_threads in the child (0: leave torch's default)
+    # Host memory (GiB) the calibration activations of one layer (its inputs and outputs) may take; above it
+    # they stay on disk under OUT/.export and are read back one sample at a time. 0: a quarter of the RAM.
+    activation_ram_gb: float = 0.0
 
 
 class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     source: Source
     export: Export
     resources: Resources = msgspec.field(default_factory=Resources)
+    calibration: Calibration | None = None
 
 
 # lm_head: vLLM and transformers expect it dense unless asked. The rest are MoE routers and shared-expert
@@ -57,6 +70,15 @@ DEFAULT_IGNORE: tuple[str, ...] = (
 
 def effective_ignore(job: Job) -> list[str]:
     return list(DEFAULT_IGNORE if job.export.ignore is None else job.export.ignore)
+
+
+def is_calibrated(job: Job) -> bool:
+    """Whether the export runs calibration data through the model (then its layers run in order, one worker)."""
+    return schemes.needs_calibration(job.export.scheme, job.export.method)
+
+
+def _ignores_lm_head(ignore: list[str]) -> bool:
+    return any(p == "lm_head" or (p.startswith("re:") and re.fullmatch(p[3:], "lm_head")) for p in ignore)
 
 
 class JobSyntaxError(ValueError):
@@ -87,6 +109,33 @@ def _check_values(job: Job) -> None:
         raise JobSyntaxError("[source] path is empty; set it to a Hugging Face checkpoint folder")
     if not job.export.output.strip():
         raise JobSyntaxError("[export] output is empty; set it to the folder to export into")
+    if r.activation_ram_gb < 0:
+        raise JobSyntaxError("[resources] activation_ram_gb must be 0 (a quarter of the RAM) or positive")
+    _check_calibration(job)
+
+
+def _check_calibration(job: Job) -> None:
+    e, c = job.export, job.calibration
+    if not is_calibrated(job):
+        if c is not None:
+            raise JobSyntaxError(f"[calibration] has no effect with method = \"rtn\" and scheme {e.scheme!r}; "
+                                 "remove it, or set [export] method = \"gptq\" or \"awq\"")
+        return
+    if c is None:
+        why = (f"method = {e.method!r}" if e.method != "rtn"
+               else f"scheme {e.scheme!r} (static activation scales)")
+        raise JobSyntaxError(f"{why} needs calibration data: add a [calibration] table with dataset "
+                             "(a JSONL file), samples and seq_len")
+    if not c.dataset.strip():
+        raise JobSyntaxError("[calibration] dataset is empty; set it to a JSONL file")
+    if c.samples < 1 or c.seq_len < 1:
+        raise JobSyntaxError("[calibration] samples and seq_len must be at least 1")
+    if e.method == "awq" and e.scheme in schemes.PER_TENSOR_WEIGHTS:
+        raise JobSyntaxError(f"method = \"awq\" needs per-channel or grouped weight scales and scheme {e.scheme!r} "
+                             "has one scale per tensor; use gptq or rtn, or another scheme")
+    if not _ignores_lm_head(effective_ignore(job)):
+        raise JobSyntaxError("calibrated exports quantize the decoder layers only; keep \"lm_head\" in "
+                             "[export] ignore")
 
 
 def _one_line(err: msgspec.ValidationError) -> str:

@@ -6,7 +6,9 @@ Data flow (one worker)::
       Hello(version, job, device) ────────────▶  imports torch/llm-compressor, builds the meta skeleton
       ◀──────────── Ready(pid, versions, layer_prefix, num_layers)   (Heartbeat while importing)
       ExportLayer(index, attempt, prefetch) ──▶  read (mmap) → quantize → write tmp → fsync → rename
+        (+ boundary: calibrated jobs)            (calibrated: forward → calibrate → propagate → quantize → write)
       ◀──────────── Heartbeat(index, stage) …  then  LayerWritten(index, file, sha256, …) | Failed(…)
+                                                 (calibrated: + boundary, the next layer's inputs, durable)
       WriteConfig(dest) ──────────────────────▶  config.json with quantization_config into dest
       ◀──────────── ConfigWritten(path) | Failed(…)
       Stop() ─────────────────────────────────▶  exits 0
@@ -28,6 +30,15 @@ PROTOCOL_VERSION = 1
 NON_LAYER = -1  # the index used for the non-layer shard (embeddings, final norm, lm_head)
 
 
+class Boundary(msgspec.Struct, kw_only=True):
+    """A calibrated export's activations entering layer `feeds` (every sample's hidden states), on disk."""
+
+    feeds: int  # the layer whose inputs these are
+    file: str  # relative to the output folder (under .export/)
+    sha256: str
+    nbytes: int
+
+
 # ---- supervisor → child -------------------------------------------------------------------------------------
 class Hello(msgspec.Struct, tag=True, kw_only=True):
     version: int
@@ -36,12 +47,14 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     device: str  # "cpu" or "cuda:N" as the child sees it
     worker: int = 0
     heartbeat_seconds: float = 1.0
+    calibration_sha256: str = ""  # of the dataset lines the supervisor validated; the child checks it
 
 
 class ExportLayer(msgspec.Struct, tag=True, kw_only=True):
     index: int  # decoder layer index, or NON_LAYER
     attempt: int = 1
     prefetch: int | None = None  # the index the supervisor will ask for next (read ahead)
+    boundary: Boundary | None = None  # calibrated: the journaled inputs of layer `index` (None: compute layer 0's)
 
 
 class WriteConfig(msgspec.Struct, tag=True, kw_only=True):
@@ -69,7 +82,7 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
 
 class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
     index: int | None = None  # the part in progress, None while starting
-    stage: str = ""  # "starting" | "read" | "quantize" | "write" | "config"
+    stage: str = ""  # "starting" | "read" | "quantize" | "write" | "config"; calibrated: "forward" | "calibrate" | "propagate"
     rss: int = 0
 
 
@@ -83,6 +96,7 @@ class LayerWritten(msgspec.Struct, tag=True, kw_only=True):
     peak_rss: int = 0  # the child's peak RSS while exporting this part (VmHWM reset per part), bytes
     rss: int = 0  # the child's RSS after the layer, bytes
     peak_gpu: int = 0  # torch.cuda.max_memory_allocated during this part, bytes
+    boundary: Boundary | None = None  # calibrated: the next layer's inputs, made durable after the shard
 
 
 class ConfigWritten(msgspec.Struct, tag=True, kw_only=True):

@@ -22,10 +22,10 @@ import traceback as tb
 from dataclasses import dataclass
 
 from shared import layout
-from shared.job import Job, JobSyntaxError, parse_toml
+from shared.job import Job, JobSyntaxError, is_calibrated, parse_toml
 from shared.messages import NON_LAYER, PROTOCOL_VERSION, ConfigWritten, ExportLayer, Failed, Heartbeat, Hello, LayerWritten, WriteConfig
 from supervisor import events as ev
-from supervisor import finalize, journal
+from supervisor import calibration, finalize, journal
 from supervisor.errors import (Cancelled, DeviceError, ExportFailed, InputError, JobError, OutputError, SourceError,
                                SupervisorError)
 from supervisor.lock import Lock, probe
@@ -52,6 +52,8 @@ def load_job(path: str | os.PathLike) -> Job:
     base = os.path.dirname(os.path.abspath(path))
     job.source.path = os.path.normpath(os.path.join(base, os.path.expanduser(job.source.path)))
     job.export.output = os.path.normpath(os.path.join(base, os.path.expanduser(job.export.output)))
+    if job.calibration is not None:
+        job.calibration.dataset = os.path.normpath(os.path.join(base, os.path.expanduser(job.calibration.dataset)))
     return job
 
 
@@ -63,6 +65,7 @@ class Plan:
     fingerprint: str
     state: journal.State
     device: str
+    calibration: calibration.Calibration | None = None  # calibrated jobs: the validated data's hash
 
 
 def _is_within(path: str, folder: str) -> bool:
@@ -93,11 +96,12 @@ def prepare(job: Job) -> Plan:
     if os.path.exists(output) and _is_within(source.path, output):
         raise OutputError(f"the source folder is inside output {job.export.output!r}; choose another output")
     probe(output)
-    fp, parts = journal.fingerprint(job, source.stats)
+    device = devices.resolve_device(job.resources.device)
+    calib = calibration.check(job, source, device) if is_calibrated(job) else None
+    fp, parts = journal.fingerprint(job, source.stats, calib.fingerprint if calib else None)
     state = journal.check_owner(output, fp, parts)
     _check_writable(output)
-    device = devices.resolve_device(job.resources.device)
-    return Plan(job, output, source, fp, state, device)
+    return Plan(job, output, source, fp, state, device, calib)
 
 
 class Supervisor:
@@ -121,6 +125,7 @@ class Supervisor:
         self._cleanup_lock = threading.Lock()
         self._started = False
         self._progress: _Progress | None = None
+        self._boundary = None  # calibrated: the journaled inputs of the next layer to export
 
     # ---- public API --------------------------------------------------------------------------------------
     def __enter__(self) -> "Supervisor":
@@ -268,13 +273,7 @@ class Supervisor:
         st = journal.read(out)  # re-read under the lock: the journal may have grown since prepare()
         if st.header is not None and st.header.fingerprint != plan.fingerprint:
             raise OutputError(f"output {out!r} changed hands while starting; run again")
-        done, redo = {}, []
-        for idx, rec in st.shards.items():
-            problem = journal.verify_shard(out, rec)
-            if problem is None:
-                done[idx] = rec
-            else:
-                redo.append(idx)
+        done, redo = self._verified(st, n)
         self._journal = journal.Journal(out, st) if st.header else journal.start(out, self.job, plan.fingerprint, n)
         self._clear_tmp()
         todo = [p for p in parts if p not in done]
@@ -286,10 +285,35 @@ class Supervisor:
         for i, idx in enumerate(todo):
             nxt = todo[i + 1] if i + 1 < len(todo) else None
             done[idx] = self._export_part(idx, nxt)
+            self._keep_boundary(done[idx])
         self._finalize(done)
         total_bytes = sum(r.nbytes for r in done.values())
         return ev.Finished(output=out, parts=len(parts), nbytes=total_bytes,
                            seconds=round(time.monotonic() - self._t0, 3))
+
+    def _verified(self, st: journal.State, n: int) -> tuple[dict[int, journal.Shard], list[int]]:
+        """The journaled parts that stand (hash checked) and those to redo. A calibrated export continues after
+        the last layer whose outputs (the boundary) are durable and good: every layer from there is redone, in
+        order, starting from that boundary (journal.calibrated_resume)."""
+        done, redo = {}, []
+        for idx, rec in st.shards.items():
+            if journal.verify_shard(self.plan.output, rec) is None:
+                done[idx] = rec
+            else:
+                redo.append(idx)
+        if self.plan.calibration is not None:
+            start, self._boundary = journal.calibrated_resume(self.plan.output, st, n)
+            layers_left = [i for i in done if 0 <= i and i >= start]
+            redo = sorted(set(redo) | set(layers_left))
+            done = {i: r for i, r in done.items() if i < start}  # NON_LAYER (-1) stays when good
+            journal.prune_boundaries(self.plan.output, self._boundary)
+        return done, redo
+
+    def _keep_boundary(self, rec: journal.Shard) -> None:
+        """Calibrated: after layer i's record, its boundary is the only one the next layer needs."""
+        if self.plan.calibration is not None and rec.index >= 0:
+            self._boundary = rec.boundary
+            journal.prune_boundaries(self.plan.output, self._boundary)
 
     def _clear_tmp(self) -> None:
         tmp = layout.state_path(self.plan.output, layout.TMP)
@@ -310,7 +334,8 @@ class Supervisor:
         env = devices.child_env(plan.device, dict(os.environ))
         env["PYTHONUNBUFFERED"] = "1"
         child_device = "cpu" if plan.device == "cpu" else "cuda:0"
-        hello = Hello(version=PROTOCOL_VERSION, job=self.job, output=plan.output, device=child_device)
+        hello = Hello(version=PROTOCOL_VERSION, job=self.job, output=plan.output, device=child_device,
+                      calibration_sha256=plan.calibration.sha256 if plan.calibration else "")
         log = layout.state_path(plan.output, layout.LOGS, "worker-0.log")
         w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout)
         self._worker = w
@@ -365,8 +390,11 @@ class Supervisor:
             self._emit(p.event(worker_rss=hb.rss, stage=hb.stage, index=hb.index))
 
     def _export_part(self, index: int, prefetch: int | None) -> journal.Shard:
+        # calibrated: the journaled inputs of this layer, for a worker that does not hold them in memory
+        boundary = self._boundary if self._boundary is not None and self._boundary.feeds == index else None
         w, reply = self._with_retries(
-            index, lambda attempt: ExportLayer(index=index, attempt=attempt, prefetch=prefetch), LayerWritten)
+            index, lambda attempt: ExportLayer(index=index, attempt=attempt, prefetch=prefetch, boundary=boundary),
+            LayerWritten)
         return self._record(reply, w)
 
     def _with_retries(self, index: int | None, make_request, success: type):
@@ -418,8 +446,14 @@ class Supervisor:
         if reply.file != layout.shard_name(reply.index) or not os.path.isfile(path) \
                 or os.path.getsize(path) != reply.nbytes:
             raise WorkerLost(f"worker reported {reply.file} but it is not on disk as described")
+        b = reply.boundary
+        if self.plan.calibration is not None and 0 <= reply.index < self.plan.source.num_layers - 1 and (
+                b is None or b.feeds != reply.index + 1 or b.file != layout.boundary_name(b.feeds)
+                or not os.path.isfile(os.path.join(self.plan.output, b.file))
+                or os.path.getsize(os.path.join(self.plan.output, b.file)) != b.nbytes):
+            raise WorkerLost(f"worker did not leave layer {reply.index + 1}'s calibration inputs on disk as described")
         rec = journal.Shard(index=reply.index, file=reply.file, sha256=reply.sha256, nbytes=reply.nbytes,
-                            seconds=round(reply.seconds, 3))
+                            seconds=round(reply.seconds, 3), boundary=b)
         self._journal.append(rec)
         w.layers_done += 1
         w.rss = reply.rss

@@ -1,7 +1,9 @@
 """The journal: the job's fingerprint, one append-only record per finished shard, and the resume plan.
 
 `OUT/.export/journal.jsonl` holds JSON lines: a Header first (fingerprint + job), then a Shard record per
-written shard (appended and fsynced only after the shard was renamed into place), then Finalized. A record counts
+written shard (appended and fsynced only after the shard was renamed into place), then Finalized. A calibrated
+export's Shard record for layer i also names the boundary feeding layer i+1 (its file under .export/boundary,
+sha256 and size), made durable before the record: one record makes both count, atomically. A record counts
 only when its line is complete: a torn last line (the supervisor died mid-write) is ignored and cut off before
 the next append. A shard counts as done only if its file is on disk with the journaled size and sha256; anything
 else is redone, so the output after any crash and re-run is byte-identical to an uninterrupted run.
@@ -21,6 +23,7 @@ import msgspec
 
 from shared import durable, layout
 from shared.job import Job, effective_ignore, to_dict
+from shared.messages import Boundary
 from supervisor.errors import FingerprintMismatch, OutputError
 
 JOURNAL_VERSION = 1
@@ -42,6 +45,7 @@ class Shard(msgspec.Struct, tag=True, kw_only=True):
     sha256: str
     nbytes: int
     seconds: float = 0.0
+    boundary: Boundary | None = None  # calibrated: the inputs of layer index+1, durable before this record
 
 
 class Finalized(msgspec.Struct, tag=True, kw_only=True):
@@ -63,8 +67,11 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def fingerprint(job: Job, source_stats: list[tuple[str, int, int]]) -> tuple[str, dict]:
-    """A hash of everything that decides the output's bytes; also returns the parts, for messages."""
+def fingerprint(job: Job, source_stats: list[tuple[str, int, int]],
+                calibration: dict | None = None) -> tuple[str, dict]:
+    """A hash of everything that decides the output's bytes; also returns the parts, for messages.
+    `calibration`: the data-dependent parts of a calibrated job (supervisor.calibration); data-free jobs have
+    none, so their fingerprints are what they were before calibration existed."""
     parts = {
         "source_files": [list(s) for s in source_stats],
         "scheme": job.export.scheme,
@@ -72,6 +79,8 @@ def fingerprint(job: Job, source_stats: list[tuple[str, int, int]]) -> tuple[str
         "format": job.export.format,
         "versions": _versions(),
     }
+    if calibration is not None:
+        parts["calibration"] = calibration
     blob = json.dumps(parts, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:32], parts
 
@@ -165,7 +174,8 @@ def check_owner(output: str, fp: str, parts: dict) -> State:
         old = st.header.job.get("export", {})
         raise FingerprintMismatch(
             f"output {shown!r} holds an export of a different job (scheme {old.get('scheme')}, "
-            f"source {st.header.job.get('source', {}).get('path')}, or changed source files / library versions); "
+            f"source {st.header.job.get('source', {}).get('path')}, or changed source files, calibration data or "
+            f"settings, device kind, library versions); "
             f"delete the folder to start fresh, or choose another [export] output")
     return st
 
@@ -182,6 +192,34 @@ def verify_shard(output: str, rec: Shard) -> str | None:
     if durable.sha256_file(p) != rec.sha256:
         return "sha256 differs from the journal"
     return None
+
+
+def calibrated_resume(output: str, st: State, num_layers: int) -> tuple[int, Boundary | None]:
+    """Where a calibrated export continues: (first layer to export, the journaled boundary feeding it).
+
+    Layers run in order and each needs the previous one's outputs, so resume continues after the longest run of
+    good shards 0..k-1 whose last record names a boundary that is on disk with its hash. A boundary that fails its
+    hash is never trusted: only the newest one is kept, so the inputs are recomputed from layer 0."""
+    k = 0
+    while k < num_layers and k in st.shards and verify_shard(output, st.shards[k]) is None:
+        k += 1
+    if k == 0 or k == num_layers:
+        return k, None
+    b = st.shards[k - 1].boundary
+    if b is None or b.feeds != k or verify_files(output, {b.file: b.sha256}):
+        return 0, None
+    return k, b
+
+
+def prune_boundaries(output: str, keep: Boundary | None) -> None:
+    """Delete every boundary file but `keep` (the journaled one the next layer needs)."""
+    folder = layout.state_path(output, layout.BOUNDARY)
+    if not os.path.isdir(folder):
+        return
+    keep_name = os.path.basename(keep.file) if keep is not None else None
+    for fn in os.listdir(folder):
+        if fn != keep_name:
+            os.unlink(os.path.join(folder, fn))
 
 
 def verify_files(output: str, files: dict[str, str]) -> dict[str, str]:

@@ -8,6 +8,7 @@ import os
 
 from shared import layout
 from shared.messages import NON_LAYER
+from shared.schemes import needs_calibration
 from supervisor import journal
 from supervisor.errors import OutputError
 
@@ -35,12 +36,18 @@ def status(output: str) -> dict:
     st = _state(output)
     n = st.header.num_layers
     parts = list(range(n)) + [NON_LAYER]
-    left = [p for p in parts if p not in st.shards]
     job = st.header.job
+    if needs_calibration(job["export"]["scheme"], job["export"].get("method", "rtn")):
+        # layers run in order from the last one whose outputs were journaled (files are checked by `run`)
+        k = next((i for i in range(n) if i not in st.shards), n)
+        left = list(range(k, n)) + ([] if NON_LAYER in st.shards else [NON_LAYER])
+    else:
+        left = [p for p in parts if p not in st.shards]
     return {
         "output": os.path.abspath(output),
         "source": job["source"]["path"],
         "scheme": job["export"]["scheme"],
+        "method": job["export"].get("method", "rtn"),
         "layers": n,
         "done": f"{len(parts) - len(left)}/{len(parts)} shards",
         "left": ["non-layer" if p == NON_LAYER else p for p in left],
