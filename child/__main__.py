@@ -179,15 +179,16 @@ class Exporter:
             faults.hit(stage, index, writer)
 
         name = layout.shard_name(index)
-        sha, nbytes = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint,
-                                  metadata=self.backend.shard_metadata())
+        out, metadata = self.backend.serialize(out)
+        w = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint,
+                        metadata=metadata)
         del out
         boundary = self.backend.commit(index)
         checkpoint("boundary")
         gc.collect()
         _malloc_trim()
         self.beat.set(None, "idle")
-        return LayerWritten(index=index, file=name, sha256=sha, nbytes=nbytes,
+        return LayerWritten(index=index, file=name, digest=w.digest, nbytes=w.nbytes, ino=w.ino, mtime_ns=w.mtime_ns,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
                             peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), boundary=boundary)
 
@@ -278,7 +279,7 @@ def _gpu_memory(device: str) -> tuple[int, int]:
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
     out = {}
-    for pkg in ("torch", "transformers", "llmcompressor", "compressed-tensors", "safetensors"):
+    for pkg in ("torch", "transformers", "llmcompressor", "compressed-tensors", "torchao", "safetensors"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:

@@ -3,8 +3,8 @@
     BoundaryWriter (filled while the layer propagates)        Activations (what the next layer reads)
       put(j, hidden) in sample order ─▶ a thread appends the      in RAM: one flat host buffer, views per sample
         bytes to a temp file and hashes them meanwhile            on disk: one sample read back at a time (pread)
-        (+ a copy in one flat host buffer when it fits)         load(path, sha256): refuses a file whose hash differs
-      commit(dest): fsync, rename, fsync the folder ─▶ Activations + (sha256, size) for the journal
+        (+ a copy in one flat host buffer when it fits)         load(path, digest): refuses a file whose hash differs
+      commit(dest): fsync, rename, fsync the folder ─▶ Activations + (digest, size) for the journal
 
 The file (state under OUT/.export/boundary/, never part of the output): b"LWBOUND1", the JSON header's length
 (u64 little-endian), the JSON header {"feeds", "dtype", "shapes"}, then every sample's bytes in sample order
@@ -16,7 +16,6 @@ supervisor, which owns the journal, does), and never keeps a sample it was hande
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -94,11 +93,10 @@ class Activations:
             self._fd = None
 
     @classmethod
-    def load(cls, path: str, sha256: str, feeds: int, in_ram: bool) -> "Activations":
-        """Open a committed boundary file after checking its sha256; `in_ram` reads it whole into host memory."""
-        actual = durable.sha256_file(path)
-        if actual != sha256:
-            raise BoundaryCorrupt(f"boundary {os.path.basename(path)} does not match its journaled sha256")
+    def load(cls, path: str, digest: str, feeds: int, in_ram: bool) -> "Activations":
+        """Open a committed boundary file after checking its digest; `in_ram` reads it whole into host memory."""
+        if not durable.matches(path, digest):
+            raise BoundaryCorrupt(f"boundary {os.path.basename(path)} does not match its journaled digest")
         with open(path, "rb") as f:
             head = f.read(len(MAGIC) + 8)
             if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
@@ -129,7 +127,7 @@ class BoundaryWriter:
         self._flat = torch.empty(self._layout._start[-1], dtype=dtype) if keep_in_ram else None
         self._next = 0
         self._tmp = tmp_path
-        self._sha = hashlib.sha256()
+        self._hash = durable.hasher()
         self._size = 0
         self._error: BaseException | None = None
         self._fd = None
@@ -161,7 +159,7 @@ class BoundaryWriter:
 
     def commit(self, dest: str | None) -> tuple[Activations, str, int]:
         """Finish: dest None keeps the data where it is (RAM, or the temp file), else the temp file is fsynced and
-        renamed to dest durably. Returns (activations, sha256 of the file, file size)."""
+        renamed to dest durably. Returns (activations, digest of the file ("algo:hex"), file size)."""
         if self._next != len(self.shapes):
             raise ValueError(f"boundary has {self._next} of {len(self.shapes)} samples")
         if self._thread is not None:
@@ -182,7 +180,7 @@ class BoundaryWriter:
         else:
             acts = Activations(self.feeds, self.shapes, self.dtype, path=path, data_offset=self._data_offset)
         self._flat = None
-        return acts, self._sha.hexdigest(), self._size
+        return acts, f"{durable.ALGO}:{self._hash.hexdigest()}", self._size
 
     def abort(self) -> None:
         """Drop a boundary that will not be committed (the layer failed); removes the temp file."""
@@ -219,7 +217,7 @@ class BoundaryWriter:
                 self._error = exc
 
     def _write(self, data: memoryview) -> None:
-        self._sha.update(data)  # hashlib releases the GIL for large buffers
+        self._hash.update(data)
         while len(data):
             n = os.write(self._fd, data)
             data = data[n:]

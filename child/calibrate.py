@@ -118,7 +118,7 @@ class Calibrator:
             self._inputs = self._first_inputs()
         elif boundary is not None and boundary.feeds == index:
             size = boundary.nbytes
-            self._inputs = Activations.load(os.path.join(self.output, boundary.file), boundary.sha256, index,
+            self._inputs = Activations.load(os.path.join(self.output, boundary.file), boundary.digest, index,
                                             in_ram=2 * size <= self._ram_budget)
         else:
             raise RuntimeError(f"layer {index} needs the calibration inputs left by layer {index - 1}, "
@@ -157,8 +157,8 @@ class Calibrator:
         name = layout.boundary_name(index + 1)
         dest = os.path.join(self.output, name)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
-        self._inputs, sha, size = writer.commit(dest)
-        return Boundary(feeds=index + 1, file=name, sha256=sha, nbytes=size)
+        self._inputs, digest, size = writer.commit(dest)
+        return Boundary(feeds=index + 1, file=name, digest=digest, nbytes=size)
 
     def quantize_non_layer(self, tensors: dict) -> dict:
         if self._plain.non_layer_targets:
@@ -166,8 +166,8 @@ class Calibrator:
                                       f"{self._plain.non_layer_targets} (e.g. keep lm_head in [export] ignore)")
         return self._plain.quantize_non_layer(tensors)
 
-    def shard_metadata(self) -> dict[str, str]:
-        return self._plain.shard_metadata()
+    def serialize(self, tensors: dict) -> tuple[dict, dict[str, str]]:
+        return self._plain.serialize(tensors)
 
     def write_config(self, source_config_json: str, dest_dir: str) -> str:
         return self._plain.write_config(source_config_json, dest_dir)

@@ -41,6 +41,9 @@ class Source(Protocol):
     def nbytes(self, tensors: dict) -> int:
         """Bytes of `tensors` as read (for progress)."""
 
+    def all_names(self) -> list[str]:
+        """Every tensor name of the model, sorted (a torchao shard lists them all in its metadata)."""
+
 
 def open_source(job) -> Source:
     """The Source the job names."""
@@ -84,3 +87,6 @@ class Checkpoint:
 
     def nbytes(self, tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def all_names(self) -> list[str]:
+        return sorted(self.weight_map)

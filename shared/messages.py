@@ -7,7 +7,7 @@ Data flow (one worker)::
       ◀──────────── Ready(pid, versions, layer_prefix, num_layers)   (Heartbeat while importing)
       ExportLayer(index, attempt, prefetch) ──▶  read (mmap) → quantize → write tmp → fsync → rename
         (+ boundary: calibrated jobs)            (calibrated: forward → calibrate → propagate → quantize → write)
-      ◀──────────── Heartbeat(index, stage) …  then  LayerWritten(index, file, sha256, …) | Failed(…)
+      ◀──────────── Heartbeat(index, stage) …  then  LayerWritten(index, file, digest, …) | Failed(…)
                                                  (calibrated: + boundary, the next layer's inputs, durable)
       WriteConfig(dest) ──────────────────────▶  config.json with quantization_config into dest
       ◀──────────── ConfigWritten(path) | Failed(…)
@@ -25,7 +25,7 @@ import msgspec
 
 from shared.job import Job
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 NON_LAYER = -1  # the index used for the non-layer shard (embeddings, final norm, lm_head)
 
@@ -35,7 +35,7 @@ class Boundary(msgspec.Struct, kw_only=True):
 
     feeds: int  # the layer whose inputs these are
     file: str  # relative to the output folder (under .export/)
-    sha256: str
+    digest: str  # "algo:hex" of the file's bytes (shared.durable)
     nbytes: int
 
 
@@ -89,13 +89,15 @@ class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
 class LayerWritten(msgspec.Struct, tag=True, kw_only=True):
     index: int
     file: str  # name relative to the output folder
-    sha256: str
+    digest: str  # "algo:hex" of the file's bytes (shared.durable)
     nbytes: int
     seconds: float
     source_bytes: int = 0  # bytes read from the source for this part
     peak_rss: int = 0  # the child's peak RSS while exporting this part (VmHWM reset per part), bytes
     rss: int = 0  # the child's RSS after the layer, bytes
     peak_gpu: int = 0  # torch.cuda.max_memory_allocated during this part, bytes
+    ino: int = 0  # the shard's inode and mtime once renamed into place (resume trusts a matching stat)
+    mtime_ns: int = 0
     boundary: Boundary | None = None  # calibrated: the next layer's inputs, made durable after the shard
 
 
