@@ -102,6 +102,8 @@ class Calibrator:
                                      modifier=recipe(self.method, self.scheme, self.ignore)[-1])
         self._inputs: Activations | None = None  # the activations entering the next layer to export
         self._writer: BoundaryWriter | None = None  # the activations leaving the layer in progress
+        self._spare: torch.Tensor | None = None  # the RAM of the last released inputs, reused by the next outputs
+        self._pin = self.device.type == "cuda"
         self._args_key = None
         self._args = None
         r = job.resources
@@ -119,7 +121,7 @@ class Calibrator:
         elif boundary is not None and boundary.feeds == index:
             size = boundary.nbytes
             self._inputs = Activations.load(os.path.join(self.output, boundary.file), boundary.digest, index,
-                                            in_ram=2 * size <= self._ram_budget)
+                                            in_ram=2 * size <= self._ram_budget, pin=self._pin)
         else:
             raise RuntimeError(f"layer {index} needs the calibration inputs left by layer {index - 1}, "
                                "and no boundary was named for it")
@@ -153,6 +155,7 @@ class Calibrator:
         writer, self._writer = self._writer, None
         self._drop_inputs()
         if writer is None:  # the last layer: nothing follows it
+            self._spare = None
             return None
         name = layout.boundary_name(index + 1)
         dest = os.path.join(self.output, name)
@@ -204,7 +207,8 @@ class Calibrator:
 
     def _forward(self, layer: nn.Module, index: int, hidden: torch.Tensor) -> torch.Tensor:
         args, kwargs = self._layer_args(index, hidden.shape[1], hidden.dtype)
-        out = layer(hidden.to(self.device), *args, **kwargs)
+        # pinned host memory (GPU runs) copies asynchronously; the layer runs after it on the same stream
+        out = layer(hidden.to(self.device, non_blocking=True), *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     def _next_writer(self, index: int, inputs: Activations) -> BoundaryWriter | None:
@@ -213,12 +217,13 @@ class Calibrator:
         tmp = layout.state_path(self.output, layout.TMP, os.path.basename(layout.boundary_name(index + 1)) + ".tmp")
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
         # the inputs are still held while the outputs are built: both count against the budget
+        spare, self._spare = self._spare, None
         return BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=tmp,
-                              keep_in_ram=2 * inputs.nbytes <= self._ram_budget)
+                              keep_in_ram=2 * inputs.nbytes <= self._ram_budget, buffer=spare, pin=self._pin)
 
     def _drop_inputs(self) -> None:
         if self._inputs is not None:
-            self._inputs.close()
+            self._spare = self._inputs.close()
             self._inputs = None
 
     # ---- what the model feeds its decoder layers -----------------------------------------------------------
@@ -271,7 +276,7 @@ class Calibrator:
                     size = sum(torch.Size(s).numel() for s in shapes) * hidden.dtype.itemsize
                     fits = 2 * size <= self._ram_budget
                     tmp = None if fits else layout.state_path(self.output, layout.TMP, "inputs-layer-00000.bin.tmp")
-                    writer = BoundaryWriter(0, shapes, hidden.dtype, tmp_path=tmp, keep_in_ram=fits)
+                    writer = BoundaryWriter(0, shapes, hidden.dtype, tmp_path=tmp, keep_in_ram=fits, pin=self._pin)
                 writer.put(j, hidden)
             acts, _, _ = writer.commit(None)
             return acts
