@@ -42,7 +42,8 @@ from compressed_tensors.utils import match_named_modules, patch_attr
 from llmcompressor.core import LifecycleCallbacks
 from llmcompressor.core.session_functions import create_session
 from llmcompressor.modeling.moe.context import moe_calibration_context
-from llmcompressor.modeling.offset_norm import norm_calibration_context
+# _is_registered: the check norm_calibration_context itself makes, so the same norms are converted
+from llmcompressor.modeling.offset_norm import NormCalibrationModule, _is_registered, norm_calibration_context
 from llmcompressor.modifiers.gptq import GPTQModifier
 from llmcompressor.modifiers.quantization import QuantizationModifier
 from llmcompressor.modifiers.transform.awq import AWQModifier, get_layer_mappings_from_model
@@ -167,7 +168,24 @@ class Calibrator:
         if self._plain.non_layer_targets:
             raise NotImplementedError(f"calibrated exports quantize decoder layers only; ignore "
                                       f"{self._plain.non_layer_targets} (e.g. keep lm_head in [export] ignore)")
-        return self._plain.quantize_non_layer(tensors)
+        return self._plain.quantize_non_layer(self._offset_norms_round_trip(tensors))
+
+    def _offset_norms_round_trip(self, tensors: dict) -> dict:
+        """oneshot converts every offset norm of the model ("(1 + weight)": Gemma, Qwen3-Next) to a standard one
+        for calibration and back (norm_calibration_context), which rounds the weights; the final norm, outside
+        the layers, goes through it too (measured on Gemma: 121 of 128 weights change by up to 0.0039)."""
+        out = dict(tensors)
+        for name, meta in self._model.named_modules():
+            if not _is_registered(type(meta).__name__, NormCalibrationModule):
+                continue
+            own = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+            module = _materialise(meta, own, torch.device("cpu"), name)
+            root = _rooted(name, module)
+            root.config = self.config
+            with torch.no_grad(), norm_calibration_context(root):
+                pass
+            out.update({f"{name}.{k}": v for k, v in root.get_submodule(name).state_dict().items()})
+        return out
 
     def serialize(self, tensors: dict) -> tuple[dict, dict[str, str]]:
         return self._plain.serialize(tensors)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.models import assert_same_tensors, load_tensors
-from tests.ref_calib import oneshot_calibrated, threads, token_rows, write_jsonl
+from tests.ref_calib import make_tiny_gemma, oneshot_calibrated, threads, token_rows, write_jsonl
 
 N, SEQ = 20, 40  # more than 16 samples: torch's unstable argsort permutes equal lengths
 
@@ -62,11 +62,12 @@ def _logits(folder):
     ("qwen3", "W8A8", "gptq"),
     ("llama", "NVFP4", "rtn"),
     ("qwen3", "FP8", "rtn"),
+    ("gemma", "W4A16", "awq"),  # offset norms: converted for calibration, smoothed, converted back (final norm too)
 ])
-def test_calibrator_equals_oneshot(kind, scheme, method, tiny_models, ids_dataset, tmp_path):
+def test_calibrator_equals_oneshot(kind, scheme, method, tiny_models, ids_dataset, tmp_path, tmp_path_factory):
     """Layer by layer (one thread on both sides), every tensor and config.json equal oneshot's sequential pipeline,
     and transformers loads the result and gives oneshot's logits."""
-    source = tiny_models(kind)
+    source = make_tiny_gemma(str(tmp_path_factory.mktemp("gemma"))) if kind == "gemma" else tiny_models(kind)
     rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
     with threads(1):
         ref = oneshot_calibrated(source, scheme, method, rows, SEQ, str(tmp_path / "ref"))
