@@ -167,7 +167,10 @@ def main() -> None:
         print("ours vs oneshot:", compare(sup["out"], one["out"]))
     print(f"per-layer time (supervisor): first {sup['layers'][0]['seconds']:.2f} s, median "
           f"{sorted(e['seconds'] for e in sup['layers'])[len(sup['layers']) // 2]:.2f} s; peak RSS of the worker per "
-          f"layer: first {sup['layers'][0]['peak_rss'] / gib:.2f} GiB, last {sup['layers'][-1]['peak_rss'] / gib:.2f} GiB")
+          f"layer: first {sup['layers'][0]['peak_rss'] / gib:.2f} GiB, last {sup['layers'][-1]['peak_rss'] / gib:.2f} GiB; "
+          f"peak GPU per layer: first {sup['layers'][0]['peak_gpu'] / gib:.2f} GiB, second "
+          f"{sup['layers'][min(1, len(sup['layers']) - 1)]['peak_gpu'] / gib:.2f} GiB, last "
+          f"{sup['layers'][-1]['peak_gpu'] / gib:.2f} GiB")
 
     k = args.kill_at
     if k >= args.layers:

@@ -283,7 +283,8 @@ class Calibrator:
         tensors = self.source.read(sorted(full))
         try:
             for key, value in tensors.items():
-                set_module_tensor_to_device(self._trunk, full[key], self.device, value=value)
+                # the checkpoint's dtype, as oneshot loads it (accelerate would cast to the skeleton's otherwise)
+                set_module_tensor_to_device(self._trunk, full[key], self.device, value=value, dtype=value.dtype)
             writer = None
             for j, x in enumerate(ids):
                 sink = self._run_trunk(0, input_ids=x.to(self.device),

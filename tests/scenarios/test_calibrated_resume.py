@@ -91,16 +91,23 @@ def test_child_killed_while_calibrating_resumes_from_the_boundary(model, dataset
     assert cli.output_bytes(corrupt) == reference[0]
 
 
+def _progress_at(stdout_path, index: int, stage: str) -> bool:
+    with open(stdout_path) as f:
+        return any(e.get("type") == "Progress" and e.get("index") == index and e.get("stage") == stage
+                   for e in map(json.loads, filter(lambda line: line.startswith("{") and line.endswith("}\n"), f)))
+
+
 def test_supervisor_killed_during_propagation_resumes(model, dataset, reference, tmp_path):
-    """SIGKILL the supervisor while its child propagates layer 2 (a stalled fault marks the moment): the child
-    exits by itself, and the re-run resumes at layer 2 and ends identical."""
-    out, marker = tmp_path / "out", tmp_path / "fired"
+    """SIGKILL the supervisor while its child propagates layer 2 (a stalled fault holds it there; the progress
+    events say "layer 2: propagate"): the child exits by itself, and the re-run resumes at layer 2, identical."""
+    out, marker, events = tmp_path / "out", tmp_path / "fired", tmp_path / "events.jsonl"
     env = dict(os.environ)
     env.update(_fault(marker, point="propagate", action="stall", index=2))
-    proc = subprocess.Popen([cli.SUPERVISOR, "run", _job(tmp_path, model, dataset, out), "--json"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    with open(events, "w") as stdout:
+        proc = subprocess.Popen([cli.SUPERVISOR, "run", _job(tmp_path, model, dataset, out), "--json"],
+                                stdout=stdout, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + 300
-    while not marker.exists():
+    while not (marker.exists() and _progress_at(events, 2, "propagate")):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before layer 2 propagated"
         time.sleep(0.05)
     children = psutil.Process(proc.pid).children(recursive=True)
