@@ -111,6 +111,7 @@ class Exporter:
     """What one worker does with ExportLayer / WriteConfig: read, quantize, write."""
 
     def __init__(self, hello: Hello, beat: Beat):
+        from child import quant_error
         from child.backend import make_backend  # heavy: torch, transformers, llm-compressor
         from child.source import open_source
 
@@ -121,6 +122,8 @@ class Exporter:
         self.job, self.output, self.device, self.beat = job, hello.output, hello.device, beat
         self._index: int | None = None
         self._writer: Writer | None = None
+        measure = job.export.measure_error
+        quant_error.enabled = hello.device.startswith("cuda") if measure is None else measure
         self.source = open_source(job)
         self.backend = make_backend(job, job.source.path, hello.device, output=hello.output, source=self.source,
                                     stage=self._stage, calibration_sha256=hello.calibration_sha256)
@@ -152,10 +155,12 @@ class Exporter:
             faults.hit(name, self._index, self._writer)
 
     def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:
+        from child import quant_error
         from child.writer import write_shard
 
         index, t0 = msg.index, time.perf_counter()
         self._index, self._writer = index, writer
+        quant_error.take()  # drop what a failed earlier part may have left
         _reset_peak_rss()
         gpu = self._gpu_reset()
         self.beat.set(index, "read")
@@ -170,6 +175,7 @@ class Exporter:
         else:
             out = self.backend.quantize_layer(index, tensors)
         del tensors
+        errors = quant_error.take()
         faults.hit("quantize", index, writer)
         self.beat.set(index, "write")
         parent_alive()
@@ -190,7 +196,8 @@ class Exporter:
         self.beat.set(None, "idle")
         return LayerWritten(index=index, file=name, digest=w.digest, nbytes=w.nbytes, ino=w.ino, mtime_ns=w.mtime_ns,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
-                            peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), boundary=boundary)
+                            peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), quant_error=errors,
+                            boundary=boundary)
 
     def write_config(self, msg: WriteConfig, writer: Writer) -> ConfigWritten:
         self.beat.set(None, "config")
@@ -236,10 +243,8 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
     except Exception as exc:  # noqa: BLE001 - every failure crosses the pipe as data
         writer.send(_failed(None, exc))
         return 1
-    # The libraries' ~470k long-lived objects would be traversed by every per-layer gc.collect() (0.25-0.4 s each,
-    # measured); frozen, they are skipped and the collection only sees what a layer created.
-    gc.collect()
-    gc.freeze()
+    gc.freeze()  # what the worker built to start (skeleton, config) lives as long as it: keep it out of each
+    # layer's gc.collect(), which then costs milliseconds instead of a third of a second (see child.zygote)
     free, total = _gpu_memory(hello.device)
     writer.send(Ready(version=PROTOCOL_VERSION, pid=os.getpid(), device=hello.device,
                       layer_prefix=exporter.prefix, num_layers=exporter.backend.num_layers,

@@ -54,6 +54,7 @@ from llmcompressor.utils.helpers import DisableQuantization, eval_context
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from child import quant_error
 from child.boundary import Activations, BoundaryWriter
 from child.quantize import LayerQuantizer, _find_layers, _linearize_meta_experts, _load_config, _materialise, _rooted
 from child.samples import calibration_ids
@@ -139,9 +140,11 @@ class Calibrator:
             self._calibrate(index, layer, root)
             self._stage("quantize")
             with torch.no_grad():
-                for _, m in match_named_modules(root, self._plain._targets, self.ignore):
-                    if is_module_quantized(m):
-                        compress_module(m)
+                quantized = [(n, m) for n, m in match_named_modules(root, self._plain._targets, self.ignore)
+                             if is_module_quantized(m)]
+                for _, m in quantized:
+                    compress_module(m)
+                quant_error.measure(quantized, tensors)  # against the source weights (AWQ's scaling included)
                 return {k: v.to("cpu").contiguous() for k, v in root.state_dict().items()}
         except BaseException:
             if self._writer is not None:

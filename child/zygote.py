@@ -139,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
 
         if torch.cuda.is_initialized():
             raise RuntimeError("CUDA was initialised while importing; workers could not be forked safely")
+        import gc
+
+        # Move the ~0.5M objects the imports made out of the collector's reach: a worker's per-layer
+        # gc.collect() then scans only what it made since (measured: 0.33 s -> 0.008 s a layer), and the
+        # collector does not write into (copy) the pages every forked worker shares with us.
+        gc.freeze()
     except BaseException as exc:  # noqa: BLE001 - reported to the supervisor, which fails the start clearly
         traceback.print_exc()
         _send(sock, {"failed": f"{type(exc).__name__}: {exc}"})
