@@ -16,6 +16,9 @@ as seconds beyond the uninterrupted run and in units of one layer's time.
 
     python bench/calib_bench.py                               # 32 layers, 128 x 2048, W4A16, cuda
     python bench/calib_bench.py --layers 4 --samples 16 --seq-len 256 --skip kill     # a quick check
+
+In pieces (each under 10 minutes on one H200): `--skip oneshot,kill,retry` first (builds, runs ours, saves its
+figures), then `--keep --skip supervisor,...` runs the others against the saved uninterrupted run and outputs.
 """
 from __future__ import annotations
 
@@ -57,6 +60,11 @@ res = torch.cuda.max_memory_reserved() if torch.cuda.is_available() else 0
 print(json.dumps({"startup": t1 - t0, "load": t2 - t1, "gptq": t3 - t2, "save": t4 - t3, "peak_gpu": gpu,
                   "peak_reserved": res}))
 """
+
+
+class _Tree:
+    def __init__(self, peak_rss: int, peak_gpu: int):
+        self.peak_rss, self.peak_gpu = peak_rss, peak_gpu
 
 
 def write_dataset(path: str, samples: int, seq_len: int, vocab: int, seed: int = 1234) -> str:
@@ -130,24 +138,36 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both tools")
     ap.add_argument("--kill-at", type=int, default=20, help="the layer whose calibration the kill interrupts")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "calib-bench"))
-    ap.add_argument("--skip", default="", help="comma-separated: oneshot,kill,retry")
+    ap.add_argument("--skip", default="", help="comma-separated: supervisor,oneshot,kill,retry")
+    ap.add_argument("--keep", action="store_true", help="reuse the workdir's checkpoint, dataset and saved run")
     args = ap.parse_args()
     args.torch_device = "cpu" if args.device == "cpu" else "cuda:0"
     skip = set(filter(None, args.skip.split(",")))
-    shutil.rmtree(args.workdir, ignore_errors=True)
-    os.makedirs(args.workdir)
-    src = os.path.join(args.workdir, "model")
-    t = time.perf_counter()
-    size = build(args, src)
-    save_tokenizer(src, args.vocab)
-    data = write_dataset(os.path.join(args.workdir, "calib.jsonl"), args.samples, args.seq_len, args.vocab)
-    print(f"checkpoint: {args.layers} layers, {size / 1e9:.2f} GB bf16; calibration {args.samples} x {args.seq_len} "
-          f"random ids; built in {time.perf_counter() - t:.1f} s")
+    src, data = os.path.join(args.workdir, "model"), os.path.join(args.workdir, "calib.jsonl")
+    if not (args.keep and os.path.exists(os.path.join(src, "config.json")) and os.path.exists(data)):
+        shutil.rmtree(args.workdir, ignore_errors=True)
+        os.makedirs(args.workdir)
+        t = time.perf_counter()
+        size = build(args, src)
+        save_tokenizer(src, args.vocab)
+        write_dataset(data, args.samples, args.seq_len, args.vocab)
+        print(f"checkpoint: {args.layers} layers, {size / 1e9:.2f} GB bf16; calibration {args.samples} x "
+              f"{args.seq_len} random ids; built in {time.perf_counter() - t:.1f} s")
+        print(f"disk: {disk_write_speed(args.workdir):.2f} GB/s write+fsync in {args.workdir}")
     warm(src)
-    print(f"disk: {disk_write_speed(args.workdir):.2f} GB/s write+fsync in {args.workdir}")
 
     gib = 2**30
-    sup = run_supervisor(args, src, data, "sup")
+    saved = os.path.join(args.workdir, "supervisor.json")
+    if "supervisor" in skip:
+        with open(saved) as f:
+            sup = json.load(f)
+        sup["tree"] = _Tree(**sup["tree"])
+        print(f"uninterrupted supervisor run: from {saved}")
+    else:
+        sup = run_supervisor(args, src, data, "sup")
+        with open(saved, "w") as f:
+            json.dump({**{k: v for k, v in sup.items() if k != "tree"},
+                       "tree": {"peak_rss": sup["tree"].peak_rss, "peak_gpu": sup["tree"].peak_gpu}}, f)
     rows = [("supervisor", sup)]
     one = None
     if "oneshot" not in skip:
