@@ -85,7 +85,6 @@ class Calibrator:
         self.method, self.scheme, self.ignore = job.export.method, job.export.scheme, effective_ignore(job)
         self._calibration_sha256 = calibration_sha256
         self.config = _load_config(config_dir)
-        self._config_dir = config_dir
         self._model = _calibration_skeleton(self.config)
         self.layer_prefix, layers = _find_layers(self._model, self.config)
         self.num_layers = len(layers)
