@@ -109,7 +109,12 @@ def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None
     events = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     layers = [e for e in events if e["type"] == "LayerWritten" and e["index"] >= 0]
     first = min((e["t"] for e in events if e["type"] == "LayerStarted"), default=0.0)
+    stages: dict[str, float] = {}
+    for e in layers:
+        for k, v in e.get("stages", {}).items():
+            stages[k] = stages.get(k, 0.0) + v / len(layers)
     return {"wall": wall, "startup": first, "events": events, "rc": proc.returncode, "stderr": proc.stderr,
+            "stages": stages,
             "per_layer": sum(e["seconds"] for e in layers) / max(len(layers), 1), "layers": layers,
             "peak_gpu": max((e["peak_gpu"] for e in layers), default=0), "tree": tree, "out": out}
 
@@ -185,6 +190,9 @@ def main() -> None:
               f"save {one['save']:.1f} s, peak reserved {one['peak_reserved'] / gib:.2f} GiB")
         print(f"ratio wall supervisor / oneshot: {sup['wall'] / one['wall']:.3f}")
         print("ours vs oneshot:", compare(sup["out"], one["out"]))
+    if sup.get("stages"):
+        print("supervisor, mean seconds per layer by stage: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in sup["stages"].items()))
     print(f"per-layer time (supervisor): first {sup['layers'][0]['seconds']:.2f} s, median "
           f"{sorted(e['seconds'] for e in sup['layers'])[len(sup['layers']) // 2]:.2f} s; peak RSS of the worker per "
           f"layer: first {sup['layers'][0]['peak_rss'] / gib:.2f} GiB, last {sup['layers'][-1]['peak_rss'] / gib:.2f} GiB; "

@@ -138,14 +138,24 @@ class Exporter:
 
     def _read(self, index: int) -> dict:
         fut = self._ahead.pop(index, None)
-        return fut.result() if fut is not None else self.source.read(self._names(index))
+        return fut.result() if fut is not None else self._load(index)
+
+    def _load(self, index: int) -> dict:
+        """Part `index`'s tensors, for a layer on a GPU already on the device. safetensors hands out tensors that
+        map the file, so the bytes are only read (page faults, then the copy to the GPU) when first touched:
+        doing that here, in the prefetch thread, overlaps it with the quantization of the part before
+        (measured on an H200: a 436 MB layer spent ~0.2 s of its 0.43 s "quantize" stage reading)."""
+        tensors = self.source.read(self._names(index))
+        if index != NON_LAYER and self.device.startswith("cuda"):
+            tensors = {k: v.to(self.device) for k, v in tensors.items()}
+        return tensors
 
     def _prefetch(self, index: int | None) -> None:
         # Overlap reading the next layer with quantizing this one; keep at most one layer in flight.
         for stale in [k for k in self._ahead if k != index]:
             self._ahead.pop(stale).cancel()
         if index is not None and index not in self._ahead:
-            self._ahead[index] = self._pool.submit(self.source.read, self._names(index))
+            self._ahead[index] = self._pool.submit(self._load, index)
 
     def _stage(self, name: str) -> None:
         """A stage inside the part in progress (calibrated: forward, calibrate, propagate, quantize): shown in
@@ -168,13 +178,18 @@ class Exporter:
         self._prefetch(msg.prefetch)
         source_bytes = self.source.nbytes(tensors)
         faults.hit("read", index, writer)
-        self.backend.begin(index, msg.boundary)
+        t_read = time.perf_counter()
+        self.backend.begin(index, msg.boundary)  # calibrated: this layer's inputs (from memory, a file, or computed)
         self.beat.set(index, "quantize")
+        t1 = time.perf_counter()
         if index == NON_LAYER:
             out = self.backend.quantize_non_layer(tensors)
         else:
             out = self.backend.quantize_layer(index, tensors)
         del tensors
+        out = {k: v.to("cpu") for k, v in out.items()}  # pass-through tensors may still be on the device
+        t2 = time.perf_counter()
+        error_seconds = quant_error.spent
         errors = quant_error.take()
         faults.hit("quantize", index, writer)
         self.beat.set(index, "write")
@@ -186,18 +201,24 @@ class Exporter:
 
         name = layout.shard_name(index)
         out, metadata = self.backend.serialize(out)
+        stages = {"read": t_read - t0, "inputs": t1 - t_read, "quantize": t2 - t1 - error_seconds,
+                  "error": error_seconds}
         w = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint,
-                        metadata=metadata)
+                        metadata=metadata, timings=stages)
         del out
-        boundary = self.backend.commit(index)
+        t3 = time.perf_counter()
+        boundary = self.backend.commit(index)  # calibrated: the next layer's inputs made durable after the shard
         checkpoint("boundary")
+        t4 = time.perf_counter()
         gc.collect()
         _malloc_trim()
+        stages["boundary"] = t4 - t3
+        stages["cleanup"] = time.perf_counter() - t4
         self.beat.set(None, "idle")
         return LayerWritten(index=index, file=name, digest=w.digest, nbytes=w.nbytes, ino=w.ino, mtime_ns=w.mtime_ns,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
                             peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), quant_error=errors,
-                            boundary=boundary)
+                            stages={k: round(v, 4) for k, v in stages.items()}, boundary=boundary)
 
     def write_config(self, msg: WriteConfig, writer: Writer) -> ConfigWritten:
         self.beat.set(None, "config")

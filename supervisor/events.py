@@ -64,6 +64,8 @@ class LayerWritten(Event):
     peak_gpu: int = 0
     retries: int = 0  # failed attempts before the one that wrote it
     quant_error: dict[str, float] = {}  # module -> relative error of its dequantized weight vs the source
+    stages: dict[str, float] = {}  # seconds per stage in the worker: read, inputs, quantize, error, save, hash, sync,
+    # boundary, cleanup (inputs, boundary: a calibrated layer's activations in and out)
 
 
 class Progress(Event):
