@@ -26,6 +26,8 @@ from shared.messages import Boundary
 class Backend(Protocol):
     layer_prefix: str  # e.g. "model.layers."
     num_layers: int
+    # a GPU worker's read-ahead copies the next layer to the device (False: it stays on the host until used)
+    reads_to_device: bool
 
     def begin(self, index: int, boundary: Boundary | None) -> None:
         """Before part `index` (NON_LAYER included): `boundary` is the journaled input of layer `index` when the

@@ -78,6 +78,10 @@ def recipe(method: str, scheme: str, ignore: list[str], awq_mappings=None, awq_o
 class Calibrator:
     """Backend for calibrated jobs: holds the activations crossing layers; see the module docstring."""
 
+    # the next layer waits on the host: on the GPU, one layer and its calibration state at a time (peak GPU
+    # memory as oneshot's); a calibrated layer's forward passes dwarf the copy it would hide
+    reads_to_device = False
+
     def __init__(self, job: Job, config_dir: str, device: str, *, output: str, source,
                  stage: Callable[[str], None] = lambda name: None, calibration_sha256: str = ""):
         self.job, self.output, self.source, self._stage = job, output, source, stage

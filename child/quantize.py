@@ -76,6 +76,8 @@ DEFAULT_IGNORE: list[str] = list(_JOB_DEFAULT_IGNORE)
 class LayerQuantizer:
     """Quantizes one decoder layer (or the non-layer modules) at a time, exactly as `oneshot` would."""
 
+    reads_to_device = True  # the read-ahead's page faults and copy overlap the previous layer's work
+
     def __init__(self, config_dir: str, scheme: str, ignore: list[str], device: str = "cpu",
                  modifier: QuantizationMixin | None = None):
         """`modifier`: the calibrated recipe's quantization modifier (GPTQModifier's config carries its actorder);

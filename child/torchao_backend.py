@@ -48,6 +48,8 @@ from shared import torchao_schemes
 class TorchaoBackend:
     """Quantizes one decoder layer (or the non-layer tensors) at a time, as transformers' torchao path would."""
 
+    reads_to_device = True  # the read-ahead's page faults and copy overlap the previous layer's work
+
     def __init__(self, config_dir: str, scheme: str, keywords: dict, ignore: list[str], *, device: str = "cpu",
                  tensor_names: list[str]):
         self.scheme = scheme
