@@ -62,7 +62,7 @@ def test_child_peak_rss_is_flat_across_calibrated_layers(reference):
 
 def test_child_killed_while_calibrating_resumes_from_the_boundary(model, dataset, reference, tmp_path):
     """SIGKILL in layer 2's calibration (no retries left) fails the run with layer 2's inputs journaled; re-running
-    (activations on disk this time) resumes at layer 2 and ends identical. A copy whose boundary file was
+    (activations on disk this time, two workers asked for) resumes at layer 2 on one worker and ends identical. A copy whose boundary file was
     corrupted is detected and recomputed from layer 0, and ends identical too."""
     out = tmp_path / "out"
     job = _job(tmp_path, model, dataset, out, max_attempts=1)
@@ -79,9 +79,12 @@ def test_child_killed_while_calibrating_resumes_from_the_boundary(model, dataset
     data[len(data) // 2] ^= 0x40
     path.write_bytes(bytes(data))
 
-    second = cli.events(cli.run("run", _job(tmp_path, model, dataset, out, activation_ram_gb=1e-6), "--json"))
+    # workers = 2: a calibrated export still runs on one worker, in order
+    second = cli.events(cli.run("run", _job(tmp_path, model, dataset, out, activation_ram_gb=1e-6, workers=2),
+                                "--json"))
     assert second[0]["type"] == "Started" and second[0]["resumed"] == 2 and second[0]["todo"] == 3
     assert [e["index"] for e in second if e["type"] == "LayerStarted"] == [2, 3, -1]
+    assert {e["worker"] for e in second if e["type"] == "WorkerStarted"} == {0}
     assert cli.output_bytes(out) == reference[0]
 
     (tmp_path / "c").mkdir()
