@@ -121,3 +121,17 @@ def test_boundary_round_trip_in_ram_and_on_disk(tmp_path):
     dest.write_bytes(bytes(data))
     with pytest.raises(BoundaryCorrupt):
         Activations.load(str(dest), sha, 3, in_ram=False)
+
+
+def test_scheme_lists_match_the_libraries():
+    """shared.schemes (no heavy imports) agrees with compressed-tensors' presets and llm-compressor's own rules."""
+    from compressed_tensors.quantization import QuantizationStrategy, preset_name_to_scheme
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    from shared import schemes
+
+    for name in schemes.SUPPORTED:
+        needs = QuantizationModifier(targets="Linear", scheme=name).requires_calibration_data
+        assert needs == (name in schemes.CALIBRATED), name
+        per_tensor = preset_name_to_scheme(name, ["Linear"]).weights.strategy == QuantizationStrategy.TENSOR
+        assert per_tensor == (name in schemes.PER_TENSOR_WEIGHTS), name
