@@ -1,8 +1,8 @@
 """Scheme names the exporter accepts, which of them need calibration data, and typo suggestions.
 
 Owns only names: it must never import torch or compressed-tensors (the CLI validates a job before any heavy
-import). `tests/test_calibrate.py::test_scheme_lists_match_the_libraries` checks these names against compressed-tensors' presets and llm-compressor's
-`requires_calibration_data`, so the lists cannot drift from the library silently.
+import). `tests/test_calibrate.py::test_scheme_lists_match_the_libraries` checks these lists against
+compressed-tensors' presets and llm-compressor's `requires_calibration_data`, so they cannot drift silently.
 """
 from __future__ import annotations
 
