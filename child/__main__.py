@@ -119,8 +119,10 @@ class Exporter:
             import torch
             torch.set_num_threads(job.resources.torch_threads)
         self.job, self.output, self.device, self.beat = job, hello.output, hello.device, beat
-        self.source = open_source(job)
-        self.backend = make_backend(job, job.source.path, hello.device)
+        self.source = open_source(job, hello.pool)
+        # a live model has no checkpoint folder: the supervisor wrote its config.json beside the pool
+        self.config_dir = hello.pool.config_dir if hello.pool is not None else job.source.path
+        self.backend = make_backend(job, self.config_dir, hello.device)
         self.prefix = self.backend.layer_prefix
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self._ahead: dict[int, Future] = {}
@@ -130,16 +132,19 @@ class Exporter:
             return self.source.non_layer_names(self.prefix)
         return self.source.layer_names(self.prefix, index)
 
-    def _read(self, index: int) -> dict:
+    def _read_part(self, names: list[str]) -> tuple[dict, str]:
+        return self.source.read(names), self.source.digest(names)
+
+    def _read(self, index: int) -> tuple[dict, str]:
         fut = self._ahead.pop(index, None)
-        return fut.result() if fut is not None else self.source.read(self._names(index))
+        return fut.result() if fut is not None else self._read_part(self._names(index))
 
     def _prefetch(self, index: int | None) -> None:
         # Overlap reading the next layer with quantizing this one; keep at most one layer in flight.
         for stale in [k for k in self._ahead if k != index]:
             self._ahead.pop(stale).cancel()
         if index is not None and index not in self._ahead:
-            self._ahead[index] = self._pool.submit(self.source.read, self._names(index))
+            self._ahead[index] = self._pool.submit(self._read_part, self._names(index))
 
     def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:
         from child.writer import write_shard
@@ -148,7 +153,7 @@ class Exporter:
         _reset_peak_rss()
         gpu = self._gpu_reset()
         self.beat.set(index, "read")
-        tensors = self._read(index)
+        tensors, digest = self._read(index)
         self._prefetch(msg.prefetch)
         source_bytes = self.source.nbytes(tensors)
         faults.hit("read", index, writer)
@@ -175,13 +180,13 @@ class Exporter:
         self.beat.set(None, "idle")
         return LayerWritten(index=index, file=name, sha256=sha, nbytes=nbytes,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
-                            peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu))
+                            peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), source_digest=digest)
 
     def write_config(self, msg: WriteConfig, writer: Writer) -> ConfigWritten:
         self.beat.set(None, "config")
         faults.hit("config", None, writer)
         os.makedirs(msg.dest, exist_ok=True)
-        path = self.backend.write_config(os.path.join(self.job.source.path, "config.json"), msg.dest)
+        path = self.backend.write_config(os.path.join(self.config_dir, "config.json"), msg.dest)
         self.beat.set(None, "idle")
         return ConfigWritten(path=path)
 

@@ -62,3 +62,13 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def tensor_digest(items) -> str:
+    """sha256 over (name, dtype, shape, raw bytes) items, in name order: a live model's layer, as both sides see it.
+    `items` yields (name, dtype name, shape, bytes-like of the tensor's contiguous bytes)."""
+    h = hashlib.sha256()
+    for name, dtype, shape, data in sorted(items, key=lambda item: item[0]):
+        h.update(f"{name}|{dtype}|{list(shape)}\n".encode())
+        h.update(data)
+    return h.hexdigest()

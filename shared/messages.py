@@ -28,6 +28,31 @@ PROTOCOL_VERSION = 1
 NON_LAYER = -1  # the index used for the non-layer shard (embeddings, final norm, lm_head)
 
 
+# ---- a live model's pool (shared memory the supervisor owns; the child maps it read-only) ---------------------
+class PoolTensor(msgspec.Struct, array_like=True):
+    name: str  # checkpoint name, as live.save_pretrained() would write it
+    chunk: int  # index into Pool.fds
+    offset: int  # bytes from the chunk's start
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    shape: list[int]
+    stride: list[int]  # in elements
+
+
+class PoolLora(msgspec.Struct, array_like=True):
+    weight: str  # checkpoint name of the Linear weight this pair merges into
+    a: PoolTensor  # [r, in]
+    b: PoolTensor  # [out, r]
+    scaling: float  # the live PEFT layer's own scaling
+
+
+class Pool(msgspec.Struct, kw_only=True):
+    fds: list[int]  # memfds inherited by the child (same numbers), one per chunk
+    sizes: list[int]  # bytes of each chunk
+    tensors: list[PoolTensor]
+    loras: list[PoolLora] = []
+    config_dir: str  # config.json (+ generation config, tokenizer) of the live model, written by the supervisor
+
+
 # ---- supervisor → child -------------------------------------------------------------------------------------
 class Hello(msgspec.Struct, tag=True, kw_only=True):
     version: int
@@ -36,6 +61,7 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     device: str  # "cpu" or "cuda:N" as the child sees it
     worker: int = 0
     heartbeat_seconds: float = 1.0
+    pool: Pool | None = None  # set when the source is a live model (job.source is None)
 
 
 class ExportLayer(msgspec.Struct, tag=True, kw_only=True):
@@ -83,6 +109,7 @@ class LayerWritten(msgspec.Struct, tag=True, kw_only=True):
     peak_rss: int = 0  # the child's peak RSS while exporting this part (VmHWM reset per part), bytes
     rss: int = 0  # the child's RSS after the layer, bytes
     peak_gpu: int = 0  # torch.cuda.max_memory_allocated during this part, bytes
+    source_digest: str = ""  # a live model's source tensors of this part (shared.durable.tensor_digest); "" on disk
 
 
 class ConfigWritten(msgspec.Struct, tag=True, kw_only=True):

@@ -50,7 +50,10 @@ def load_job(path: str | os.PathLike) -> Job:
         raise JobError(f"{path}: {exc}") from exc
     # Relative paths in a job file are relative to the file, so a job runs the same from any cwd.
     base = os.path.dirname(os.path.abspath(path))
-    job.source.path = os.path.normpath(os.path.join(base, os.path.expanduser(job.source.path)))
+    if job.source is not None:
+        job.source.path = os.path.normpath(os.path.join(base, os.path.expanduser(job.source.path)))
+        if job.source.adapter is not None:
+            job.source.adapter = os.path.normpath(os.path.join(base, os.path.expanduser(job.source.adapter)))
     job.export.output = os.path.normpath(os.path.join(base, os.path.expanduser(job.export.output)))
     return job
 
@@ -86,6 +89,11 @@ def prepare(job: Job) -> Plan:
     from supervisor import devices
 
     source = inspect(job.source.path, allow_remote_code=job.source.allow_remote_code)
+    extra = None
+    if job.source.adapter is not None:
+        from supervisor.adapter import inspect_adapter
+
+        extra = {"adapter": inspect_adapter(job.source.adapter, source.path, source.files)}
     output = os.path.abspath(job.export.output)
     if _is_within(output, source.path):
         raise OutputError(f"output {job.export.output!r} is inside the source folder (or is it); "
@@ -93,7 +101,7 @@ def prepare(job: Job) -> Plan:
     if os.path.exists(output) and _is_within(source.path, output):
         raise OutputError(f"the source folder is inside output {job.export.output!r}; choose another output")
     probe(output)
-    fp, parts = journal.fingerprint(job, source.stats)
+    fp, parts = journal.fingerprint(job, source.stats, extra)
     state = journal.check_owner(output, fp, parts)
     _check_writable(output)
     device = devices.resolve_device(job.resources.device)

@@ -42,6 +42,7 @@ class Shard(msgspec.Struct, tag=True, kw_only=True):
     sha256: str
     nbytes: int
     seconds: float = 0.0
+    source_digest: str = ""  # a live model's source tensors of this part; "" for a checkpoint on disk
 
 
 class Finalized(msgspec.Struct, tag=True, kw_only=True):
@@ -63,8 +64,9 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def fingerprint(job: Job, source_stats: list[tuple[str, int, int]]) -> tuple[str, dict]:
-    """A hash of everything that decides the output's bytes; also returns the parts, for messages."""
+def fingerprint(job: Job, source_stats: list[tuple[str, int, int]], extra: dict | None = None) -> tuple[str, dict]:
+    """A hash of everything that decides the output's bytes; also returns the parts, for messages. `extra`: what
+    else the source is made of (an adapter's file hashes, a live model's structure)."""
     parts = {
         "source_files": [list(s) for s in source_stats],
         "scheme": job.export.scheme,
@@ -72,6 +74,8 @@ def fingerprint(job: Job, source_stats: list[tuple[str, int, int]]) -> tuple[str
         "format": job.export.format,
         "versions": _versions(),
     }
+    if extra:
+        parts["source_extra"] = extra
     blob = json.dumps(parts, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:32], parts
 
