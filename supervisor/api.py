@@ -66,6 +66,7 @@ class Plan:
     fingerprint: str
     state: journal.State
     device: str
+    live: bool = False  # the source is the live model handed to Supervisor (its pool), not a folder
 
 
 def _is_within(path: str, folder: str) -> bool:
@@ -84,38 +85,65 @@ def _check_writable(output: str) -> None:
                           "choose a writable [export] output")
 
 
-def prepare(job: Job) -> Plan:
-    """Validate everything about the job before anything is written; raises InputError subclasses."""
+def prepare(job: Job, model=None) -> Plan:
+    """Validate everything about the job before anything is written; raises InputError subclasses. A job without
+    [source] exports `model` itself (a live model, Python API only)."""
     from supervisor import devices
 
+    output = os.path.abspath(job.export.output)
+    if job.source is None:
+        source, extra = _live_source(model, output)
+    else:
+        source, extra = _disk_source(job, output)
+    probe(output)
+    fp, parts = journal.fingerprint(job, source.stats, extra)
+    state = journal.check_owner(output, fp, parts)
+    _check_writable(output)
+    device = devices.resolve_device(job.resources.device)
+    return Plan(job, output, source, fp, state, device, live=job.source is None)
+
+
+def _disk_source(job: Job, output: str) -> tuple[SourceInfo, dict | None]:
     source = inspect(job.source.path, allow_remote_code=job.source.allow_remote_code)
     extra = None
     if job.source.adapter is not None:
         from supervisor.adapter import inspect_adapter
 
         extra = {"adapter": inspect_adapter(job.source.adapter, source.path, source.files)}
-    output = os.path.abspath(job.export.output)
     if _is_within(output, source.path):
         raise OutputError(f"output {job.export.output!r} is inside the source folder (or is it); "
                           "choose an output folder elsewhere")
     if os.path.exists(output) and _is_within(source.path, output):
         raise OutputError(f"the source folder is inside output {job.export.output!r}; choose another output")
-    probe(output)
-    fp, parts = journal.fingerprint(job, source.stats, extra)
-    state = journal.check_owner(output, fp, parts)
-    _check_writable(output)
-    device = devices.resolve_device(job.resources.device)
-    return Plan(job, output, source, fp, state, device)
+    return source, extra
+
+
+def _live_source(model, output: str) -> tuple[SourceInfo, dict]:
+    if model is None:
+        raise JobError("the job has no [source]: set [source] path to a checkpoint folder (only the Python API "
+                       "exports a live model without one: Supervisor(job, model=...))")
+    from supervisor import live
+
+    # named and checked now; the tensors themselves are looked at again after the release (they move)
+    return live.describe(live.saved_state(model), layout.state_path(output, live.CONFIG_DIR))
 
 
 class Supervisor:
     """Runs one export in a supervised child; see the module docstring for the life cycle."""
 
-    def __init__(self, job: Job | str | os.PathLike, model=None, *, retry_delay: float = 0.5):
+    def __init__(self, job: Job | str | os.PathLike, model=None, *, tokenizer=None, pool=None,
+                 retry_delay: float = 0.5):
+        """`model`: the live model to release while the child runs (and, for a job without [source], the model
+        to export); `tokenizer`: saved into the output of such a job; `pool`: an offload.PinnedPool to reuse
+        across exports (pinning costs once), else one is made for this run and freed at its end."""
         self.job = job if isinstance(job, Job) else load_job(job)
-        self.plan = prepare(self.job)
+        self.plan = prepare(self.job, model)
         self.model = model
+        self.tokenizer = tokenizer
         self.retry_delay = retry_delay
+        self._pool, self._own_pool = pool, False
+        self._live = None  # live.Saved while a live model is the source: its tensors, now in the pool
+        self._pool_spec = None  # shared.messages.Pool sent to every worker
         self._events: queue.Queue = queue.Queue()
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
@@ -237,6 +265,7 @@ class Supervisor:
             if self._lock is not None:
                 steps.callback(self._lock.release)
                 self._lock = None
+            steps.callback(self._close_pool)  # after the restore: the model lives in it until then
             steps.callback(self._restore_model)
             if self._journal is not None:
                 steps.callback(self._journal.close)
@@ -250,13 +279,39 @@ class Supervisor:
             return
         from supervisor import offload
 
-        result = offload.release(self.model)
+        if self.plan.live:
+            from supervisor import live
+
+            self._live = live.saved_state(self.model)  # names first: after the release all tensors share a chunk
+            if self._pool is None:
+                self._pool, self._own_pool = offload.PinnedPool(), True
+            result = offload.release(self.model, buffers=self._pool, share_host=True)
+            if isinstance(result, offload.NotReleased):
+                raise SourceError(f"the live model cannot be exported: {result.reason}")
+            self._handle = result
+            self._share_live_model()
+        else:
+            result = offload.release(self.model, buffers=self._pool)
         if isinstance(result, offload.NotReleased):
             self._emit(ev.MemoryReleased(released=False, reason=result.reason))
             return
         self._handle = result
         self._emit(ev.MemoryReleased(released=True, freed=dict(result.freed), moved_bytes=result.moved_bytes,
                                      seconds=result.seconds))
+
+    def _share_live_model(self) -> None:
+        """The released live model as the child's source: the pool's manifest and the config folder."""
+        from supervisor import live
+
+        config_dir = self.plan.source.path
+        self._pool_spec = live.manifest(self._live, self._pool, config_dir)
+        live.write_config_dir(self._live, self.tokenizer, config_dir)
+
+    def _close_pool(self) -> None:
+        self._live = self._pool_spec = None
+        if self._own_pool and self._pool is not None and not self._pool.leased:
+            self._pool.close()
+            self._pool, self._own_pool = None, False
 
     def _restore_model(self) -> None:
         if self._handle is None:
@@ -278,7 +333,7 @@ class Supervisor:
             raise OutputError(f"output {out!r} changed hands while starting; run again")
         done, redo = {}, []
         for idx, rec in st.shards.items():
-            problem = journal.verify_shard(out, rec)
+            problem = journal.verify_shard(out, rec) or self._source_changed(idx, rec)
             if problem is None:
                 done[idx] = rec
             else:
@@ -299,6 +354,16 @@ class Supervisor:
         return ev.Finished(output=out, parts=len(parts), nbytes=total_bytes,
                            seconds=round(time.monotonic() - self._t0, 3))
 
+    def _source_changed(self, index: int, rec: journal.Shard) -> str | None:
+        """A live model's part whose tensors differ from those its shard was made from (a re-run after a crash
+        with a changed model): redone, never mixed in."""
+        if self._live is None:
+            return None
+        from supervisor import live
+
+        names = live.part_names(self.plan.source.tensor_names, self.plan.source.layer_prefix, index)
+        return None if live.part_digest(self._live, names) == rec.source_digest else "the live model changed"
+
     def _clear_tmp(self) -> None:
         tmp = layout.state_path(self.plan.output, layout.TMP)
         for fn in os.listdir(tmp):
@@ -318,9 +383,11 @@ class Supervisor:
         env = devices.child_env(plan.device, dict(os.environ))
         env["PYTHONUNBUFFERED"] = "1"
         child_device = "cpu" if plan.device == "cpu" else "cuda:0"
-        hello = Hello(version=PROTOCOL_VERSION, job=self.job, output=plan.output, device=child_device)
+        hello = Hello(version=PROTOCOL_VERSION, job=self.job, output=plan.output, device=child_device,
+                      pool=self._pool_spec)
         log = layout.state_path(plan.output, layout.LOGS, "worker-0.log")
-        w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout)
+        w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout,
+                   pass_fds=tuple(self._pool_spec.fds) if self._pool_spec is not None else ())
         self._worker = w
         t = time.monotonic()
         ready = w.start(self._cancel.is_set, self._on_heartbeat)
@@ -427,7 +494,7 @@ class Supervisor:
                 or os.path.getsize(path) != reply.nbytes:
             raise WorkerLost(f"worker reported {reply.file} but it is not on disk as described")
         rec = journal.Shard(index=reply.index, file=reply.file, sha256=reply.sha256, nbytes=reply.nbytes,
-                            seconds=round(reply.seconds, 3))
+                            seconds=round(reply.seconds, 3), source_digest=reply.source_digest)
         self._journal.append(rec)
         w.layers_done += 1
         w.rss = reply.rss
@@ -493,9 +560,9 @@ class _Progress:
                            index=index)
 
 
-def export(job: Job | str | os.PathLike, model=None, on_event=None) -> ev.Finished:
+def export(job: Job | str | os.PathLike, model=None, on_event=None, *, tokenizer=None) -> ev.Finished:
     """Run one export to the end (blocking); `on_event` sees every event. Raises the error that ended it."""
-    with Supervisor(job, model=model) as run:
+    with Supervisor(job, model=model, tokenizer=tokenizer) as run:
         for e in run.events():
             if on_event is not None:
                 on_event(e)

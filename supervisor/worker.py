@@ -56,8 +56,9 @@ def _describe_exit(code: int) -> str:
 
 class Worker:
     def __init__(self, hello: Hello, log_path: str, env: dict[str, str] | None = None, *,
-                 startup_timeout: float, heartbeat_timeout: float):
+                 startup_timeout: float, heartbeat_timeout: float, pass_fds: tuple[int, ...] = ()):
         self.hello = hello
+        self.pass_fds = pass_fds  # inherited as they are (a live model's pool memfds)
         self.log_path = log_path
         self.env = env
         self.startup_timeout = startup_timeout
@@ -88,7 +89,7 @@ class Worker:
             with open(self.log_path, "ab") as log:
                 self._log_start = os.fstat(log.fileno()).st_size  # earlier workers' output is not this child's
                 self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                             pass_fds=(p2c_r, c2p_w), close_fds=True, env=self.env)
+                                             pass_fds=(p2c_r, c2p_w, *self.pass_fds), close_fds=True, env=self.env)
         finally:
             os.close(p2c_r)
             os.close(c2p_w)
