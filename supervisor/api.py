@@ -13,6 +13,7 @@ format (shared.framing), and imports torch only when a live model is handed to i
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import queue
@@ -33,6 +34,8 @@ from supervisor.source import SourceInfo, inspect
 from supervisor.worker import CancelledWait, Worker, WorkerLost
 
 ENOSPC = 28
+LOG_KEEP = 2000  # child log lines kept for a UI that connects late (recent_logs())
+LOG_QUEUED_MAX = 1000  # LogLine events waiting unread at most; past that a flood is counted, not queued
 
 
 def load_job(path: str | os.PathLike) -> Job:
@@ -144,6 +147,9 @@ class Supervisor:
         self._pool, self._own_pool = pool, False
         self._live = None  # live.Saved while a live model is the source: its tensors, now in the pool
         self._pool_spec = None  # shared.messages.Pool sent to every worker
+        self._logs: collections.deque = collections.deque(maxlen=LOG_KEEP)
+        self._log_lock = threading.Lock()
+        self._logs_queued = self._logs_dropped = 0
         self._events: queue.Queue = queue.Queue()
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
@@ -201,9 +207,16 @@ class Supervisor:
                 if timeout is not None:
                     return
                 continue
+            if isinstance(e, ev.LogLine):
+                with self._log_lock:
+                    self._logs_queued -= 1
             yield e
             if isinstance(e, ev.TERMINAL):
                 return
+
+    def recent_logs(self) -> list[ev.LogLine]:
+        """The child's last LOG_KEEP lines (stdout and stderr), oldest first, whether or not events() saw them."""
+        return list(self._logs)
 
     def cancel(self) -> None:
         """Stop the export soon (from any thread); what was written stays and a re-run resumes."""
@@ -387,7 +400,7 @@ class Supervisor:
                       pool=self._pool_spec)
         log = layout.state_path(plan.output, layout.LOGS, "worker-0.log")
         w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout,
-                   pass_fds=tuple(self._pool_spec.fds) if self._pool_spec is not None else ())
+                   pass_fds=tuple(self._pool_spec.fds) if self._pool_spec is not None else (), on_log=self._on_log)
         self._worker = w
         t = time.monotonic()
         ready = w.start(self._cancel.is_set, self._on_heartbeat)
@@ -433,6 +446,21 @@ class Supervisor:
         if self._worker is not None:
             self._worker.kill() if kill else self._worker.stop()
             self._worker = None
+
+    def _on_log(self, stream: str, text: str, pid: int) -> None:
+        """Called by the worker's log pump for every line: keep it, and stream it unless the reader is behind."""
+        line = ev.LogLine(stream=stream, text=text, pid=pid, t=round(time.monotonic() - self._t0, 3))
+        self._logs.append(line)
+        with self._log_lock:
+            if self._logs_queued >= LOG_QUEUED_MAX:
+                self._logs_dropped += 1
+                return
+            dropped, self._logs_dropped = self._logs_dropped, 0
+            self._logs_queued += 1 + bool(dropped)
+        if dropped:
+            self._emit(ev.LogLine(stream=stream, pid=pid, text=f"[{dropped} lines not streamed while the reader was "
+                                  "behind; recent_logs() and the worker log have them]"))
+        self._emit(line)
 
     def _on_heartbeat(self, hb: Heartbeat) -> None:
         p = self._progress

@@ -76,6 +76,14 @@ class ModelRestored(Event):
     restored: bool = True
 
 
+class LogLine(Event):
+    """A line the child printed (its libraries' warnings, progress bars, tracebacks); also in the worker log."""
+
+    stream: str  # "stdout" | "stderr"
+    text: str
+    pid: int
+
+
 class Finished(Event):
     output: str
     parts: int
@@ -97,7 +105,7 @@ class Cancelled(Event):
 
 
 AnyEvent = Union[Started, MemoryReleased, WorkerStarted, LayerStarted, LayerWritten, Progress, Retrying,
-                 ModelRestored, Finished, Failed, Cancelled]
+                 ModelRestored, LogLine, Finished, Failed, Cancelled]
 TERMINAL = (Finished, Failed, Cancelled)
 
 _json = msgspec.json.Encoder()

@@ -140,7 +140,7 @@ def describe(saved: Saved, config_dir: str) -> tuple[SourceInfo, dict]:
     structure = {
         "tensors": [[n, _dtype(tensors[n]), list(tensors[n].shape)] for n in names],
         "loras": [[w, _dtype(a), list(a.shape), _dtype(b), list(b.shape), s]
-                  for w, (a, b, s) in ((w, *saved.pair(w)) for w in sorted(saved.loras))],
+                  for w, a, b, s in ((w, *saved.pair(w)) for w in sorted(saved.loras))],
         "config": config,
     }
     blob = hashlib.sha256(json.dumps(structure, sort_keys=True).encode()).hexdigest()
@@ -182,7 +182,7 @@ def manifest(saved: Saved, pool, config_dir: str) -> Pool:
     tensors = [_entry(name, t, pool) for name, t in sorted(saved.tensors.items())]
     loras = [PoolLora(weight=w, a=_entry(w[: -len("weight")] + "lora_A.weight", a, pool),
                       b=_entry(w[: -len("weight")] + "lora_B.weight", b, pool), scaling=s)
-             for w, (a, b, s) in ((w, *saved.pair(w)) for w in sorted(saved.loras))]
+             for w, a, b, s in ((w, *saved.pair(w)) for w in sorted(saved.loras))]
     shared = pool.shared()
     return Pool(fds=[fd for fd, _ in shared], sizes=[n for _, n in shared], tensors=tensors, loras=loras,
                 config_dir=config_dir)
