@@ -40,15 +40,24 @@ class Saved:
     inner: nn.Module  # the transformers model (inside a PEFT wrapper, if any)
     paths: dict[str, str]  # checkpoint name -> the tensor's attribute path in `inner`
     loras: dict[str, tuple[str, str, float]] = field(default_factory=dict)  # weight -> (A path, B path, scaling)
+    # path -> the host tensor an accelerate hook holds for a CPU-offloaded (meta) parameter; found while the hooks
+    # are attached (the release detaches them), and the same object after it (the release swaps its storage)
+    offloaded: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
         """checkpoint name -> the model's own tensor, looked up now (after a release: its view in the pool)."""
-        return {name: _lookup(self.inner, path) for name, path in self.paths.items()}
+        return {name: self._lookup(path) for name, path in self.paths.items()}
 
     def pair(self, weight: str) -> tuple[torch.Tensor, torch.Tensor, float]:
         a, b, scaling = self.loras[weight]
-        return _lookup(self.inner, a), _lookup(self.inner, b), scaling
+        return self._lookup(a), self._lookup(b), scaling
+
+    def _lookup(self, path: str) -> torch.Tensor:
+        if path in self.offloaded:
+            return self.offloaded[path]
+        module, _, attr = path.rpartition(".")
+        return getattr(self.inner.get_submodule(module), attr)
 
 
 def saved_state(model: nn.Module) -> Saved:
@@ -78,12 +87,22 @@ def saved_state(model: nn.Module) -> Saved:
                               "conversion): such a model is not exported from memory yet; save it and export the "
                               "checkpoint instead")
         paths[name] = path_of[id(t)]
-    return Saved(inner, paths, loras)
+    lora_paths = {p for a, b, _ in loras.values() for p in (a, b)}
+    return Saved(inner, paths, loras, _offloaded(inner, set(paths.values()) | lora_paths))
 
 
-def _lookup(inner: nn.Module, path: str) -> torch.Tensor:
-    module, _, attr = path.rpartition(".")
-    return getattr(inner.get_submodule(module), attr)
+def _offloaded(inner: nn.Module, paths: set[str]) -> dict[str, torch.Tensor]:
+    from supervisor.offload import offloaded_value
+
+    out = {}
+    for path in paths:
+        module_name, _, attr = path.rpartition(".")
+        module = inner.get_submodule(module_name)
+        if getattr(module, attr).is_meta:
+            value = offloaded_value(module, attr)
+            if value is not None:
+                out[path] = value
+    return out
 
 
 def _unwrap_peft(model: nn.Module) -> tuple[nn.Module, str | None]:

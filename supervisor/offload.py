@@ -264,11 +264,27 @@ def _share_refusal(state: _Snapshot) -> str | None:
     if offloaded:
         return f"hf_device_map offloads {', '.join(offloaded[:5])} to disk/meta: {where}; load it without disk offload"
     for slot in state.slots:
-        if slot.device.type == "meta":
-            return f"{slot.name} is on the meta device: {where}"
+        if slot.device.type == "meta" and offloaded_value(slot.module, slot.key) is None:
+            return f"{slot.name} is on the meta device with no copy in host memory: {where}"
         if type(slot.tensor) not in _PLAIN_TYPES:
             return (f"{slot.name} is a {type(slot.tensor).__name__} (quantized), not a plain tensor: a quantized live "
                     "model cannot be exported; export the checkpoint it came from")
+    return None
+
+
+def offloaded_value(module: nn.Module, key: str) -> torch.Tensor | None:
+    """The host tensor an accelerate hook keeps for a CPU-offloaded (meta) parameter or buffer of `module`, or
+    None. Only an in-memory value counts: a weights_map that loads from disk returns a new tensor every time."""
+    hooks = [module.__dict__.get("_hf_hook")]
+    hooks += list(getattr(hooks[0], "hooks", ()))  # a SequentialHook holds several
+    for hook in hooks:
+        weights = getattr(hook, "weights_map", None) if getattr(hook, "offload", False) else None
+        if weights is None or key not in weights:
+            continue
+        value = weights[key]
+        if isinstance(value, torch.Tensor) and value is weights[key] and value.device.type == "cpu" \
+                and type(value) in _PLAIN_TYPES:
+            return value
     return None
 
 
@@ -292,6 +308,13 @@ def _plan_moves(state: _Snapshot) -> str | None:
         elif id(tensor) not in seen:
             _add_member(storages, name, tensor)
         seen.add(id(tensor))
+    if state.share_host:
+        # CPU-spilled modules of a dispatched model: their weights live in the hooks' weights_map, not the module
+        for slot in state.slots:
+            value = offloaded_value(slot.module, slot.key) if slot.device.type == "meta" else None
+            if value is not None and id(value) not in seen:
+                _add_member(storages, slot.name, value)
+                seen.add(id(value))
     state.storages = [m for m in storages.values() if m.nbytes > 0]
     state.stacks = list(stacks.values())
     if not (state.storages or state.stacks) and not state.share_host:
