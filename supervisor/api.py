@@ -268,6 +268,7 @@ class Supervisor:
             terminal = ev.Failed(kind=type(exc).__name__, message=str(exc),
                                  traceback="".join(tb.format_exception(exc)))
         self._terminal = terminal
+        self._flush_dropped_logs()  # the reader learns of a flood it missed before the run's last event
         self._emit(terminal)
 
     def _cleanup(self) -> None:
@@ -458,9 +459,19 @@ class Supervisor:
             dropped, self._logs_dropped = self._logs_dropped, 0
             self._logs_queued += 1 + bool(dropped)
         if dropped:
-            self._emit(ev.LogLine(stream=stream, pid=pid, text=f"[{dropped} lines not streamed while the reader was "
-                                  "behind; recent_logs() and the worker log have them]"))
+            self._emit_dropped(dropped, stream, pid)
         self._emit(line)
+
+    def _emit_dropped(self, dropped: int, stream: str = "stderr", pid: int = 0) -> None:
+        self._emit(ev.LogLine(stream=stream, pid=pid, text=f"[{dropped} lines not streamed while the reader was "
+                              "behind; recent_logs() and the worker log have them]"))
+
+    def _flush_dropped_logs(self) -> None:
+        with self._log_lock:
+            dropped, self._logs_dropped = self._logs_dropped, 0
+            self._logs_queued += bool(dropped)
+        if dropped:
+            self._emit_dropped(dropped)
 
     def _on_heartbeat(self, hb: Heartbeat) -> None:
         p = self._progress

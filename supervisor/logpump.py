@@ -42,27 +42,31 @@ class LogPump(threading.Thread):
                         if not data:
                             sel.unregister(key.fd)
                             os.close(key.fd)
-                            self._lines(key.data, b"", final=True)
-                            continue
-                        log.write(data)
-                        log.flush()  # the worker reads the log back to find a dead child's traceback
-                        self._lines(key.data, data)
+                        done = self._complete(key.data, data, final=not data)
+                        if done:
+                            # whole lines only, so stdout and stderr interleave line by line as with one fd
+                            log.write(done)
+                            log.flush()  # the worker reads the log back to find a dead child's traceback
+                            self._hand_on(key.data, done)
         finally:
             for key in list(sel.get_map().values()):
                 os.close(key.fd)
             sel.close()
 
-    def _lines(self, stream: str, data: bytes, final: bool = False) -> None:
+    def _complete(self, stream: str, data: bytes, final: bool) -> bytes:
+        """The complete lines of this stream's buffer (newlines included); the rest waits for its newline."""
         buf = self._partial[stream] + data
-        *lines, rest = buf.split(b"\n")
-        if final and rest:
-            lines, rest = lines + [rest], b""
-        if len(rest) > MAX_LINE * 4:  # a line without end: hand on its start, keep reading past it
-            lines, rest = lines + [rest[: MAX_LINE * 4]], b""
+        cut = buf.rfind(b"\n") + 1
+        done, rest = buf[:cut], buf[cut:]
+        if final or len(rest) > MAX_LINE * 4:  # EOF, or a line without end: let its start through
+            done, rest = done + rest, b""
         self._partial[stream] = rest
+        return done
+
+    def _hand_on(self, stream: str, done: bytes) -> None:
         if self._on_line is None:
             return
-        for line in lines:
+        for line in done.removesuffix(b"\n").split(b"\n"):
             text = line.decode(errors="replace").rstrip("\r")
             if len(text) > MAX_LINE:
                 text = text[:MAX_LINE] + " [...]"
