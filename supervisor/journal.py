@@ -169,7 +169,7 @@ def check_owner(output: str, fp: str, parts: dict) -> State:
         old = st.header.job.get("export", {})
         raise FingerprintMismatch(
             f"output {shown!r} holds an export of a different job (scheme {old.get('scheme')}, "
-            f"source {st.header.job.get('source', {}).get('path')}, or changed source files / library versions); "
+            f"source {(st.header.job.get('source') or {}).get('path', 'a live model')}, or changed source files / library versions); "
             f"delete the folder to start fresh, or choose another [export] output")
     return st
 

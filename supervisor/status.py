@@ -39,7 +39,7 @@ def status(output: str) -> dict:
     job = st.header.job
     return {
         "output": os.path.abspath(output),
-        "source": job["source"]["path"],
+        "source": (job.get("source") or {}).get("path", "a live model (Python API)"),
         "scheme": job["export"]["scheme"],
         "layers": n,
         "done": f"{len(parts) - len(left)}/{len(parts)} shards",
