@@ -2,7 +2,8 @@
 
 Handshake (Hello → Ready), then a loop of `match` on messages from the supervisor; one long-lived process
 exports many layers (importing torch + llm-compressor costs seconds, so a process per layer is too slow).
-Talks only over the two dedicated pipe fds: stdout/stderr belong to the libraries and go to a log file.
+Talks only over the two dedicated pipe fds: stdout/stderr belong to the libraries (the supervisor pumps them into
+the worker log and LogLine events).
 It exits on Stop, on EOF from the supervisor, or when its parent dies (parent-death signal, plus a check of
 the parent pid in the heartbeat thread), and it writes nothing after its parent is gone.
 It must never import the supervisor package.

@@ -64,8 +64,8 @@ def _assert_same_model(model, before: dict) -> None:
         assert torch.equal(now[name][3], value), f"{name} changed"
 
 
-def test_cpu_model_equals_its_saved_checkpoint_and_resumes_after_a_child_sigkill(tiny_models, tmp_path,
-                                                                                 monkeypatch):
+def test_cpu_model_equals_its_saved_checkpoint_and_resumes_after_a_child_sigkill(tiny_models, saved_export,
+                                                                                 tmp_path, monkeypatch):
     """An all-CPU live model + tokenizer exports byte-identical to `save_pretrained` then export, although the child
     is SIGKILLed mid-export (the next child reads the pool again); the model is unchanged afterwards."""
     model, tok = load(tiny_models("llama")), AutoTokenizer.from_pretrained(tiny_models("llama"))
@@ -78,10 +78,21 @@ def test_cpu_model_equals_its_saved_checkpoint_and_resumes_after_a_child_sigkill
     assert len(retries) == 1 and "SIGKILL" in retries[0].reason
     assert seen[0].released and seen[0].moved_bytes > 0  # the CPU tensors went into the shared pool
     _assert_same_model(model, before)
+    assert output_bytes(tmp_path / "out") == saved_export("llama", SCHEME)  # this checkpoint's save_pretrained
 
-    model.save_pretrained(tmp_path / "saved")
-    tok.save_pretrained(tmp_path / "saved")
-    assert output_bytes(tmp_path / "out") == _export_checkpoint(tmp_path / "saved", tmp_path / "ref")
+
+def test_failed_live_export_restores_the_model(tiny_models, tmp_path, monkeypatch):
+    """A live export whose layer fails every attempt ends Failed, and the model (moved into the pool for the export)
+    is back: same objects, values and devices."""
+    model = load(tiny_models("llama"))
+    before = _state(model)
+    monkeypatch.setenv("SUPERVISOR_TEST_FAULT", json.dumps({"point": "read", "action": "raise", "index": 0}))
+    with Supervisor(_job(tmp_path / "out", max_attempts=1), model=model) as run:
+        seen = list(run.events())
+        with pytest.raises(Exception, match="layer 0 failed"):
+            run.wait()
+    assert [type(e).__name__ for e in seen[-2:]] == ["ModelRestored", "Failed"]
+    _assert_same_model(model, before)
 
 
 @pytest.fixture

@@ -16,9 +16,6 @@ import time
 import httpx
 import pytest
 
-from shared.job import parse_job
-from supervisor import Supervisor
-from tests.ref_studio import load
 from tests.scenarios.cli import output_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,18 +82,9 @@ def _events(client, export_id, stop_at=None, on_event=None) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_models, tmp_path_factory) -> dict:
+def reference(saved_export) -> dict:
     """Bytes of exporting the studio's model after save_pretrained (+ its tokenizer): the independent reference."""
-    from transformers import AutoTokenizer
-
-    tmp = tmp_path_factory.mktemp("studio-ref")
-    load(tiny_models("llama")).save_pretrained(tmp / "saved")
-    AutoTokenizer.from_pretrained(tiny_models("llama")).save_pretrained(tmp / "saved")
-    job = parse_job({"source": {"path": str(tmp / "saved")}, "export": {"scheme": SCHEME, "output": str(tmp / "out")},
-                     "resources": {"device": "cpu"}})
-    with Supervisor(job) as run:
-        run.wait()
-    return output_bytes(tmp / "out")
+    return saved_export("llama", SCHEME)
 
 
 def test_whole_export_over_http(server, reference, tmp_path):
