@@ -1,14 +1,22 @@
-"""Export an 8B-shaped checkpoint with `supervisor run` and with llm-compressor's whole-model `oneshot`.
+"""Side by side: `supervisor run` against llm-compressor's `oneshot` and `model_free_ptq` on one checkpoint.
 
-Builds a random bf16 Llama checkpoint on disk (Llama-3-8B shape by default), then times, in separate processes:
-  supervisor   `supervisor run job.toml --json` (child worker, layer by layer, journaled shards)
-  oneshot      AutoModelForCausalLM.from_pretrained + oneshot(QuantizationModifier) + save_pretrained
-and prints a table: wall seconds, worker start-up, seconds per layer, peak child RSS, peak GPU memory. Finally it
-checks every tensor of the two outputs for equality (torch.equal) and config.json's quantization_config.
+Builds a random bf16 Llama checkpoint (Llama-3-8B shape by default), warms the page cache and the import caches
+(so no tool pays a cold start the others do not), measures the disk's write speed (the floor), then runs each
+tool in its own process, one after the other, sampling that process's whole tree with psutil (RSS and PSS: a
+worker forked from a warm parent shares its pages, which RSS counts twice) and nvidia-smi (GPU memory):
 
-    python bench/export_bench.py                          # 32 layers (16 GB), FP8_DYNAMIC, cuda:0
-    python bench/export_bench.py --layers 4 --scheme W4A16
-    python bench/export_bench.py --device cpu --layers 2 --hidden 512 --intermediate 1024 --vocab 1024  # dry run
+  supervisor       `supervisor run job.toml --json`, resources.workers as given (default: one per GPU)
+  supervisor-1w    the same with workers = 1 (only when the default would use more)
+  oneshot          from_pretrained + oneshot(QuantizationModifier) + save_pretrained(save_compressed=True)
+  model_free_ptq   llm-compressor's model_free_ptq, 1 worker, the same ignore list (embeddings named explicitly)
+
+and prints one table: wall, start-up, work, per layer, peak GPU, peak tree RSS/PSS. Then it checks every tensor
+of the outputs for equality (torch.equal on the bits) and config.json's quantization_config, times a re-run of
+the finished export, and kills a worker mid-export (SIGKILL at a middle layer) to time its replacement.
+
+    python bench/export_bench.py                                  # 32 layers (16 GB), FP8_DYNAMIC, cuda
+    python bench/export_bench.py --scheme W4A16
+    python bench/export_bench.py --device cpu --layers 8 --hidden 2048 --intermediate 5632 --vocab 32000
 """
 from __future__ import annotations
 
@@ -19,79 +27,161 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 SUPERVISOR = os.environ.get("SUPERVISOR_BIN") or os.path.join(os.path.dirname(sys.executable), "supervisor")
+IGNORE = ["lm_head", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$", "re:.*mlp\\.shared_expert_gate$"]
 
 ONESHOT = r"""
-import json, resource, sys, time, torch
+import json, sys, time
 t0 = time.perf_counter()
+import torch
 from transformers import AutoModelForCausalLM
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import QuantizationModifier
-src, out, scheme, device = sys.argv[1:5]
+src, out, scheme, device, ignore = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
 t1 = time.perf_counter()
 model = AutoModelForCausalLM.from_pretrained(src, dtype="auto", device_map=device)
 t2 = time.perf_counter()
-oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=scheme,
-        ignore=["lm_head", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$", "re:.*mlp\\.shared_expert_gate$"]))
+oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore))
 t3 = time.perf_counter()
 model.save_pretrained(out, save_compressed=True)
 t4 = time.perf_counter()
 gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-print(json.dumps({"imports": t1 - t0, "load": t2 - t1, "quantize": t3 - t2, "save": t4 - t3,
-                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak_gpu": gpu}))
+print(json.dumps({"startup": t1 - t0, "load": t2 - t1, "quantize": t3 - t2, "save": t4 - t3, "peak_gpu": gpu}))
+"""
+
+MODEL_FREE = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+from llmcompressor import model_free_ptq
+src, out, scheme, device, ignore = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
+t1 = time.perf_counter()
+model_free_ptq(model_stub=src, save_directory=out, scheme=scheme, ignore=ignore, max_workers=1, device=device)
+t2 = time.perf_counter()
+gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+print(json.dumps({"startup": t1 - t0, "work": t2 - t1, "peak_gpu": gpu}))
 """
 
 
-def build(args, path: str) -> float:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                      num_attention_heads=32 if args.hidden >= 4096 else 8, num_key_value_heads=8,
-                      vocab_size=args.vocab, tie_word_embeddings=False)
-    with torch.device(args.device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
-    del model
-    return size
+# ---- measuring a process tree ------------------------------------------------------------------------------
+def _pss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
-def run_supervisor(args, src: str, out: str, work: str) -> dict:
-    job = os.path.join(work, "job.toml")
-    with open(job, "w") as f:
-        f.write(f'[source]\npath = "{src}"\n[export]\nscheme = "{args.scheme}"\noutput = "{out}"\n'
-                f'[resources]\ndevice = "{args.device}"\n')
+def _gpu_used() -> dict[int, int]:
+    """pid -> bytes of GPU memory, from nvidia-smi (empty without one)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    used: dict[int, int] = {}
+    for line in out.strip().splitlines():
+        pid, mib = (x.strip() for x in line.split(","))
+        if pid.isdigit() and mib.isdigit():
+            used[int(pid)] = used.get(int(pid), 0) + int(mib) * 2**20
+    return used
+
+
+class TreeSampler(threading.Thread):
+    """Peak RSS, PSS and GPU memory summed over a process and all its descendants, sampled every `every` s."""
+
+    def __init__(self, pid: int, every: float = 0.1):
+        super().__init__(daemon=True)
+        self.pid, self.every = pid, every
+        self.peak_rss = self.peak_pss = self.peak_gpu = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        n = 0
+        while not self.stop.is_set():
+            try:
+                root = psutil.Process(self.pid)
+                procs = [root] + root.children(recursive=True)
+            except psutil.Error:
+                break
+            rss = pss = 0
+            for p in procs:
+                try:
+                    rss += p.memory_info().rss
+                except psutil.Error:
+                    continue
+                pss += _pss(p.pid)
+            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+            if n % 5 == 0:  # nvidia-smi is slow; every 0.5 s
+                used = _gpu_used()
+                pids = {p.pid for p in procs}
+                self.peak_gpu = max(self.peak_gpu, sum(v for k, v in used.items() if k in pids))
+            n += 1
+            self.stop.wait(self.every)
+
+
+def timed(cmd: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, float, TreeSampler]:
     t = time.perf_counter()
-    proc = subprocess.run([SUPERVISOR, "run", job, "--json"], capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    sampler = TreeSampler(proc.pid)
+    sampler.start()
+    out, err = proc.communicate()
     wall = time.perf_counter() - t
-    if proc.returncode != 0:
-        sys.exit(f"supervisor failed: {proc.stderr[-2000:]}")
+    sampler.stop.set()
+    sampler.join()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), wall, sampler
+
+
+# ---- the tools --------------------------------------------------------------------------------------------
+def write_job(path: str, src: str, out: str, scheme: str, device: str, workers: int) -> str:
+    with open(path, "w") as f:
+        f.write(f'[source]\npath = "{src}"\n[export]\nscheme = "{scheme}"\noutput = "{out}"\n'
+                f'[resources]\ndevice = "{device}"\nworkers = {workers}\n')
+    return path
+
+
+def run_supervisor(args, src: str, out: str, work: str, workers: int, env: dict | None = None,
+                   check: bool = True) -> dict:
+    job = write_job(os.path.join(work, f"job-{os.path.basename(out)}.toml"), src, out, args.scheme,
+                    args.device, workers)
+    proc, wall, tree = timed([SUPERVISOR, "run", job, "--json"], env)
+    if check and proc.returncode != 0:
+        sys.exit(f"supervisor failed: {proc.stderr[-3000:]}")
     events = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     written = [e for e in events if e["type"] == "LayerWritten"]
     layers = [e for e in written if e["index"] >= 0]
-    started = next(e for e in events if e["type"] == "WorkerStarted")
-    return {"wall": wall, "startup": started["seconds"], "per_layer": sum(e["seconds"] for e in layers) / len(layers),
-            "peak_rss": max(e["peak_rss"] for e in written), "peak_gpu": max(e["peak_gpu"] for e in written)}
+    first = min((e["t"] for e in events if e["type"] == "LayerStarted"), default=0.0)
+    pool = next((e for e in events if e["type"] == "PoolStarted"), {})
+    return {"wall": wall, "startup": first, "imports": pool.get("imports", 0.0), "events": events,
+            "per_layer": sum(e["seconds"] for e in layers) / max(len(layers), 1),
+            "workers": len({e["worker"] for e in events if e["type"] == "WorkerStarted"}),
+            "peak_gpu": max((e["peak_gpu"] for e in written), default=0), "tree": tree, "rc": proc.returncode,
+            "stderr": proc.stderr}
 
 
-def run_oneshot(args, src: str, out: str) -> dict:
-    t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", ONESHOT, src, out, args.scheme, args.device], capture_output=True,
-                          text=True)
-    wall = time.perf_counter() - t
+def run_script(script: str, args, src: str, out: str, ignore: list[str]) -> dict:
+    proc, wall, tree = timed([sys.executable, "-c", script, src, out, args.scheme, args.torch_device,
+                              json.dumps(ignore)])
     if proc.returncode != 0:
-        sys.exit(f"oneshot failed: {proc.stderr[-2000:]}")
+        sys.exit(f"reference tool failed: {proc.stderr[-3000:]}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    res["wall"] = wall
+    res.update(wall=wall, tree=tree)
     return res
 
 
-def compare(a: str, b: str) -> str:
+# ---- evidence ---------------------------------------------------------------------------------------------
+def compare(a: str, b: str, names_only_in_b_ok: bool = False) -> str:
     import torch
     from safetensors import safe_open
 
@@ -103,17 +193,61 @@ def compare(a: str, b: str) -> str:
         return out
 
     na, nb = names(a), names(b)
-    if set(na) != set(nb):
-        return f"DIFFERENT tensor names ({len(set(na) ^ set(nb))} differ)"
+    common = set(na) & set(nb)
+    diff = set(na) ^ set(nb)
     bad = 0
-    for k in na:
+    for k in sorted(common):
         with safe_open(na[k], "pt") as fa, safe_open(nb[k], "pt") as fb:
             x, y = fa.get_tensor(k), fb.get_tensor(k)
-        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.reshape(-1).view(torch.uint8),
+                                                                     y.reshape(-1).view(torch.uint8)):
             bad += 1
-    qa = json.load(open(os.path.join(a, "config.json")))["quantization_config"]
-    qb = json.load(open(os.path.join(b, "config.json")))["quantization_config"]
-    return f"{len(na)} tensors, {bad} differ; quantization_config {'equal' if qa == qb else 'DIFFERS'}"
+    qa = json.load(open(os.path.join(a, "config.json"))).get("quantization_config")
+    qb = json.load(open(os.path.join(b, "config.json"))).get("quantization_config")
+    names_note = f", {len(diff)} names in one only" if diff else ""
+    return f"{len(common)} common tensors, {bad} differ{names_note}; quantization_config {'equal' if qa == qb else 'differs'}"
+
+
+def disk_write_speed(folder: str, nbytes: int = 2 << 30) -> float:
+    """GB/s of write + fsync of one file in `folder` (the floor for writing shards there)."""
+    buf = os.urandom(64 << 20)
+    path = os.path.join(folder, "disk-speed.tmp")
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(nbytes // len(buf)):
+            f.write(buf)
+        f.flush()
+        os.fsync(f.fileno())
+    s = time.perf_counter() - t
+    os.unlink(path)
+    return nbytes / s / 1e9
+
+
+def build(args, path: str) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                      num_attention_heads=32 if args.hidden >= 4096 else 8, num_key_value_heads=8,
+                      vocab_size=args.vocab, tie_word_embeddings=False)
+    with torch.device(args.torch_device if args.torch_device != "auto" else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
+
+
+def warm(src: str) -> None:
+    for fn in glob.glob(os.path.join(src, "*")):
+        with open(fn, "rb") as f:
+            while f.read(64 << 20):
+                pass
+    subprocess.run([sys.executable, "-c", "import torch, transformers, llmcompressor, compressed_tensors"],
+                   capture_output=True)
+
+
+def output_bytes(folder: str) -> int:
+    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
 
 
 def main() -> None:
@@ -123,27 +257,86 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--scheme", default="FP8_DYNAMIC")
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--workdir", default="/tmp/export-bench")
+    ap.add_argument("--device", default="cuda", help="the job's resources.device: cuda (every GPU), cuda:N, cpu")
+    ap.add_argument("--workers", type=int, default=0, help="resources.workers for the main supervisor run")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "export-bench"))
+    ap.add_argument("--skip", default="", help="comma-separated tools to skip: oneshot,model_free_ptq,kill,1w")
     args = ap.parse_args()
+    args.torch_device = "cpu" if args.device == "cpu" else ("cuda:0" if args.device == "cuda" else args.device)
+    skip = set(filter(None, args.skip.split(",")))
     shutil.rmtree(args.workdir, ignore_errors=True)
     os.makedirs(args.workdir)
     src = os.path.join(args.workdir, "model")
     t = time.perf_counter()
     size = build(args, src)
     print(f"checkpoint: {args.layers} layers, {size / 1e9:.2f} GB bf16, written in {time.perf_counter() - t:.1f} s")
-    sup = run_supervisor(args, src, os.path.join(args.workdir, "sup"), args.workdir)
-    one = run_oneshot(args, src, os.path.join(args.workdir, "oneshot"))
+    warm(src)
+    floor = disk_write_speed(args.workdir)
+    print(f"disk: {floor:.2f} GB/s write+fsync in {args.workdir}")
+
+    rows = []
+    sup = run_supervisor(args, src, os.path.join(args.workdir, "sup"), args.workdir, args.workers)
+    rows.append(("supervisor", sup))
+    if sup["workers"] > 1 and "1w" not in skip:
+        rows.append(("supervisor-1w", run_supervisor(args, src, os.path.join(args.workdir, "sup1"), args.workdir, 1)))
+    out_bytes = output_bytes(os.path.join(args.workdir, "sup"))
+    one = mfp = None
+    if "oneshot" not in skip:
+        one = run_script(ONESHOT, args, src, os.path.join(args.workdir, "oneshot"), IGNORE)
+        rows.append(("oneshot", one))
+    if "model_free_ptq" not in skip:
+        mfp = run_script(MODEL_FREE, args, src, os.path.join(args.workdir, "mfp"), IGNORE + ["model.embed_tokens"])
+        rows.append(("model_free_ptq", mfp))
+
     gib = 2**30
-    print(f"{'tool':<12}{'wall s':>8}{'start-up s':>12}{'s/layer':>9}{'quantize s':>12}{'save s':>8}"
-          f"{'peak RSS GiB':>14}{'peak GPU GiB':>14}")
-    print(f"{'supervisor':<12}{sup['wall']:>8.1f}{sup['startup']:>12.1f}{sup['per_layer']:>9.2f}{'-':>12}{'-':>8}"
-          f"{sup['peak_rss'] / gib:>14.2f}{sup['peak_gpu'] / gib:>14.2f}")
-    print(f"{'oneshot':<12}{one['wall']:>8.1f}{one['imports']:>12.1f}{'-':>9}{one['quantize']:>12.1f}"
-          f"{one['save']:>8.1f}{one['peak_rss'] / gib:>14.2f}{one['peak_gpu'] / gib:>14.2f}")
-    print("outputs:", compare(os.path.join(args.workdir, "sup"), os.path.join(args.workdir, "oneshot")))
-    print(f"{args.scheme} on {args.device}; supervisor start-up = spawn to Ready (imports); oneshot start-up = "
-          "imports; oneshot load is in its wall time")
+    print()
+    print("| tool | wall s | start-up s | work s | s/layer | peak GPU GiB (alloc / nvidia-smi) | peak RSS GiB | peak PSS GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, r in rows:
+        work = r["wall"] - r["startup"]
+        per_layer = f"{r['per_layer']:.3f}" if "per_layer" in r else "-"
+        tree = r["tree"]
+        print(f"| {name} | {r['wall']:.1f} | {r['startup']:.1f} | {work:.1f} | {per_layer} | "
+              f"{r['peak_gpu'] / gib:.2f} / {tree.peak_gpu / gib:.2f} | {tree.peak_rss / gib:.2f} | "
+              f"{tree.peak_pss / gib:.2f} |")
+    print()
+    print(f"written: {out_bytes / 1e9:.2f} GB; write floor {out_bytes / 1e9 / floor:.2f} s in all, "
+          f"{out_bytes / 1e9 / floor / (args.layers + 1):.3f} s per part")
+    print(f"supervisor: imports {sup['imports']:.1f} s in the warm parent; {sup['workers']} worker(s)")
+    if one:
+        print(f"ratio wall supervisor / oneshot: {sup['wall'] / one['wall']:.2f}")
+        print("ours vs oneshot:", compare(os.path.join(args.workdir, "sup"), os.path.join(args.workdir, "oneshot")))
+    if mfp:
+        print(f"ratio wall supervisor / model_free_ptq: {sup['wall'] / mfp['wall']:.2f}")
+        print("ours vs model_free_ptq:", compare(os.path.join(args.workdir, "sup"), os.path.join(args.workdir, "mfp")))
+
+    again, wall_again, _ = timed([SUPERVISOR, "run",
+                                  os.path.join(args.workdir, "job-sup.toml"), "--json"])
+    print(f"re-run of the finished export: {wall_again:.2f} s (exit {again.returncode})")
+    if "kill" not in skip and args.layers >= 4:
+        kill_run(args, src)
+
+
+def kill_run(args, src: str) -> None:
+    """SIGKILL the worker once at a middle layer; report how long until its replacement was ready and working."""
+    marker = os.path.join(args.workdir, "killed.json")
+    env = dict(os.environ)
+    env["SUPERVISOR_TEST_FAULT"] = json.dumps({"point": "quantize", "action": "sigkill", "index": args.layers // 2,
+                                               "once": marker})
+    r = run_supervisor(args, src, os.path.join(args.workdir, "killed"), args.workdir, args.workers, env=env)
+    with open(marker) as f:
+        fired = json.load(f)
+    ev = r["events"]
+    retry = next((e for e in ev if e["type"] == "Retrying"), None)
+    again = next((e for e in ev if e["type"] == "LayerStarted" and e["attempt"] == 2), None)
+    ready = next((e for e in ev if e["type"] == "WorkerStarted" and e.get("since_death") is not None), None)
+    if retry and again and ready:
+        print(f"kill at layer {fired['index']}: the loss was noticed and the layer restarted "
+              f"{again['t'] - retry['t']:.2f} s later (backoff {retry['delay']:.1f} s; the new worker was ready "
+              f"{ready['since_death']:.2f} s after the loss, {ready['seconds']:.2f} s from fork to Ready)")
+    else:
+        print("kill run: no restart seen")
+    print("killed run vs uninterrupted:", compare(os.path.join(args.workdir, "killed"), os.path.join(args.workdir, "sup")))
 
 
 if __name__ == "__main__":

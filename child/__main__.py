@@ -173,13 +173,14 @@ class Exporter:
             faults.hit(stage, index, writer)
 
         name = layout.shard_name(index)
-        sha, nbytes = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint,
-                                  metadata=self.backend.shard_metadata())
+        out, metadata = self.backend.serialize(out)
+        w = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint,
+                        metadata=metadata)
         del out
         gc.collect()
         _malloc_trim()
         self.beat.set(None, "idle")
-        return LayerWritten(index=index, file=name, sha256=sha, nbytes=nbytes,
+        return LayerWritten(index=index, file=name, digest=w.digest, nbytes=w.nbytes, ino=w.ino, mtime_ns=w.mtime_ns,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
                             peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), source_digest=digest)
 
@@ -227,6 +228,8 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
     except Exception as exc:  # noqa: BLE001 - every failure crosses the pipe as data
         writer.send(_failed(None, exc))
         return 1
+    gc.freeze()  # what the worker built to start (skeleton, config) lives as long as it: keep it out of each
+    # layer's gc.collect(), which then costs milliseconds instead of a third of a second (see child.zygote)
     free, total = _gpu_memory(hello.device)
     writer.send(Ready(version=PROTOCOL_VERSION, pid=os.getpid(), device=hello.device,
                       layer_prefix=exporter.prefix, num_layers=exporter.backend.num_layers,
@@ -270,7 +273,7 @@ def _gpu_memory(device: str) -> tuple[int, int]:
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
     out = {}
-    for pkg in ("torch", "transformers", "llmcompressor", "compressed-tensors", "safetensors"):
+    for pkg in ("torch", "transformers", "llmcompressor", "compressed-tensors", "torchao", "safetensors"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:

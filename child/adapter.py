@@ -149,5 +149,8 @@ class Merged:
     def nbytes(self, tensors: dict) -> int:
         return self.inner.nbytes(tensors)
 
+    def all_names(self) -> list[str]:
+        return self.inner.all_names()
+
     def digest(self, names: list[str]) -> str:
         return self.inner.digest(names)

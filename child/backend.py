@@ -2,7 +2,9 @@
 
     Exporter (child/__main__.py)          Backend (one per job, built once per worker)
       tensors of part i ─────────────────▶ quantize_layer(i, tensors) | quantize_non_layer(tensors)
-      ◀──────────────────────── {name: CPU tensor}  (written by child/writer.py with shard_metadata())
+      ◀──────────────────────── {name: tensor}  (the format's own objects, e.g. torchao tensor subclasses)
+      that dict ─────────────────────────▶ serialize(tensors)
+      ◀──────────────────────── ({name: plain CPU tensor}, __metadata__)   written by child/writer.py
       WriteConfig(dest) ─────────────────▶ write_config(dest): dest/config.json
 
 The worker loop, the journal, resume and finalize never branch on the format: everything that differs between
@@ -26,11 +28,30 @@ class Backend(Protocol):
     def quantize_non_layer(self, tensors: dict) -> dict:
         """Everything outside the decoder layers (embeddings, final norm, lm_head) in, its shard's tensors out."""
 
-    def shard_metadata(self) -> dict[str, str]:
-        """The safetensors `__metadata__` every shard of this format carries (written in sorted key order)."""
+    def serialize(self, tensors: dict) -> tuple[dict, dict[str, str]]:
+        """A part's quantized tensors as a shard stores them: plain CPU tensors and the safetensors `__metadata__`
+        (the writer stores its keys in sorted order)."""
 
     def write_config(self, source_config_json: str, dest_dir: str) -> str:
         """Write dest_dir/config.json (the source's config plus this format's quantization_config); its path."""
+
+
+# The modules each format's backend imports: the warm parent (child.zygote) imports them once, before forking.
+_MODULES: dict[str, tuple[str, ...]] = {
+    "compressed-tensors": ("child.quantize",),
+    "torchao": ("child.torchao_backend",),
+}
+
+
+def preload(fmt: str) -> None:
+    """Import what a worker for `fmt` will need (never touching CUDA), so forked workers start warm."""
+    import importlib
+
+    import child.source  # noqa: F401 - safetensors
+    import child.writer  # noqa: F401 - torch, safetensors
+
+    for name in _MODULES.get(fmt, ()):
+        importlib.import_module(name)
 
 
 def make_backend(job: Job, config_dir: str, device: str) -> Backend:
@@ -41,4 +62,10 @@ def make_backend(job: Job, config_dir: str, device: str) -> Backend:
         from child.quantize import LayerQuantizer
 
         return LayerQuantizer(config_dir, job.export.scheme, effective_ignore(job), device=device)
+    if job.export.format == "torchao":
+        from child.source import open_source
+        from child.torchao_backend import TorchaoBackend
+
+        return TorchaoBackend(config_dir, job.export.scheme, job.export.torchao or {}, effective_ignore(job),
+                              device=device, tensor_names=open_source(job).all_names())
     raise ValueError(f"unknown export format {job.export.format!r}")

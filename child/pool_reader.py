@@ -47,6 +47,9 @@ class PoolSource:
     def read(self, names: list[str]) -> dict:
         return {n: self._tensor(self._entries[n]) for n in names}
 
+    def all_names(self) -> list[str]:
+        return sorted(self._entries)
+
     def nbytes(self, tensors: dict) -> int:
         return sum(t.numel() * t.element_size() for t in tensors.values())
 

@@ -114,8 +114,8 @@ class LayerQuantizer:
             out.update(self._quantize_subtree(name, self._skeleton.get_submodule(name), own))
         return out
 
-    def shard_metadata(self) -> dict[str, str]:
-        return {"format": "pt"}  # what transformers' save_pretrained writes into every shard
+    def serialize(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        return tensors, {"format": "pt"}  # what transformers' save_pretrained writes into every shard
 
     def write_config(self, source_config_json: str, dest_dir: str) -> str:
         return write_config(source_config_json, dest_dir, self.scheme, self.ignore)

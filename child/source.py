@@ -41,6 +41,9 @@ class Source(Protocol):
     def nbytes(self, tensors: dict) -> int:
         """Bytes of `tensors` as read (for progress)."""
 
+    def all_names(self) -> list[str]:
+        """Every tensor name of the model, sorted (a torchao shard lists them all in its metadata)."""
+
     def digest(self, names: list[str]) -> str:
         """A hash of these tensors' source bytes when the source can change under the same fingerprint (a live
         model); "" when the fingerprint already covers them (files on disk)."""
@@ -101,6 +104,9 @@ class Checkpoint:
 
     def nbytes(self, tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def all_names(self) -> list[str]:
+        return sorted(self.weight_map)
 
     def digest(self, names: list[str]) -> str:
         return ""  # the fingerprint holds the files' sizes and mtimes

@@ -1,14 +1,20 @@
 """Durable shard writes: safetensors into a temp file under OUT/.export/tmp, fsync, rename, fsync the folder.
 
-A shard is visible at its final name only once it is complete; its sha256 is computed from the bytes on disk.
+A shard is visible at its final name only once it is complete. Its digest is computed from the bytes it was
+written from (the header read back from the file, then each tensor's memory in file order), not by re-reading
+the file: the hash costs a pass over memory, not a second pass over the disk.
 Owns writing one shard; it never decides what goes in it and never touches the journal (the supervisor's).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import struct
+from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
@@ -21,9 +27,41 @@ METADATA = {"format": "pt"}
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
+@dataclass
+class Written:
+    digest: str  # "algo:hex" of the file's bytes
+    nbytes: int
+    ino: int  # the file's identity once in place: resume trusts a shard whose (ino, mtime_ns, size) match
+    mtime_ns: int
+
+
+def _sort_metadata(path: str) -> None:
+    """Rewrite the header of the safetensors file at `path` in place with `__metadata__` in sorted key order.
+
+    safetensors 0.8's save_file keeps the metadata in a Rust HashMap, so its key order differs in each process
+    (measured: three runs, three orders). A shard with more than one metadata key (torchao: one per tensor) would
+    then differ byte-wise between an uninterrupted run and a resumed one. Only the order changes: the header
+    keeps its length (safetensors pads it with spaces to 8 bytes), so the tensor data is not touched.
+    """
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        meta = header.get("__metadata__")
+        if not meta or len(meta) < 2:
+            return
+        header["__metadata__"] = dict(sorted(meta.items()))
+        # serde_json's compact form: no spaces, non-ASCII as UTF-8, so the same content has the same length
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(raw) > n:
+            raise RuntimeError(f"{path}: re-encoded safetensors header is longer than the original ({len(raw)} > {n})")
+        f.seek(8)
+        f.write(raw.ljust(n, b" "))
+
+
 def _save(tensors: dict, path: str, metadata: dict[str, str]) -> None:
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata)
+        save_file(tensors, path, metadata=metadata)
+        _sort_metadata(path)
     except SafetensorError as exc:
         # Make it the OSError it is, so a full disk (ENOSPC) reaches the supervisor as such and is not retried.
         m = _OS_ERROR.search(str(exc))
@@ -33,16 +71,50 @@ def _save(tensors: dict, path: str, metadata: dict[str, str]) -> None:
         raise OSError(code, os.strerror(code), path) from exc
 
 
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    # raw little-endian bytes as safetensors writes them; reshape(-1) because a 0-dim tensor cannot be viewed
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def digest_written(path: str, tensors: dict, algo: str = durable.ALGO) -> str:
+    """The digest of the safetensors file at `path`, which was just written from `tensors`: its header is read
+    back (a few KB) and the data section hashed from memory in the header's offset order. Falls back to
+    hashing the file when the layout is not the contiguous one safetensors writes."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        (n,) = struct.unpack("<Q", head)
+        header_bytes = f.read(n)
+    header = json.loads(header_bytes)
+    spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name)
+                   for name, info in header.items() if name != "__metadata__")
+    pos = 0
+    for start, end, name in spans:
+        t = tensors.get(name)
+        if start != pos or t is None or t.numel() * t.element_size() != end - start:
+            return durable.hash_file(path, algo)
+        pos = end
+    if 8 + n + pos != os.path.getsize(path):
+        return durable.hash_file(path, algo)
+    h = durable.hasher(algo)
+    h.update(head)
+    h.update(header_bytes)
+    for _, _, name in spans:
+        h.update(_bytes_of(tensors[name]))
+    return f"{algo}:{h.hexdigest()}"
+
+
 def write_shard(tensors: dict, output: str, tmp_dir: str, name: str,
                 checkpoint: Callable[[str], None] = lambda stage: None,
-                metadata: dict[str, str] | None = None) -> tuple[str, int]:
-    """Write `tensors` as OUT/name with `metadata` in its header; returns (sha256, size). `checkpoint(stage)` is
-    the fault-injection hook."""
+                metadata: dict[str, str] | None = None) -> Written:
+    """Write `tensors` as OUT/name with `metadata` in its header. `checkpoint(stage)` is the fault-injection
+    hook."""
     os.makedirs(tmp_dir, exist_ok=True)
     tmp = os.path.join(tmp_dir, name + ".tmp")
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
     try:
         _save(tensors, tmp, METADATA if metadata is None else metadata)
         os.chmod(tmp, 0o644)  # safetensors creates 0600 files; shards are meant to be shared like any checkpoint
+        digest = digest_written(tmp, tensors)
         checkpoint("write_tmp")
         dest = os.path.join(output, name)
         durable.replace(tmp, dest)
@@ -53,6 +125,5 @@ def write_shard(tensors: dict, output: str, tmp_dir: str, name: str,
             pass
         raise
     checkpoint("after_rename")
-    # The hash re-reads the shard (from the page cache). Hashing serialized bytes instead (safetensors.torch.save)
-    # would hold a second copy of the shard in memory, which a huge MoE layer cannot afford.
-    return durable.sha256_file(dest), os.path.getsize(dest)
+    st = os.stat(dest)
+    return Written(digest=digest, nbytes=st.st_size, ino=st.st_ino, mtime_ns=st.st_mtime_ns)

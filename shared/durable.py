@@ -1,14 +1,24 @@
-"""Durable file writes, the one helper both sides use: temp file, flush, fsync, os.replace, fsync the folder.
+"""Durable file writes and file digests, the one helper both sides use.
 
-A file written through here is either absent or complete at its final name, whatever kills the process. Owns
-nothing else; the temp folder must be on the same filesystem as the destination (rename is atomic only there).
+Writes: temp file, flush, fsync, os.replace, fsync the folder; a file written through here is either absent or
+complete at its final name, whatever kills the process. The temp folder must be on the same filesystem as the
+destination (rename is atomic only there).
+
+Digests are "algo:hex" strings, so a journal says how each was made. New files get xxh3-128: the digest guards
+against files damaged or truncated after they were written (a disk error, a partial copy, a stray edit), not
+against an adversary who can write the output folder (who could rewrite the journal too), so a fast
+non-cryptographic hash is enough, and at ~17 GB/s (measured, one core) against sha256's ~1.7 GB/s it costs
+nothing beside the write. Bare hex digests (journals of earlier versions) are sha256.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 
+import xxhash
+
 _CHUNK = 8 * 1024 * 1024
+ALGO = "xxh3-128"
 
 
 def fsync_dir(path: str) -> None:
@@ -49,12 +59,37 @@ def write_bytes(dest: str, data: bytes, tmp_dir: str | None = None) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(dest)))
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
+def hasher(algo: str = ALGO):
+    """A fresh hashlib-style object (update, hexdigest) for `algo`."""
+    if algo == "xxh3-128":
+        return xxhash.xxh3_128()
+    if algo == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown digest algorithm {algo!r}")
+
+
+def algo_of(digest: str) -> str:
+    return digest.split(":", 1)[0] if ":" in digest else "sha256"
+
+
+def hash_file(path: str, algo: str = ALGO) -> str:
+    """The digest ("algo:hex") of the file's bytes."""
+    h = hasher(algo)
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
-    return h.hexdigest()
+    return f"{algo}:{h.hexdigest()}"
+
+
+def matches(path: str, digest: str) -> bool:
+    """Whether the file's bytes have `digest` (made with the algorithm the digest names)."""
+    algo = algo_of(digest)
+    got = hash_file(path, algo)
+    return got == digest if ":" in digest else got.split(":", 1)[1] == digest
+
+
+def sha256_file(path: str) -> str:
+    return hash_file(path, "sha256").split(":", 1)[1]
 
 
 def _unlink_quietly(path: str) -> None:
@@ -64,11 +99,11 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def tensor_digest(items) -> str:
-    """sha256 over (name, dtype, shape, raw bytes) items, in name order: a live model's layer, as both sides see it.
-    `items` yields (name, dtype name, shape, bytes-like of the tensor's contiguous bytes)."""
-    h = hashlib.sha256()
+def tensor_digest(items, algo: str = ALGO) -> str:
+    """The digest ("algo:hex") of (name, dtype, shape, raw bytes) items in name order: a live model's part, as both
+    sides see it. `items` yields (name, dtype name, shape, bytes-like of the tensor's contiguous bytes)."""
+    h = hasher(algo)
     for name, dtype, shape, data in sorted(items, key=lambda item: item[0]):
         h.update(f"{name}|{dtype}|{list(shape)}\n".encode())
         h.update(data)
-    return h.hexdigest()
+    return f"{algo}:{h.hexdigest()}"

@@ -6,12 +6,13 @@ New fields always get defaults, so journals written by an older version still de
 """
 from __future__ import annotations
 
+import difflib
 import tomllib
-from typing import Literal
+from typing import Any
 
 import msgspec
 
-from shared import schemes
+from shared import schemes, torchao_schemes
 
 
 class Source(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -27,7 +28,13 @@ class Export(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     output: str
     # None means the defaults: lm_head and MoE routers (DEFAULT_IGNORE below).
     ignore: list[str] | None = None
-    format: Literal["compressed-tensors"] = "compressed-tensors"
+    format: str = "compressed-tensors"  # one of FORMATS (a str, so that a typo gets a suggestion)
+    # [export.torchao]: keyword arguments of the torchao config (format "torchao" only); spellings in
+    # shared/torchao_schemes.py. None: torchao's defaults (and ours, where the README says so).
+    torchao: dict[str, Any] | None = None
+
+
+FORMATS = ("compressed-tensors", "torchao")
 
 
 class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -39,6 +46,7 @@ class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     recycle_after_layers: int = 0  # restart the worker after this many layers (0: never)
     recycle_above_rss_mb: int = 0  # restart the worker when its RSS exceeds this (0: never)
     torch_threads: int = 0  # torch.set_num_threads in the child (0: leave torch's default)
+    workers: int = 0  # worker processes exporting parts at once (0: one per GPU; on CPU, by cores and memory)
 
 
 class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -69,10 +77,29 @@ class JobSyntaxError(ValueError):
 _DEVICE_FORMS = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 
 
-def _check_values(job: Job) -> None:
-    problem = schemes.check(job.export.scheme)
+def _check_export(export: Export) -> None:
+    if export.format not in FORMATS:
+        hint = difflib.get_close_matches(export.format, FORMATS, n=1, cutoff=0.5)
+        did_you_mean = f"did you mean {hint[0]!r}? " if hint else ""
+        raise JobSyntaxError(f"[export] unknown format {export.format!r}; {did_you_mean}use one of "
+                             f"{', '.join(repr(f) for f in FORMATS)}")
+    if export.format == "torchao":
+        problem = torchao_schemes.check_scheme(export.scheme)
+        if problem:
+            raise JobSyntaxError(f"[export] {problem}")
+        problem = torchao_schemes.check_keywords(export.scheme, export.torchao or {})
+        if problem:
+            raise JobSyntaxError(f"[export.torchao] {problem}")
+        return
+    if export.torchao is not None:
+        raise JobSyntaxError('[export.torchao] applies only to format = "torchao"; remove it or set that format')
+    problem = schemes.check(export.scheme)
     if problem:
         raise JobSyntaxError(f"[export] {problem}")
+
+
+def _check_values(job: Job) -> None:
+    _check_export(job.export)
     dev = job.resources.device
     if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise JobSyntaxError(f"[resources] device = {dev!r} is not valid; use {_DEVICE_FORMS}")
@@ -83,8 +110,8 @@ def _check_values(job: Job) -> None:
         raise JobSyntaxError("[resources] heartbeat_timeout and startup_timeout must be positive")
     if r.part_timeout < 0:
         raise JobSyntaxError("[resources] part_timeout must be 0 (no limit) or positive")
-    if r.recycle_after_layers < 0 or r.recycle_above_rss_mb < 0 or r.torch_threads < 0:
-        raise JobSyntaxError("[resources] recycle_after_layers, recycle_above_rss_mb and torch_threads "
+    if r.recycle_after_layers < 0 or r.recycle_above_rss_mb < 0 or r.torch_threads < 0 or r.workers < 0:
+        raise JobSyntaxError("[resources] recycle_after_layers, recycle_above_rss_mb, torch_threads and workers "
                              "must be 0 or more")
     if job.source is not None and not job.source.path.strip():
         raise JobSyntaxError("[source] path is empty; set it to a Hugging Face checkpoint folder")

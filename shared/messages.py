@@ -6,7 +6,7 @@ Data flow (one worker)::
       Hello(version, job, device) ────────────▶  imports torch/llm-compressor, builds the meta skeleton
       ◀──────────── Ready(pid, versions, layer_prefix, num_layers)   (Heartbeat while importing)
       ExportLayer(index, attempt, prefetch) ──▶  read (mmap) → quantize → write tmp → fsync → rename
-      ◀──────────── Heartbeat(index, stage) …  then  LayerWritten(index, file, sha256, …) | Failed(…)
+      ◀──────────── Heartbeat(index, stage) …  then  LayerWritten(index, file, digest, …) | Failed(…)
       WriteConfig(dest) ──────────────────────▶  config.json with quantization_config into dest
       ◀──────────── ConfigWritten(path) | Failed(…)
       Stop() ─────────────────────────────────▶  exits 0
@@ -23,7 +23,7 @@ import msgspec
 
 from shared.job import Job
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 NON_LAYER = -1  # the index used for the non-layer shard (embeddings, final norm, lm_head)
 
@@ -102,13 +102,15 @@ class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
 class LayerWritten(msgspec.Struct, tag=True, kw_only=True):
     index: int
     file: str  # name relative to the output folder
-    sha256: str
+    digest: str  # "algo:hex" of the file's bytes (shared.durable)
     nbytes: int
     seconds: float
     source_bytes: int = 0  # bytes read from the source for this part
     peak_rss: int = 0  # the child's peak RSS while exporting this part (VmHWM reset per part), bytes
     rss: int = 0  # the child's RSS after the layer, bytes
     peak_gpu: int = 0  # torch.cuda.max_memory_allocated during this part, bytes
+    ino: int = 0  # the shard's inode and mtime once renamed into place (resume trusts a matching stat)
+    mtime_ns: int = 0
     source_digest: str = ""  # a live model's source tensors of this part (shared.durable.tensor_digest); "" on disk
 
 

@@ -50,7 +50,7 @@ def inspect_adapter(folder: str, base_folder: str, base_files: list[str]) -> dic
         pairs.setdefault(module, {})[kind] = shape
     for module, pair in sorted(pairs.items()):
         _check_pair(shown, module, pair, base.get(module + ".weight"), config)
-    return {fn: durable.sha256_file(os.path.join(folder, fn)) for fn in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)}
+    return {fn: durable.hash_file(os.path.join(folder, fn)) for fn in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)}
 
 
 def _read_config(folder: str) -> dict:

@@ -20,18 +20,23 @@ import queue
 import threading
 import time
 import traceback as tb
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+import msgspec
 
 from shared import layout
 from shared.job import Job, JobSyntaxError, parse_toml
-from shared.messages import NON_LAYER, PROTOCOL_VERSION, ConfigWritten, ExportLayer, Failed, Heartbeat, Hello, LayerWritten, WriteConfig
+from shared.messages import NON_LAYER, PROTOCOL_VERSION, Heartbeat, Hello, LayerWritten
 from supervisor import events as ev
 from supervisor import finalize, journal
 from supervisor.errors import (Cancelled, DeviceError, ExportFailed, InputError, JobError, OutputError, SourceError,
                                SupervisorError)
 from supervisor.lock import Lock, probe
 from supervisor.source import SourceInfo, inspect
+from supervisor.scheduler import Scheduler, Slot
 from supervisor.worker import CancelledWait, Worker, WorkerLost
+from supervisor.zygote import Zygote, ZygoteLost
 
 ENOSPC = 28
 LOG_KEEP = 2000  # child log lines kept for a UI that connects late (recent_logs())
@@ -68,7 +73,8 @@ class Plan:
     source: SourceInfo
     fingerprint: str
     state: journal.State
-    device: str
+    device: str  # the first of `devices`
+    devices: list[str]  # every device the workers use ("cpu" or "cuda:N", the supervisor's numbering)
     live: bool = False  # the source is the live model handed to Supervisor (its pool), not a folder
 
 
@@ -102,8 +108,12 @@ def prepare(job: Job, model=None) -> Plan:
     fp, parts = journal.fingerprint(job, source.stats, extra)
     state = journal.check_owner(output, fp, parts)
     _check_writable(output)
-    device = devices.resolve_device(job.resources.device)
-    return Plan(job, output, source, fp, state, device, live=job.source is None)
+    devs = devices.resolve_devices(job.resources.device)
+    if job.export.format == "torchao":
+        from supervisor import torchao_job  # imports torchao (and torch): only for torchao jobs
+
+        torchao_job.check(job, source, devs[0])
+    return Plan(job, output, source, fp, state, devs[0], devs, live=job.source is None)
 
 
 def _disk_source(job: Job, output: str) -> tuple[SourceInfo, dict | None]:
@@ -156,7 +166,11 @@ class Supervisor:
         self._lock: Lock | None = None
         self._handle = None  # offload handle while the live model is released
         self._journal: journal.Journal | None = None
-        self._worker: Worker | None = None
+        self._scheduler: Scheduler | None = None
+        self._zygote: Zygote | None = None
+        self._zygote_lock = threading.Lock()
+        self._spawner: ThreadPoolExecutor | None = None
+        self._done: dict[int, journal.Shard] = {}
         self._t0 = time.monotonic()
         self._terminal: ev.Event | None = None
         self._error: BaseException | None = None
@@ -284,9 +298,15 @@ class Supervisor:
             if self._journal is not None:
                 steps.callback(self._journal.close)
                 self._journal = None
-            if self._worker is not None:
-                steps.callback(self._worker.stop, grace=2.0)
-                self._worker = None
+            if self._spawner is not None:
+                steps.callback(self._spawner.shutdown, wait=True)
+                self._spawner = None
+            if self._zygote is not None:
+                steps.callback(self._zygote.close)
+                self._zygote = None
+            if self._scheduler is not None:
+                steps.callback(self._scheduler.close)
+                self._scheduler = None
 
     def _release_model(self) -> None:
         if self.model is None:
@@ -353,6 +373,13 @@ class Supervisor:
             else:
                 redo.append(idx)
         self._journal = journal.Journal(out, st) if st.header else journal.start(out, self.job, plan.fingerprint, n)
+        for idx, rec in done.items():
+            # verified by its bytes under a new identity (copied, restored from a backup): journal the new
+            # identity, so the next run trusts it again by its stat
+            fresh = journal.restat(out, rec)
+            if fresh is not rec:
+                self._journal.append(fresh)
+                done[idx] = fresh
         self._clear_tmp()
         todo = [p for p in parts if p not in done]
         self._emit(ev.Started(output=out, total=len(parts), todo=len(todo), resumed=len(done), redo=sorted(redo)))
@@ -360,9 +387,11 @@ class Supervisor:
             return ev.Finished(output=out, parts=len(parts), nbytes=sum(r.nbytes for r in done.values()),
                                seconds=0.0, already_complete=True)
         self._progress = _Progress(total=len(parts), done=len(done), source_bytes=plan.source.nbytes)
-        for i, idx in enumerate(todo):
-            nxt = todo[i + 1] if i + 1 < len(todo) else None
-            done[idx] = self._export_part(idx, nxt)
+        self._done = done
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
+        self._start_zygote()
+        self._scheduler = self._make_scheduler()
+        self._scheduler.run(todo)
         self._finalize(done)
         total_bytes = sum(r.nbytes for r in done.values())
         return ev.Finished(output=out, parts=len(parts), nbytes=total_bytes,
@@ -378,6 +407,18 @@ class Supervisor:
         names = live.part_names(self.plan.source.tensor_names, self.plan.source.layer_prefix, index)
         return None if live.part_digest(self._live, names) == rec.source_digest else "the live model changed"
 
+    def _make_scheduler(self) -> Scheduler:
+        from supervisor import devices
+
+        r = self.job.resources
+        layer_bytes = self.plan.source.nbytes // max(self.plan.source.num_layers, 1)
+        slots = devices.worker_slots(self.plan.devices, r.workers, layer_bytes)
+        slots = [Slot(id=i, device=d) for i, d in enumerate(slots)]
+        return Scheduler(slots, max_attempts=r.max_attempts, part_timeout=r.part_timeout,
+                         retry_delay=self.retry_delay, sequential=False, cancel=self._cancel, emit=self._emit,
+                         start_worker=self._start_worker, on_written=self._record, on_heartbeat=self._on_heartbeat,
+                         recycle=self._should_recycle)
+
     def _clear_tmp(self) -> None:
         tmp = layout.state_path(self.plan.output, layout.TMP)
         for fn in os.listdir(tmp):
@@ -387,31 +428,74 @@ class Supervisor:
         if self._cancel.is_set():
             raise Cancelled("export cancelled; run the same job again to resume")
 
-    def _ensure_worker(self) -> Worker:
-        if self._worker is not None:
-            return self._worker
+    def _start_zygote(self) -> None:
+        """Start the warm parent that forks workers. It is spawned from the long-lived spawner thread: a
+        parent-death signal fires when the *thread* that spawned a process ends, not only its process."""
+        from supervisor import devices
+
+        self._check_cancel()
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.plan.devices == ["cpu"]:
+            env = devices.child_env("cpu", env)
+        log = layout.state_path(self.plan.output, layout.LOGS, "zygote.log")
+        z = Zygote(env, log, self.job.export.format, self.job.resources.startup_timeout,
+                   pass_fds=tuple(self._pool_spec.fds) if self._pool_spec is not None else ())
+        t = time.monotonic()
+        try:
+            self._spawner.submit(z.start, self._cancel.is_set).result()
+        except ZygoteLost as exc:
+            raise ExportFailed(f"workers cannot start: {exc.reason}", traceback=exc.log_tail) from None
+        except CancelledWait:
+            raise Cancelled("export cancelled; run the same job again to resume") from None
+        self._zygote = z
+        self._emit(ev.PoolStarted(pid=z.proc.pid, seconds=round(time.monotonic() - t, 3), imports=z.seconds))
+
+    def _fork(self, env: dict, fds: tuple[int, int], out_fds: tuple[int, int]):
+        """Fork a worker from the zygote; a zygote that died is started again once (on the spawner thread)."""
+        with self._zygote_lock:
+            try:
+                if self._zygote is None or not self._zygote.alive:
+                    old, self._zygote = self._zygote, None
+                    if old is not None:
+                        old.close()
+                    self._start_zygote()
+                return self._zygote.fork([], env, fds, out_fds)
+            except ZygoteLost as exc:
+                raise WorkerLost(exc.reason, exc.log_tail) from None
+
+    def _start_worker(self, slot: Slot) -> Worker:
+        """A ready worker for `slot`: the child sees only the slot's GPU (as cuda:0), or none on CPU."""
         from supervisor import devices
 
         self._check_cancel()
         plan, r = self.plan, self.job.resources
-        env = devices.child_env(plan.device, dict(os.environ))
+        env = devices.child_env(slot.device, dict(os.environ))
         env["PYTHONUNBUFFERED"] = "1"
-        child_device = "cpu" if plan.device == "cpu" else "cuda:0"
-        hello = Hello(version=PROTOCOL_VERSION, job=self.job, output=plan.output, device=child_device,
+        child_device = "cpu" if slot.device == "cpu" else "cuda:0"
+        job = self.job
+        cpu_slots = sum(s.device == "cpu" for s in self._scheduler.slots) if self._scheduler else 1
+        if slot.device == "cpu" and cpu_slots > 1 and not r.torch_threads:
+            # several CPU workers share the cores instead of each starting one thread per core
+            threads = max(1, (os.cpu_count() or 1) // cpu_slots)
+            job = msgspec.structs.replace(job, resources=msgspec.structs.replace(r, torch_threads=threads))
+        hello = Hello(version=PROTOCOL_VERSION, job=job, output=plan.output, device=child_device, worker=slot.id,
                       pool=self._pool_spec)
-        log = layout.state_path(plan.output, layout.LOGS, "worker-0.log")
+        log = layout.state_path(plan.output, layout.LOGS, f"worker-{slot.id}.log")
         w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout,
-                   pass_fds=tuple(self._pool_spec.fds) if self._pool_spec is not None else (), on_log=self._on_log)
-        self._worker = w
+                   fork=self._fork, on_log=self._on_log)
+        slot.worker = w  # so a stop or kill reaches it while it starts
         t = time.monotonic()
         ready = w.start(self._cancel.is_set, self._on_heartbeat)
         if ready.num_layers != plan.source.num_layers or ready.layer_prefix != plan.source.layer_prefix:
             raise SourceError(f"the model class sees {ready.num_layers} layers under {ready.layer_prefix!r} but the "
                               f"weights hold {plan.source.num_layers} under {plan.source.layer_prefix!r}; "
                               "this architecture is not supported")
-        self._emit(ev.WorkerStarted(pid=ready.pid, device=plan.device, seconds=round(time.monotonic() - t, 3),
+        now = time.monotonic()
+        self._emit(ev.WorkerStarted(pid=ready.pid, device=slot.device, seconds=round(now - t, 3), worker=slot.id,
+                                    since_death=None if slot.died_at is None else round(now - slot.died_at, 3),
                                     gpu_free=ready.gpu_free, gpu_total=ready.gpu_total))
-        self._check_gpu_room(ready)
+        self._check_gpu_room(ready, slot.device)
         p = self._progress
         if p is not None and p.done == p.done_at_start:
             p.start = time.monotonic()  # rates measure exporting, not the first worker's imports
@@ -431,22 +515,19 @@ class Supervisor:
         if self.plan.device == "cpu" or torch is None or not torch.cuda.is_initialized():
             return
         from supervisor import devices
-        devices.check_free_memory(self.plan.device, self._layer_need() + (512 << 20))  # + the child's context
+        for device in self.plan.devices:
+            devices.check_free_memory(device, self._layer_need() + (512 << 20))  # + the child's context
 
-    def _check_gpu_room(self, ready) -> None:
+    def _check_gpu_room(self, ready, device: str | None = None) -> None:
         """Refuse a GPU that cannot hold a layer: the worker measured its free memory after starting."""
+        device = device or self.plan.device
         if not ready.gpu_total:
             return
         need = self._layer_need()
         if ready.gpu_free < need:
-            raise DeviceError(f"{self.plan.device} has {ready.gpu_free / 2**30:.1f} GiB free as the worker sees it, "
+            raise DeviceError(f"{device} has {ready.gpu_free / 2**30:.1f} GiB free as the worker sees it, "
                               f"a layer needs about {need / 2**30:.1f} GiB: free memory on that GPU (or hand the live "
                               "model to Supervisor(model=...)), or set [resources] device to another one")
-
-    def _drop_worker(self, kill: bool) -> None:
-        if self._worker is not None:
-            self._worker.kill() if kill else self._worker.stop()
-            self._worker = None
 
     def _on_log(self, stream: str, text: str, pid: int) -> None:
         """Called by the worker's log pump for every line: keep it, and stream it unless the reader is behind."""
@@ -478,89 +559,40 @@ class Supervisor:
         if p is not None and hb.index is not None:
             self._emit(p.event(worker_rss=hb.rss, stage=hb.stage, index=hb.index))
 
-    def _export_part(self, index: int, prefetch: int | None) -> journal.Shard:
-        w, reply = self._with_retries(
-            index, lambda attempt: ExportLayer(index=index, attempt=attempt, prefetch=prefetch), LayerWritten)
-        return self._record(reply, w)
-
-    def _with_retries(self, index: int | None, make_request, success: type):
-        """Send make_request(attempt) until the reply is a `success`, each retry in a fresh worker; returns
-        (worker, reply). index None is config.json at finalize. Disk full ends at once; other failures are
-        retried up to max_attempts, then ExportFailed names the part and carries the child's last traceback."""
-        r = self.job.resources
-        what = "config.json" if index is None else _part_name(index)
-        last_reason, last_tb = "", ""
-        for attempt in range(1, r.max_attempts + 1):
-            self._check_cancel()
-            try:
-                w = self._ensure_worker()
-                if index is not None:
-                    self._emit(ev.LayerStarted(index=index, attempt=attempt))
-                reply = w.request(make_request(attempt), self._cancel.is_set, self._on_heartbeat,
-                                  timeout=r.part_timeout if index is not None else 0.0)
-                if isinstance(reply, success):
-                    return w, reply
-                if isinstance(reply, Failed):
-                    if reply.errno == ENOSPC:
-                        raise ExportFailed(f"disk full while writing {what} into {self.plan.output!r}: "
-                                           "free some space and run again to resume", index=index,
-                                           traceback=reply.traceback)
-                    last_reason, last_tb = f"{reply.kind}: {reply.message}", reply.traceback
-                else:
-                    last_reason, last_tb = f"unexpected reply {type(reply).__name__}", ""
-            except WorkerLost as exc:
-                last_reason, last_tb = exc.reason, exc.log_tail
-            except CancelledWait:
-                raise Cancelled("export cancelled; run the same job again to resume") from None
-            # Whatever went wrong, the next attempt gets a fresh process: a failed child's state is suspect.
-            self._drop_worker(kill=True)
-            self._retry_later(index, attempt, last_reason)
-        raise ExportFailed(f"{what} failed {r.max_attempts} times; last error: {last_reason}",
-                           index=index, traceback=last_tb)
-
-    def _retry_later(self, index: int | None, attempt: int, reason: str) -> None:
-        """Announce the next attempt (index None: config.json at finalize) and back off; no-op after the last."""
-        if attempt >= self.job.resources.max_attempts:
-            return
-        delay = min(self.retry_delay * 2 ** (attempt - 1), 10.0)
-        self._emit(ev.Retrying(index=index, attempt=attempt + 1, reason=reason, delay=delay))
-        if self._cancel.wait(delay):
-            raise Cancelled("export cancelled; run the same job again to resume")
-
-    def _record(self, reply: LayerWritten, w: Worker) -> journal.Shard:
+    def _record(self, reply: LayerWritten, w: Worker) -> None:
+        """Journal a written part (the scheduler calls this one part at a time)."""
         path = os.path.join(self.plan.output, reply.file)
         if reply.file != layout.shard_name(reply.index) or not os.path.isfile(path) \
                 or os.path.getsize(path) != reply.nbytes:
-            raise WorkerLost(f"worker reported {reply.file} but it is not on disk as described")
-        rec = journal.Shard(index=reply.index, file=reply.file, sha256=reply.sha256, nbytes=reply.nbytes,
-                            seconds=round(reply.seconds, 3), source_digest=reply.source_digest)
+            raise ExportFailed(f"worker reported {reply.file} but it is not on disk as described", index=reply.index)
+        rec = journal.Shard(index=reply.index, file=reply.file, digest=reply.digest, nbytes=reply.nbytes,
+                            seconds=round(reply.seconds, 3), ino=reply.ino, mtime_ns=reply.mtime_ns,
+                            source_digest=reply.source_digest)
         self._journal.append(rec)
+        self._done[reply.index] = rec
         w.layers_done += 1
         w.rss = reply.rss
         self._emit(ev.LayerWritten(index=reply.index, file=reply.file, nbytes=reply.nbytes,
                                    seconds=round(reply.seconds, 3), peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu))
         self._progress.add(reply.source_bytes, reply.nbytes)
         self._emit(self._progress.event(worker_rss=reply.rss))
-        self._maybe_recycle(w)
-        return rec
 
-    def _maybe_recycle(self, w: Worker) -> None:
+    def _should_recycle(self, w: Worker) -> bool:
         r = self.job.resources
         by_count = r.recycle_after_layers and w.layers_done >= r.recycle_after_layers
         by_rss = r.recycle_above_rss_mb and w.rss > r.recycle_above_rss_mb * 1024 * 1024
-        if by_count or by_rss:
-            self._drop_worker(kill=False)
+        return bool(by_count or by_rss)
 
     def _finalize(self, done: dict[int, journal.Shard]) -> None:
         out = self.plan.output
         staging = layout.state_path(out, layout.STAGING)
-        _, reply = self._with_retries(None, lambda attempt: WriteConfig(dest=staging), ConfigWritten)
-        self._drop_worker(kill=False)
+        reply = self._scheduler.write_config(staging)
+        self._scheduler.close()
         finalize.place_config(reply.path, out)
         shards = finalize.shard_files(self.plan.source.num_layers)
         finalize.write_index(out, shards)
         finalize.copy_side_files(self.plan.source.path, out)
-        files = finalize.output_files(out, {r.file: r.sha256 for r in done.values()})
+        files = finalize.output_files(out, {r.file: r.digest for r in done.values()})
         self._journal.append(journal.Finalized(files=files))
         finalize.write_done(out, files)
 
@@ -569,10 +601,6 @@ def _not_in(files: dict[str, str], shards: dict[int, journal.Shard]) -> dict[str
     """The finalized files that are not shards (those were just verified against their own records)."""
     hashed = {r.file for r in shards.values()}
     return {fn: sha for fn, sha in files.items() if fn not in hashed}
-
-
-def _part_name(index: int) -> str:
-    return "the non-layer shard" if index == NON_LAYER else f"layer {index}"
 
 
 class _Progress:

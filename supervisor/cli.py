@@ -65,7 +65,7 @@ def cmd_verify(args) -> int:
             print(f"BAD  {fn}: {why}")
         print(f"{len(problems)} problem(s); run the job again to redo those shards")
     else:
-        print(f"ok: every journaled file in {args.output} matches its sha256")
+        print(f"ok: every journaled file in {args.output} matches its digest")
     return 1 if problems else 0
 
 
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("output")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
-    p = sub.add_parser("verify", parents=[common], help="check every journaled shard's sha256 (exit 1 if any is bad)")
+    p = sub.add_parser("verify", parents=[common], help="re-hash every journaled file (exit 1 if any is bad)")
     p.add_argument("output")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)

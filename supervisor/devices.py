@@ -76,6 +76,32 @@ def resolve_device(spec: str) -> str:
     return f"cuda:{index}"
 
 
+def resolve_devices(spec: str) -> list[str]:
+    """Every device a job's workers use: "cuda" and "auto" (with a GPU) mean every visible GPU, one worker slot
+    each at least; "cuda:N" and "cpu" mean that one."""
+    spec = spec.strip().lower()
+    first = resolve_device(spec)
+    if first == "cpu" or spec not in ("auto", "cuda"):
+        return [first]
+    return [f"cuda:{i}" for i in range(_cuda_count())]
+
+
+def worker_slots(devices: list[str], workers: int, layer_bytes: int) -> list[str]:
+    """The device of each worker slot. `workers` > 0 is taken as asked (spread round-robin over `devices`);
+    0 means one per GPU, or on CPU as many as the cores and the free memory allow: a worker wants ~4 cores to
+    be worth its own process (torch's threads do the rest), and ~1 GiB of private memory plus three layers
+    (the one being quantized, its output, the next one read ahead)."""
+    if workers > 0:
+        return [devices[i % len(devices)] for i in range(workers)]
+    if devices != ["cpu"]:
+        return list(devices)
+    import psutil
+
+    by_cores = (os.cpu_count() or 1) // 4
+    by_memory = psutil.virtual_memory().available // ((1 << 30) + 3 * max(layer_bytes, 1))
+    return ["cpu"] * max(1, min(by_cores, by_memory))
+
+
 def check_free_memory(device: str, need_bytes: int) -> None:
     """Raise DeviceError when `device` has less free memory than `need_bytes`; no-op for "cpu".
 

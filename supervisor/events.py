@@ -31,10 +31,20 @@ class MemoryReleased(Event):
     seconds: float = 0.0
 
 
+class PoolStarted(Event):
+    """The warm parent that forks workers has imported its libraries."""
+
+    pid: int
+    seconds: float  # from spawn to ready
+    imports: float = 0.0  # of which importing torch, transformers and the backend's libraries
+
+
 class WorkerStarted(Event):
     pid: int
     device: str
-    seconds: float  # from spawn to Ready
+    seconds: float  # from spawn (or fork) to Ready
+    worker: int = 0  # the slot it serves
+    since_death: float | None = None  # seconds from the loss of this slot's previous worker to this one's Ready
     gpu_free: int = 0  # free bytes on the worker's GPU, measured by the worker after its start (0 on CPU)
     gpu_total: int = 0
 
@@ -42,6 +52,7 @@ class WorkerStarted(Event):
 class LayerStarted(Event):
     index: int  # -1 is the non-layer shard
     attempt: int
+    worker: int = 0  # the slot (worker position) that exports it
 
 
 class LayerWritten(Event):
@@ -104,7 +115,7 @@ class Cancelled(Event):
     message: str = "cancelled; run the same job again to resume"
 
 
-AnyEvent = Union[Started, MemoryReleased, WorkerStarted, LayerStarted, LayerWritten, Progress, Retrying,
+AnyEvent = Union[Started, MemoryReleased, PoolStarted, WorkerStarted, LayerStarted, LayerWritten, Progress, Retrying,
                  ModelRestored, LogLine, Finished, Failed, Cancelled]
 TERMINAL = (Finished, Failed, Cancelled)
 

@@ -1,5 +1,5 @@
 """Finalize an export: the index built from the shards on disk, config.json, tokenizer and generation files,
-and the done marker with every output file's sha256.
+and the done marker with every output file's digest.
 
 Runs after every part is journaled; idempotent (a crash inside it is repaired by running it again, with identical
 bytes). Owns the files outside the shards; it never writes a shard and never quantizes anything (config.json's
@@ -66,13 +66,13 @@ def place_config(staged: str, output: str) -> None:
 
 
 def output_files(output: str, known: dict[str, str]) -> dict[str, str]:
-    """Every file of the export (outside .export) -> sha256; `known` hashes (the journaled shards) are reused."""
+    """Every file of the export (outside .export) -> digest; `known` digests (the journaled shards) are reused."""
     out = {}
     for fn in sorted(os.listdir(output)):
         p = os.path.join(output, fn)
         if fn == layout.STATE_DIR or not os.path.isfile(p):
             continue
-        out[fn] = known.get(fn) or durable.sha256_file(p)
+        out[fn] = known.get(fn) or durable.hash_file(p)
     return out
 
 

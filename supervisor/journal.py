@@ -3,8 +3,13 @@
 `OUT/.export/journal.jsonl` holds JSON lines: a Header first (fingerprint + job), then a Shard record per
 written shard (appended and fsynced only after the shard was renamed into place), then Finalized. A record counts
 only when its line is complete: a torn last line (the supervisor died mid-write) is ignored and cut off before
-the next append. A shard counts as done only if its file is on disk with the journaled size and sha256; anything
-else is redone, so the output after any crash and re-run is byte-identical to an uninterrupted run.
+the next append. A shard counts as done only if its file is on disk as journaled; anything else is redone, so the
+output after any crash and re-run is byte-identical to an uninterrupted run.
+
+"As journaled" has two strengths. Resume trusts a shard whose inode, mtime and size equal its record (the file
+the child renamed into place was not replaced or touched since; checking costs one stat, not a read of the
+whole export); a record without them, or a file that differs, is re-hashed. `verify` always re-hashes
+every byte (`verify_shard(..., rehash=True)`). Digests are "algo:hex" strings (shared.durable).
 Owns the journal file; it never writes shards and never talks to a child.
 """
 from __future__ import annotations
@@ -23,9 +28,11 @@ from shared import durable, layout
 from shared.job import Job, effective_ignore, to_dict
 from supervisor.errors import FingerprintMismatch, OutputError
 
-JOURNAL_VERSION = 1
-# Library versions decide the bytes of the output, so they are part of the fingerprint.
-_FINGERPRINT_PACKAGES = ("torch", "transformers", "llmcompressor", "compressed-tensors", "safetensors")
+JOURNAL_VERSION = 2
+# Library versions decide the bytes of the output, so they are part of the fingerprint; ours too (how shards are
+# laid out and named is ours).
+_FINGERPRINT_PACKAGES = ("layerwise-supervisor", "torch", "transformers", "llmcompressor", "compressed-tensors",
+                         "safetensors")
 
 
 class Header(msgspec.Struct, tag=True, kw_only=True):
@@ -39,14 +46,16 @@ class Header(msgspec.Struct, tag=True, kw_only=True):
 class Shard(msgspec.Struct, tag=True, kw_only=True):
     index: int
     file: str
-    sha256: str
+    digest: str  # "algo:hex"
     nbytes: int
     seconds: float = 0.0
+    ino: int = 0  # the file's identity when journaled (0: unknown, always re-hash)
+    mtime_ns: int = 0
     source_digest: str = ""  # a live model's source tensors of this part; "" for a checkpoint on disk
 
 
 class Finalized(msgspec.Struct, tag=True, kw_only=True):
-    files: dict[str, str] = {}  # every output file (outside .export) -> sha256
+    files: dict[str, str] = {}  # every output file (outside .export) -> digest
 
 
 Record = Union[Header, Shard, Finalized]
@@ -54,9 +63,9 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Record)
 
 
-def _versions() -> dict[str, str]:
+def _versions(packages: tuple[str, ...] = _FINGERPRINT_PACKAGES) -> dict[str, str]:
     out = {}
-    for pkg in _FINGERPRINT_PACKAGES:
+    for pkg in packages:
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -74,6 +83,10 @@ def fingerprint(job: Job, source_stats: list[tuple[str, int, int]], extra: dict 
         "format": job.export.format,
         "versions": _versions(),
     }
+    if job.export.format == "torchao":
+        # Only for torchao jobs, so compressed-tensors fingerprints (and the outputs they resume) stay as they were.
+        parts["torchao"] = job.export.torchao or {}
+        parts["versions"] = _versions(_FINGERPRINT_PACKAGES + ("torchao",))
     if extra:
         parts["source_extra"] = extra
     blob = json.dumps(parts, sort_keys=True).encode()
@@ -117,8 +130,10 @@ def read(output: str) -> State:
             case Header():
                 st.header = rec
             case Shard():
-                st.shards[rec.index] = rec
-                st.finalized = None  # a shard redone after finalize means finalize must run again
+                prev = st.shards.get(rec.index)
+                if prev is None or prev.digest != rec.digest:
+                    st.finalized = None  # a shard redone after finalize means finalize must run again
+                st.shards[rec.index] = rec  # (the same bytes under a new file identity leave it final)
             case Finalized():
                 st.finalized = rec
     st.good_bytes = pos
@@ -174,27 +189,38 @@ def check_owner(output: str, fp: str, parts: dict) -> State:
     return st
 
 
-def verify_shard(output: str, rec: Shard) -> str | None:
-    """None if the shard on disk matches its record, else why not."""
+def verify_shard(output: str, rec: Shard, *, rehash: bool = False) -> str | None:
+    """None if the shard on disk matches its record, else why not. Without `rehash`, a file whose inode, mtime
+    and size are the journaled ones is trusted without reading it."""
     p = os.path.join(output, rec.file)
     try:
-        size = os.path.getsize(p)
+        st = os.stat(p)
     except FileNotFoundError:
         return "missing"
-    if size != rec.nbytes:
-        return f"size {size} != journaled {rec.nbytes}"
-    if durable.sha256_file(p) != rec.sha256:
-        return "sha256 differs from the journal"
+    if st.st_size != rec.nbytes:
+        return f"size {st.st_size} != journaled {rec.nbytes}"
+    if not rehash and rec.ino and (st.st_ino, st.st_mtime_ns) == (rec.ino, rec.mtime_ns):
+        return None
+    if not durable.matches(p, rec.digest):
+        return "digest differs from the journal"
     return None
 
 
+def restat(output: str, rec: Shard) -> Shard:
+    """`rec` with the file's current inode and mtime (the same object when they are unchanged)."""
+    st = os.stat(os.path.join(output, rec.file))
+    if (st.st_ino, st.st_mtime_ns) == (rec.ino, rec.mtime_ns):
+        return rec
+    return msgspec.structs.replace(rec, ino=st.st_ino, mtime_ns=st.st_mtime_ns)
+
+
 def verify_files(output: str, files: dict[str, str]) -> dict[str, str]:
-    """file -> problem for each of `files` (name -> sha256) that is missing or differs on disk."""
+    """file -> problem for each of `files` (name -> digest) that is missing or differs on disk."""
     problems = {}
-    for fn, sha in files.items():
+    for fn, digest in files.items():
         p = os.path.join(output, fn)
         if not os.path.isfile(p):
             problems[fn] = "missing"
-        elif durable.sha256_file(p) != sha:
-            problems[fn] = "sha256 differs from the journal"
+        elif not durable.matches(p, digest):
+            problems[fn] = "digest differs from the journal"
     return problems

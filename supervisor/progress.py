@@ -57,8 +57,11 @@ class Display:
                     p.console.print(f"released the live model: {_mb(e.moved_bytes)} in {e.seconds:.2f}s")
                 else:
                     p.console.print(f"live model not released: {e.reason}")
+            case ev.PoolStarted():
+                p.console.print(f"libraries imported in {e.seconds:.1f}s (workers are forked from pid {e.pid})")
             case ev.WorkerStarted():
-                p.console.print(f"worker pid {e.pid} on {e.device} ready in {e.seconds:.1f}s")
+                again = "" if e.since_death is None else f", {e.since_death:.1f}s after the last one was lost"
+                p.console.print(f"worker {e.worker} (pid {e.pid}) on {e.device} ready in {e.seconds:.1f}s{again}")
             case ev.Progress():
                 rate = f"{e.mb_per_s:,.1f} MB/s"
                 eta = "-" if e.eta_s is None else f"{e.eta_s:,.0f}s"

@@ -51,11 +51,12 @@ def status(output: str) -> dict:
 
 
 def verify(output: str) -> dict[str, str]:
-    """file -> problem, for every journaled shard (and finalized file) that does not match its hash."""
+    """file -> problem, for every journaled shard (and finalized file) whose bytes do not match its digest: every
+    byte is re-read (resume trusts an unchanged stat; verify never does)."""
     st = _state(output)
     problems = {}
     for rec in st.shards.values():
-        why = journal.verify_shard(output, rec)
+        why = journal.verify_shard(output, rec, rehash=True)
         if why:
             problems[rec.file] = why
     if st.finalized is not None:

@@ -1,6 +1,6 @@
-"""One child worker process: spawn, dedicated pipes, handshake, requests with a heartbeat watch, stop.
+"""One child worker process: start, dedicated pipes, handshake, requests with a heartbeat watch, stop.
 
-    supervisor                         child (python -m child, its own pipes)
+    supervisor                         child (forked by the zygote, or spawned as python -m child; its own pipes)
       p2c_w ──frames──▶ p2c_r            stdout, stderr ─pipes─▶ LogPump ─▶ OUT/.export/logs/worker-N.log
       c2p_r ◀──frames── c2p_w                                             └─▶ on_log(stream, text, pid)
 
@@ -56,13 +56,17 @@ def _describe_exit(code: int) -> str:
 
 
 class Worker:
+    """`fork(env, (read_fd, write_fd), (stdout_fd, stderr_fd))` starts the child from a warm parent (supervisor.zygote); without
+    it the child is spawned with a fresh interpreter (python -P -m child), which re-imports everything."""
+
     def __init__(self, hello: Hello, log_path: str, env: dict[str, str] | None = None, *,
-                 startup_timeout: float, heartbeat_timeout: float, pass_fds: tuple[int, ...] = (),
-                 on_log: OnLine | None = None):
+                 startup_timeout: float, heartbeat_timeout: float, fork: Callable | None = None,
+                 pass_fds: tuple[int, ...] = (), on_log: OnLine | None = None):
         self.hello = hello
+        self.fork = fork
         self.on_log = on_log  # (stream, text, pid) per line the child prints; called from the pump thread
         self._pump: LogPump | None = None
-        self.pass_fds = pass_fds  # inherited as they are (a live model's pool memfds)
+        self.pass_fds = pass_fds  # inherited as they are by a spawned child (a live model's pool memfds)
         self.log_path = log_path
         self.env = env
         self.startup_timeout = startup_timeout
@@ -81,21 +85,23 @@ class Worker:
         return self.proc.pid if self.proc else None
 
     def start(self, cancelled: Callable[[], bool], on_heartbeat: Callable[[Heartbeat], None]) -> Ready:
-        """Spawn the child and complete the handshake; raises WorkerLost or CancelledWait."""
+        """Start the child and complete the handshake; raises WorkerLost or CancelledWait."""
         p2c_r, p2c_w = os.pipe()
         c2p_r, c2p_w = os.pipe()
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        cmd = [sys.executable]
-        if sys.version_info >= (3, 11):
-            cmd.append("-P")  # do not let a 'child' folder in the caller's cwd shadow our package
-        cmd += ["-m", "child", "--read-fd", str(p2c_r), "--write-fd", str(c2p_w), "--parent-pid", str(os.getpid())]
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
             with open(self.log_path, "ab") as log:
                 self._log_start = os.fstat(log.fileno()).st_size  # earlier workers' output is not this child's
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
-                                         pass_fds=(p2c_r, c2p_w, *self.pass_fds), close_fds=True, env=self.env)
+            if self.fork is not None:
+                self.proc = self.fork(self.env, (p2c_r, c2p_w), (out_w, err_w))
+            else:
+                cmd = [sys.executable, "-P",  # -P: a 'child' folder in the cwd must not shadow our package
+                       "-m", "child", "--read-fd", str(p2c_r), "--write-fd", str(c2p_w),
+                       "--parent-pid", str(os.getpid())]
+                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+                                             pass_fds=(p2c_r, c2p_w, *self.pass_fds), close_fds=True, env=self.env)
         except BaseException:
             os.close(out_r)
             os.close(err_r)

@@ -168,3 +168,35 @@ def test_check_free_memory_raises_when_short(monkeypatch):
 def test_device_error_is_a_runtime_error():
     """DeviceError subclasses RuntimeError so generic handlers catch it."""
     assert issubclass(devices.DeviceError, RuntimeError)
+
+
+@pytest.mark.parametrize(("spec", "expected"), [("cuda", ["cuda:0", "cuda:1", "cuda:2"]),
+                                                ("auto", ["cuda:0", "cuda:1", "cuda:2"]),
+                                                ("cuda:1", ["cuda:1"]), ("cpu", ["cpu"])])
+def test_resolve_devices_uses_every_visible_gpu_for_cuda_and_auto(monkeypatch, spec, expected):
+    """"cuda" and "auto" spread the workers over every visible GPU; "cuda:N" and "cpu" name one device."""
+    import torch
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert devices.resolve_devices(spec) == expected
+
+
+def test_worker_slots_one_per_gpu_or_as_asked_round_robin():
+    """Default: one slot per GPU; an explicit count is spread round-robin over the devices."""
+    assert devices.worker_slots(["cuda:0", "cuda:1"], 0, 1 << 30) == ["cuda:0", "cuda:1"]
+    assert devices.worker_slots(["cuda:0", "cuda:1"], 3, 1 << 30) == ["cuda:0", "cuda:1", "cuda:0"]
+    assert devices.worker_slots(["cpu"], 2, 1 << 30) == ["cpu", "cpu"]
+
+
+def test_cpu_worker_slots_follow_cores_and_memory(monkeypatch):
+    """On CPU the default is one worker per 4 cores, fewer when memory cannot hold them, never none."""
+    import psutil
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 64 << 30})())
+    assert devices.worker_slots(["cpu"], 0, 1 << 30) == ["cpu"] * 4  # 16 cores / 4; 64 GiB / 4 GiB = 16
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 9 << 30})())
+    assert devices.worker_slots(["cpu"], 0, 1 << 30) == ["cpu"] * 2  # 9 GiB holds two workers of 4 GiB
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert devices.worker_slots(["cpu"], 0, 1 << 30) == ["cpu"]

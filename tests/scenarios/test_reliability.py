@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -23,7 +22,6 @@ from tests.scenarios import cli, faultkit
 LAYERS = 3
 PARTS = LAYERS + 1
 PARALLEL = int(os.environ.get("SUPERVISOR_TEST_PARALLEL", "2"))
-SEED = int(os.environ.get("SUPERVISOR_TEST_SEED", "20261129"))
 KILLS = 5
 LEAK_MIB = 50
 
@@ -66,29 +64,52 @@ def _second_supervisor(job: str) -> dict:
     return {"rc": r.returncode, "stderr": r.stderr, "stdout": r.stdout, "seconds": time.monotonic() - t}
 
 
+def _wait_until(check, what: str, timeout: float = 300.0, run=None):
+    """Poll `check()` until it returns something truthy (an event, not a clock: the bound only catches a hang)."""
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        if run is not None and run.proc.poll() is not None:
+            return None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout:.0f}s")
+        time.sleep(0.02)
+    return got
+
+
+# Where each round's supervisor is killed: on an event it reached, never after a delay, so the moments are the
+# same on a busy machine and on a fast worker. A "stall" fault holds the child at a point (heartbeats go on) and
+# writes its marker; the test kills the supervisor once the marker exists. Every round leaves parts to do.
+KILL_POINTS = [
+    ("importing", None),  # the warm parent exists and is still importing: no worker yet
+    ("stalled", {"point": "quantize", "action": "stall"}),  # a part quantized, nothing written
+    ("stalled", {"point": "write_tmp", "action": "stall"}),  # the shard's temp file complete, not renamed
+    ("stalled", {"point": "after_rename", "action": "stall"}),  # the shard in place, not journaled
+    ("journaled", None),  # the first LayerWritten event: that shard is journaled
+]
+assert len(KILL_POINTS) == KILLS
+
+
 def _kill_loop(model: str, folder: str) -> dict:
-    """SIGKILL the supervisor at random moments, KILLS times in a row, then let a last run finish."""
-    rng = random.Random(SEED)
+    """SIGKILL the supervisor KILLS times in a row, each at a different moment of a part's life, then let a last
+    run finish."""
     out = os.path.join(folder, "out")
     job = faultkit.job_file(folder, model, out)
     rounds, second, torn = [], None, None
-    for i in range(KILLS):
-        r = faultkit.LiveRun("run", job, "--json")
-        entry = {"pid": r.pid}
-        if i == 0:  # while the child imports its libraries (~11 s): an orphan must not survive that either
-            r.wait_for("Started")
-            entry["delay"] = rng.uniform(1.0, 6.0)
-            time.sleep(entry["delay"])
-        else:  # somewhere in reading, quantizing, writing, journaling or finalizing
-            if r.wait_for("WorkerStarted") is None:
-                entry.update(finished=r.wait().rc, events=r.events)
-                rounds.append(entry)
-                break
-            if second is None:
-                second = _second_supervisor(job) | {"first_pid": r.pid}
-            entry["delay"] = rng.uniform(0.0, 1.5)
-            time.sleep(entry["delay"])
-        if r.proc.poll() is not None:
+    for i, (moment, fault) in enumerate(KILL_POINTS):
+        marker = os.path.join(folder, f"stall-{i}.json")
+        env = faultkit.fault_env(dict(fault, once=marker)) if fault else None
+        r = faultkit.LiveRun("run", job, "--json", env=env)
+        entry = {"pid": r.pid, "moment": moment}
+        if moment == "importing":
+            reached = r.wait_for("Started") and _wait_until(
+                lambda: psutil.Process(r.pid).children(), "the warm parent's start", run=r)
+        elif moment == "stalled":
+            reached = r.wait_for("Started") and _wait_until(lambda: os.path.exists(marker), "the stall", run=r)
+        else:
+            reached = r.wait_for("LayerWritten")
+        if second is None and moment == "stalled" and reached:
+            second = _second_supervisor(job) | {"first_pid": r.pid}
+        if not reached or r.proc.poll() is not None:
             entry.update(finished=r.wait().rc, events=r.events)
             rounds.append(entry)
             break
@@ -101,7 +122,7 @@ def _kill_loop(model: str, folder: str) -> dict:
         entry["orphans"] = [p.pid for p in alive]
         for p in alive:
             p.kill()
-        time.sleep(0.3)
+        time.sleep(0.3)  # a survivor would write within this window; nothing may change (checked below)
         entry["wrote_after_death"] = faultkit.snapshot(out) != before
         entry["events"] = r.events
         entry["journaled"] = faultkit.journal_shards(out)
@@ -301,7 +322,7 @@ def _write_report(bg) -> None:
     if not path:
         return
     k, c = bg["kills"], bg["rss"]
-    rounds = [{"delay_s": r.get("delay"), "children_exit_s": r.get("children_exit_s"), "finished": r.get("finished"),
+    rounds = [{"moment": r.get("moment"), "children_exit_s": r.get("children_exit_s"), "finished": r.get("finished"),
                "journaled": sorted(r.get("journaled", [])),
                "last_event": next((e["type"] for e in reversed(r.get("events") or []) if e["type"] != "Progress"),
                                   None)} for r in k["rounds"]]
@@ -371,9 +392,10 @@ def test_torn_last_journal_record_is_dropped_and_the_run_continues(runs):
 
 
 def test_many_supervisor_kills_then_a_final_run_are_byte_identical(runs):
-    """After KILLS SIGKILLs of the supervisor at random moments, a last run gives the uninterrupted bytes."""
+    """After KILLS SIGKILLs of the supervisor at as many moments of a part's life, a last run gives the
+    uninterrupted bytes."""
     k = runs["kills"]
-    assert sum("children" in r for r in k["rounds"]) >= KILLS - 1, [r.get("delay") for r in k["rounds"]]
+    assert [r["moment"] for r in k["rounds"] if "children" in r] == [m for m, _ in KILL_POINTS], k["rounds"]
     assert k["final"].rc == 0, k["final"].stderr
     assert cli.output_bytes(k["out"]) == runs["reference"]["bytes"]
 

@@ -1,0 +1,260 @@
+"""The queue of parts and the workers that export them: which worker gets what, retries, backoff, recycling.
+
+    Scheduler.run(todo)
+      parts to do (ascending) ─▶ queue ─┬─▶ slot 0 thread ── Worker (cuda:0 | cpu) ── ExportLayer ─▶ child
+                                        └─▶ slot 1 thread ── Worker (cuda:1 | cpu) ── …
+      LayerWritten ─▶ on_written(reply) (journal, events), one at a time under one lock
+      a part that failed ─▶ back to the queue (attempt + 1); its slot backs off, then starts a fresh worker
+      a part out of attempts, a full disk, a worker that sees another model ─▶ abort: every slot stops, raise
+
+Each slot owns one worker process at a time and sends it one part at a time, so every failure is charged to
+exactly the part that was in flight (a worker with several parts in flight could not say which one killed it).
+Throughput comes from several slots: on a GPU their reads, copies and writes overlap, and the output does not
+depend on which slot wrote which part. A slot takes the smallest waiting part and reserves the next one as its
+read-ahead hint. Calibrated exports run with one slot and strictly in order (a part's inputs are the previous
+part's outputs); a failed part then comes back first, before anything after it.
+Owns scheduling only: it never touches the journal or files itself (on_written does) and never quantizes.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from shared.messages import NON_LAYER, ConfigWritten, ExportLayer, Failed, Heartbeat, LayerWritten, WriteConfig
+from supervisor import events as ev
+from supervisor.errors import Cancelled, ExportFailed
+from supervisor.worker import CancelledWait, Worker, WorkerLost
+
+ENOSPC = 28
+MAX_BACKOFF = 10.0
+
+
+def part_name(index: int | None) -> str:
+    if index is None:
+        return "config.json"
+    return "the non-layer shard" if index == NON_LAYER else f"layer {index}"
+
+
+@dataclass
+class Slot:
+    """One worker position: the device its workers see, and the worker it has now."""
+
+    id: int
+    device: str  # the supervisor's name for it: "cpu" or "cuda:N"
+    worker: Worker | None = None
+    reserved: int | None = None  # the part this slot will take next (its read-ahead hint)
+    died_at: float | None = None  # when its last worker was lost, for the restart-latency event
+
+
+@dataclass
+class _Queue:
+    """Parts waiting, attempts per part; guarded by Scheduler._cond."""
+
+    waiting: list[int] = field(default_factory=list)
+    attempts: dict[int, int] = field(default_factory=dict)
+    running: set[int] = field(default_factory=set)
+
+    def put(self, index: int) -> None:
+        if index not in self.waiting:
+            self.waiting.append(index)
+            self.waiting.sort(key=_order)
+
+    def take(self) -> int | None:
+        return self.waiting.pop(0) if self.waiting else None
+
+
+def _order(index: int) -> int:
+    return 1 << 62 if index == NON_LAYER else index  # the non-layer part last, after every layer
+
+
+class Scheduler:
+    """Runs parts on a pool of slots until every part is written, one fails for good, or the run is cancelled.
+
+    `start_worker(slot)` returns a ready Worker for the slot (its checks may raise SupervisorError: fatal).
+    `on_written(reply, worker)` journals a part; it is called under one lock, from the slot's thread.
+    """
+
+    def __init__(self, slots: list[Slot], *, max_attempts: int, part_timeout: float, retry_delay: float,
+                 sequential: bool, cancel: threading.Event, emit: Callable[[ev.Event], None],
+                 start_worker: Callable[[Slot], Worker], on_written: Callable[[LayerWritten, Worker], None],
+                 on_heartbeat: Callable[[Heartbeat], None], recycle: Callable[[Worker], bool]):
+        if sequential and len(slots) != 1:
+            raise ValueError("a sequential export runs on exactly one slot")
+        self.slots = slots
+        self.max_attempts, self.part_timeout, self.retry_delay = max_attempts, part_timeout, retry_delay
+        self.sequential = sequential
+        self.cancel = cancel
+        self.emit, self.start_worker, self.on_written = emit, start_worker, on_written
+        self.on_heartbeat, self.recycle = on_heartbeat, recycle
+        self._cond = threading.Condition()
+        self._record = threading.Lock()
+        self._q = _Queue()
+        self._abort = threading.Event()
+        self._error: BaseException | None = None
+
+    # ---- the parts -----------------------------------------------------------------------------------------
+    def run(self, todo: list[int]) -> None:
+        """Export every part in `todo`; raises the first fatal error, Cancelled, or ExportFailed."""
+        for i in todo:
+            self._q.put(i)
+        threads = [threading.Thread(target=self._slot_main, args=(s,), name=f"slot-{s.id}", daemon=True)
+                   for s in self.slots]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self._error is not None:
+            raise self._error
+        if self.cancel.is_set():
+            raise Cancelled("export cancelled; run the same job again to resume")
+
+    def _stopping(self) -> bool:
+        return self.cancel.is_set() or self._abort.is_set()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._abort.set()
+            self._cond.notify_all()
+
+    def _next(self, slot: Slot) -> int | None:
+        """The part this slot exports next (its reserved one first), reserving the one after; None: no more."""
+        with self._cond:
+            while True:
+                if self._stopping():
+                    return None
+                index = slot.reserved if slot.reserved is not None else self._q.take()
+                slot.reserved = None
+                if index is not None:
+                    self._q.running.add(index)
+                    slot.reserved = self._q.take()
+                    return index
+                if not self._q.running:
+                    return None  # nothing waiting, nothing that could come back
+                self._cond.wait(0.2)  # another slot's part may fail and come back
+
+    def _done(self, slot: Slot, index: int, requeue: bool) -> None:
+        with self._cond:
+            self._q.running.discard(index)
+            if requeue:
+                self._q.put(index)
+            if slot.reserved is not None and (requeue or self.sequential):
+                # the reserved part must not run before a failed one in order (calibration); and a slot that
+                # backs off should not sit on work another slot could do
+                self._q.put(slot.reserved)
+                slot.reserved = None
+            self._cond.notify_all()
+
+    def _slot_main(self, slot: Slot) -> None:
+        try:
+            while (index := self._next(slot)) is not None:
+                self._export_one(slot, index)
+        except Cancelled:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - fatal: stop every slot, raise it from run()
+            self._fail(exc)
+        finally:
+            with self._cond:
+                if slot.reserved is not None:
+                    self._q.put(slot.reserved)
+                    slot.reserved = None
+                self._cond.notify_all()
+            if slot.id != 0 or self._stopping():
+                self._drop(slot, kill=self._stopping())
+
+    def _export_one(self, slot: Slot, index: int) -> None:
+        with self._cond:
+            attempt = self._q.attempts.get(index, 0) + 1
+            self._q.attempts[index] = attempt
+        msg = ExportLayer(index=index, attempt=attempt, prefetch=slot.reserved)
+        try:
+            reply, w = self._request(slot, msg, LayerWritten, index, attempt)
+        except BaseException:
+            self._done(slot, index, requeue=True)
+            raise
+        if reply is None:  # failed, charged, announced; back to the queue
+            self._done(slot, index, requeue=True)
+            return
+        with self._record:
+            self.on_written(reply, w)
+        self._done(slot, index, requeue=False)
+        if self.recycle(w):
+            self._drop(slot, kill=False)
+
+    # ---- one request on a slot's worker, failures classified ---------------------------------------------
+    def _request(self, slot: Slot, msg, success: type, index: int | None, attempt: int):
+        """Send msg (about part `index`, None: config.json) to the slot's worker, started if needed. Returns
+        (reply, worker) on success, (None, None) after a retryable failure (announced, backed off); raises when
+        the failure is final."""
+        what = part_name(index)
+        try:
+            w = self._worker(slot)
+            if index is not None:
+                self.emit(ev.LayerStarted(index=index, attempt=attempt, worker=slot.id))
+            timeout = self.part_timeout if index is not None else 0.0
+            reply = w.request(msg, self._stopping, self.on_heartbeat, timeout=timeout)
+            if isinstance(reply, success):
+                return reply, w
+            if isinstance(reply, Failed):
+                if reply.errno == ENOSPC:
+                    raise ExportFailed(f"disk full while writing {what}: free some space and run again to resume",
+                                       index=index, traceback=reply.traceback)
+                reason, trace = f"{reply.kind}: {reply.message}", reply.traceback
+            else:
+                reason, trace = f"unexpected reply {type(reply).__name__}", ""
+        except WorkerLost as exc:
+            reason, trace = exc.reason, exc.log_tail
+        except CancelledWait:
+            raise Cancelled("export cancelled; run the same job again to resume") from None
+        # Whatever went wrong, the next attempt gets a fresh process: a failed child's state is suspect.
+        self._drop(slot, kill=True)
+        slot.died_at = time.monotonic()
+        if attempt >= self.max_attempts:
+            raise ExportFailed(f"{what} failed {self.max_attempts} times; last error: {reason}", index=index,
+                               traceback=trace)
+        delay = min(self.retry_delay * 2 ** (attempt - 1), MAX_BACKOFF)
+        self.emit(ev.Retrying(index=index, attempt=attempt + 1, reason=reason, delay=delay))
+        if self._wait(delay):
+            raise Cancelled("export cancelled; run the same job again to resume")
+        return None, None
+
+    def _wait(self, seconds: float) -> bool:
+        """Sleep unless the run stops first; True if it did."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if self._stopping():
+                return True
+            self.cancel.wait(min(left, 0.1))
+        return self._stopping()
+
+    def _worker(self, slot: Slot) -> Worker:
+        if slot.worker is None:
+            if self._stopping():
+                raise CancelledWait()
+            slot.worker = self.start_worker(slot)
+        return slot.worker
+
+    def _drop(self, slot: Slot, kill: bool) -> None:
+        w, slot.worker = slot.worker, None
+        if w is not None:
+            w.kill() if kill else w.stop()
+
+    # ---- finalize and shutdown -----------------------------------------------------------------------------
+    def write_config(self, dest: str) -> ConfigWritten:
+        """config.json into `dest` on slot 0's worker, with the same retries as a part."""
+        slot = self.slots[0]
+        for attempt in range(1, self.max_attempts + 1):
+            if self.cancel.is_set():
+                raise Cancelled("export cancelled; run the same job again to resume")
+            reply, _ = self._request(slot, WriteConfig(dest=dest), ConfigWritten, None, attempt)
+            if reply is not None:
+                return reply
+        raise AssertionError("unreachable: the last attempt raises")  # pragma: no cover
+
+    def close(self) -> None:
+        """Stop every worker (idempotent)."""
+        for slot in self.slots:
+            self._drop(slot, kill=False)

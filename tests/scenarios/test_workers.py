@@ -1,0 +1,125 @@
+"""Several workers on one queue of parts, the warm parent they are forked from, and what a re-run trusts.
+
+Every export here runs the real CLI on a tiny Llama with enough parts that two workers interleave; the bytes are
+compared with a one-worker export's.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.scenarios import cli, faultkit
+
+SCHEME = "W4A16"
+LAYERS = 6
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models("llama", layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def one_worker(model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("one-worker")
+    job = cli.write_job(tmp / "job.toml", model, tmp / "out", SCHEME, workers=1)
+    return {"events": cli.events(cli.run("run", job, "--json")), "bytes": cli.output_bytes(tmp / "out"),
+            "out": tmp / "out", "job": job}
+
+
+@pytest.fixture(scope="module")
+def two_workers_one_killed(model, tmp_path_factory):
+    """Two workers; the one that takes layer 3 is SIGKILLed while quantizing it (once)."""
+    tmp = tmp_path_factory.mktemp("two-workers")
+    marker = tmp / "killed.json"
+    job = cli.write_job(tmp / "job.toml", model, tmp / "out", SCHEME, workers=2)
+    env = faultkit.fault_env({"point": "quantize", "action": "sigkill", "index": 3, "once": str(marker)})
+    proc = cli.run("run", job, "--json", env=env)
+    return {"events": cli.events(proc), "bytes": cli.output_bytes(tmp / "out"), "marker": marker,
+            "out": tmp / "out"}
+
+
+def _of(events, kind):
+    return [e for e in events if e["type"] == kind]
+
+
+def test_two_workers_share_the_parts_and_write_one_workers_bytes(one_worker, two_workers_one_killed):
+    """Two workers both export parts, each part once, and the folder is byte-identical to one worker's."""
+    ev = two_workers_one_killed["events"]
+    workers = {e["worker"] for e in _of(ev, "WorkerStarted")}
+    assert workers == {0, 1}
+    by_worker = {w: [e["index"] for e in _of(ev, "LayerStarted") if e["worker"] == w] for w in workers}
+    assert all(by_worker.values()), by_worker  # both did work
+    written = sorted(e["index"] for e in _of(ev, "LayerWritten"))
+    assert written == sorted(list(range(LAYERS)) + [-1])  # every part exactly once
+    assert two_workers_one_killed["bytes"] == one_worker["bytes"]
+    assert {e["worker"] for e in _of(one_worker["events"], "LayerStarted")} == {0}
+
+
+def test_killing_one_of_two_workers_costs_only_its_layer(two_workers_one_killed):
+    """The SIGKILL costs one retry of layer 3 and one fresh worker; no other part is redone."""
+    ev = two_workers_one_killed["events"]
+    fired = faultkit.read_marker(str(two_workers_one_killed["marker"]))
+    assert fired is not None and fired["index"] == 3
+    retries = _of(ev, "Retrying")
+    assert [(r["index"], r["attempt"]) for r in retries] == [(3, 2)], retries
+    assert "SIGKILL" in retries[0]["reason"]
+    assert [e["index"] for e in _of(ev, "LayerStarted") if e["attempt"] > 1] == [3]
+    assert len(_of(ev, "WorkerStarted")) == 3  # two, plus one replacement
+
+
+def test_replacement_worker_reports_its_restart_latency(two_workers_one_killed):
+    """The replacement's WorkerStarted says how long after the loss it was ready (a fork, not a re-import)."""
+    ev = two_workers_one_killed["events"]
+    pool = _of(ev, "PoolStarted")
+    assert len(pool) == 1 and pool[0]["imports"] > 0
+    again = [e for e in _of(ev, "WorkerStarted") if e["since_death"] is not None]
+    assert len(again) == 1
+    # backoff (0.5 s) plus a fork: well under a re-import, which this same run measured in PoolStarted
+    assert again[0]["since_death"] < pool[0]["imports"], (again[0], pool[0])
+    assert again[0]["seconds"] < pool[0]["seconds"]
+
+
+def test_rerun_trusts_unchanged_shards_and_verify_rehashes_them(model, one_worker, tmp_path):
+    """A re-run trusts a journaled shard whose inode, mtime and size are unchanged (it does not read it: a
+    same-size edit that keeps the mtime goes unnoticed there), while `verify` re-hashes every byte."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(one_worker["out"], out)  # new inodes: the first run must re-hash, then journal them anew
+    job = cli.write_job(tmp_path / "job.toml", model, out, SCHEME)
+    first = cli.events(cli.run("run", job, "--json"))
+    assert first[-1]["type"] == "Finished" and first[-1]["already_complete"]
+    assert first[0]["resumed"] == LAYERS + 1 and not first[0]["redo"]
+    shard = out / "model-layer-00002.safetensors"
+    st = os.stat(shard)
+    with open(shard, "r+b") as f:
+        f.seek(st.st_size // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    second = cli.events(cli.run("run", job, "--json"))
+    assert second[-1]["already_complete"] and not second[0]["redo"]  # trusted by its stat
+    verify = cli.run("verify", out, "--json", check=False)
+    assert verify.returncode == 1
+    assert list(json.loads(verify.stdout)["problems"]) == ["model-layer-00002.safetensors"]
+    os.utime(shard)  # a changed mtime: the next run re-hashes it, finds the damage and redoes that shard
+    third = cli.events(cli.run("run", job, "--json"))
+    assert third[0]["redo"] == [2]
+    assert cli.output_bytes(out) == one_worker["bytes"]
+
+
+def test_shard_digest_is_the_files_xxh3(one_worker):
+    """Each journaled digest (computed from memory while writing) equals xxh3-128 of the file's bytes."""
+    import xxhash
+
+    with open(os.path.join(one_worker["out"], ".export", "journal.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    shards = [r for r in recs if r.get("type") == "Shard"]
+    assert len(shards) == LAYERS + 1
+    for r in shards:
+        with open(os.path.join(one_worker["out"], r["file"]), "rb") as f:
+            assert r["digest"] == "xxh3-128:" + xxhash.xxh3_128(f.read()).hexdigest(), r["file"]
