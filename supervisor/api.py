@@ -440,7 +440,7 @@ class Supervisor:
             env = devices.child_env("cpu", env)
         log = layout.state_path(self.plan.output, layout.LOGS, "zygote.log")
         z = Zygote(env, log, self.job.export.format, self.job.resources.startup_timeout,
-                   pass_fds=tuple(self._pool_spec.fds) if self._pool_spec is not None else ())
+                   pass_fds=tuple(self._pool_spec.fds) if self._pool_spec is not None else (), on_log=self._on_log)
         t = time.monotonic()
         try:
             self._spawner.submit(z.start, self._cancel.is_set).result()
