@@ -16,6 +16,7 @@ the finished export, and kills a worker mid-export (SIGKILL at a middle layer) t
 
     python bench/export_bench.py                                  # 32 layers (16 GB), FP8_DYNAMIC, cuda
     python bench/export_bench.py --scheme W4A16
+    python bench/export_bench.py --scheme W4A16 --no-measure-error --skip oneshot,model_free_ptq,kill,1w  # its cost
     python bench/export_bench.py --device cpu --layers 8 --hidden 2048 --intermediate 5632 --vocab 32000
 """
 from __future__ import annotations
@@ -144,9 +145,11 @@ def timed(cmd: list[str], env: dict | None = None) -> tuple[subprocess.Completed
 
 
 # ---- the tools --------------------------------------------------------------------------------------------
-def write_job(path: str, src: str, out: str, scheme: str, device: str, workers: int) -> str:
+def write_job(path: str, src: str, out: str, scheme: str, device: str, workers: int,
+              measure_error: bool = True) -> str:
     with open(path, "w") as f:
         f.write(f'[source]\npath = "{src}"\n[export]\nscheme = "{scheme}"\noutput = "{out}"\n'
+                f'measure_error = {str(measure_error).lower()}\n'
                 f'[resources]\ndevice = "{device}"\nworkers = {workers}\n')
     return path
 
@@ -154,7 +157,7 @@ def write_job(path: str, src: str, out: str, scheme: str, device: str, workers: 
 def run_supervisor(args, src: str, out: str, work: str, workers: int, env: dict | None = None,
                    check: bool = True) -> dict:
     job = write_job(os.path.join(work, f"job-{os.path.basename(out)}.toml"), src, out, args.scheme,
-                    args.device, workers)
+                    args.device, workers, measure_error=not args.no_measure_error)
     proc, wall, tree = timed([SUPERVISOR, "run", job, "--json"], env)
     if check and proc.returncode != 0:
         sys.exit(f"supervisor failed: {proc.stderr[-3000:]}")
@@ -261,6 +264,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0, help="resources.workers for the main supervisor run")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "export-bench"))
     ap.add_argument("--skip", default="", help="comma-separated tools to skip: oneshot,model_free_ptq,kill,1w")
+    ap.add_argument("--no-measure-error", action="store_true",
+                    help="[export] measure_error = false: skip the per-module quantization error (its cost)")
     args = ap.parse_args()
     args.torch_device = "cpu" if args.device == "cpu" else ("cuda:0" if args.device == "cuda" else args.device)
     skip = set(filter(None, args.skip.split(",")))

@@ -112,6 +112,7 @@ class Exporter:
     """What one worker does with ExportLayer / WriteConfig: read, quantize, write."""
 
     def __init__(self, hello: Hello, beat: Beat):
+        from child import quant_error
         from child.backend import make_backend  # heavy: torch, transformers, llm-compressor
         from child.source import open_source
 
@@ -120,6 +121,8 @@ class Exporter:
             import torch
             torch.set_num_threads(job.resources.torch_threads)
         self.job, self.output, self.device, self.beat = job, hello.output, hello.device, beat
+        measure = job.export.measure_error
+        quant_error.enabled = hello.device.startswith("cuda") if measure is None else measure
         self.source = open_source(job, hello.pool)
         # a live model has no checkpoint folder: the supervisor wrote its config.json beside the pool
         self.config_dir = hello.pool.config_dir if hello.pool is not None else job.source.path
@@ -148,9 +151,11 @@ class Exporter:
             self._ahead[index] = self._pool.submit(self._read_part, self._names(index))
 
     def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:
+        from child import quant_error
         from child.writer import write_shard
 
         index, t0 = msg.index, time.perf_counter()
+        quant_error.take()  # drop what a failed earlier part may have left
         _reset_peak_rss()
         gpu = self._gpu_reset()
         self.beat.set(index, "read")
@@ -164,6 +169,7 @@ class Exporter:
         else:
             out = self.backend.quantize_layer(index, tensors)
         del tensors
+        errors = quant_error.take()
         faults.hit("quantize", index, writer)
         self.beat.set(index, "write")
         parent_alive()
@@ -182,7 +188,8 @@ class Exporter:
         self.beat.set(None, "idle")
         return LayerWritten(index=index, file=name, digest=w.digest, nbytes=w.nbytes, ino=w.ino, mtime_ns=w.mtime_ns,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
-                            peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), source_digest=digest)
+                            peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), quant_error=errors,
+                            source_digest=digest)
 
     def write_config(self, msg: WriteConfig, writer: Writer) -> ConfigWritten:
         self.beat.set(None, "config")

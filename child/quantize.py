@@ -59,6 +59,7 @@ from llmcompressor.utils.dev import skip_weights_initialize
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from child import quant_error
 from shared.job import DEFAULT_IGNORE as _JOB_DEFAULT_IGNORE
 
 __all__ = [
@@ -131,6 +132,7 @@ class LayerQuantizer:
         root = _rooted(path, module)
         with torch.no_grad():
             quantized = _quantize_modules(root, self._qcfg, self._targets, self.ignore)
+            quant_error.measure(quantized, tensors)
             out = dict(tensors)
             for name, m in quantized:
                 for k in [k for k in out if k.startswith(name + ".")]:

@@ -32,6 +32,10 @@ class Export(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # [export.torchao]: keyword arguments of the torchao config (format "torchao" only); spellings in
     # shared/torchao_schemes.py. None: torchao's defaults (and ours, where the README says so).
     torchao: dict[str, Any] | None = None
+    # Each module's quantization error, for `supervisor report`: the worker dequantizes what it writes, which
+    # costs 45-180% more CPU time per layer on a CPU export (docs/report.md) and little on a GPU; it never
+    # changes the output's bytes. None: measure on a GPU, not on the CPU.
+    measure_error: bool | None = None
 
 
 FORMATS = ("compressed-tensors", "torchao")

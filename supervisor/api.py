@@ -559,21 +559,24 @@ class Supervisor:
         if p is not None and hb.index is not None:
             self._emit(p.event(worker_rss=hb.rss, stage=hb.stage, index=hb.index))
 
-    def _record(self, reply: LayerWritten, w: Worker) -> None:
-        """Journal a written part (the scheduler calls this one part at a time)."""
+    def _record(self, reply: LayerWritten, w: Worker, retries: int) -> None:
+        """Journal a written part (the scheduler calls this one part at a time, with its failed attempts)."""
         path = os.path.join(self.plan.output, reply.file)
         if reply.file != layout.shard_name(reply.index) or not os.path.isfile(path) \
                 or os.path.getsize(path) != reply.nbytes:
             raise ExportFailed(f"worker reported {reply.file} but it is not on disk as described", index=reply.index)
         rec = journal.Shard(index=reply.index, file=reply.file, digest=reply.digest, nbytes=reply.nbytes,
                             seconds=round(reply.seconds, 3), ino=reply.ino, mtime_ns=reply.mtime_ns,
+                            source_bytes=reply.source_bytes, peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
+                            retries=retries, quant_error=reply.quant_error,
                             source_digest=reply.source_digest)
         self._journal.append(rec)
         self._done[reply.index] = rec
         w.layers_done += 1
         w.rss = reply.rss
         self._emit(ev.LayerWritten(index=reply.index, file=reply.file, nbytes=reply.nbytes,
-                                   seconds=round(reply.seconds, 3), peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu))
+                                   seconds=round(reply.seconds, 3), peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
+                                   retries=retries, quant_error=reply.quant_error))
         self._progress.add(reply.source_bytes, reply.nbytes)
         self._emit(self._progress.event(worker_rss=reply.rss))
 

@@ -1,8 +1,10 @@
-"""`supervisor run | status | verify | demo`: a thin shell over the Python API.
+"""`supervisor run | status | verify | report | demo`: a thin shell over the Python API.
 
 Prints progress (rich) or, with --json, one JSON event per line on stdout. Exit codes: 0 done, 1 failed,
 2 bad input (nothing written), 3 output locked by another supervisor, 130 interrupted (resumable).
-Errors are one line on stderr; a Python traceback only with --debug. Nothing else lives here.
+Errors are one line on stderr; a Python traceback only with --debug, which also echoes the libraries' own
+output (kept in the logs under OUT/.export/logs otherwise). Before any command it checks that the `supervisor`,
+`child` and `shared` packages Python imports are ours (supervisor.provenance). Nothing else lives here.
 """
 from __future__ import annotations
 
@@ -14,6 +16,18 @@ from supervisor.errors import SupervisorError
 
 EXIT_INTERRUPTED = 130
 
+# `supervisor run --help` shows this; the README shows the same file, and a test parses it.
+JOB_EXAMPLE = """\
+[source]
+path = "models/my-llama"          # a local Hugging Face checkpoint folder with *.safetensors
+[export]
+scheme = "FP8_DYNAMIC"            # compressed-tensors preset name
+output = "exports/my-llama-fp8"   # relative paths are relative to the job file
+ignore = ["lm_head"]              # optional; default: lm_head and MoE routers
+[resources]
+device = "auto"                   # cuda when present, else cpu
+"""
+
 
 def _err(msg: str) -> None:
     print(f"error: {msg}", file=sys.stderr)
@@ -23,9 +37,12 @@ def cmd_run(args) -> int:
     from supervisor.api import Supervisor
     from supervisor.progress import Display
 
+    from shared import layout
+    from supervisor.liblog import Echo
+
     run = Supervisor(args.job)
     display = Display(json_lines=args.json, total_hint=run.plan.source.num_layers + 1)
-    with run, display:
+    with Echo([layout.state_path(run.plan.output, layout.LOGS)], enabled=args.debug), run, display:
         for e in run.events():
             display.show(e)
     try:
@@ -69,20 +86,66 @@ def cmd_verify(args) -> int:
     return 1 if problems else 0
 
 
+def cmd_report(args) -> int:
+    from rich.console import Console
+
+    from supervisor import report
+
+    rep = report.load(args.output)
+    if args.html:
+        report.check_html_path(args.html, rep.output)  # bad input fails before the plots are drawn
+    if args.json:
+        print(json.dumps(report.to_dict(rep)))
+    else:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=200)  # into a file or pipe: whole rows, not the 80-column default
+        console.print(report.summary(rep), soft_wrap=True, highlight=False)
+        console.print(report.table(rep))
+        if args.modules:
+            console.print(report.modules_table(rep))
+    if args.html:
+        plots = report.write_html(rep, args.html)
+        print(f"wrote {args.html} ({len(plots)} plots)", file=sys.stderr)
+    return 0
+
+
 def cmd_demo(args) -> int:
     from supervisor.demo import run_demo
 
-    return run_demo(args.dir, scheme=args.scheme, json_lines=args.json)
+    return run_demo(args.dir, scheme=args.scheme, json_lines=args.json, debug=args.debug)
+
+
+class _Version(argparse.Action):
+    """--version: our version and where our packages are imported from (after the provenance check)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version, where its packages are imported from, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from supervisor import provenance
+
+        try:
+            print(provenance.version_line())
+        except SupervisorError as exc:
+            parser.exit(exc.exit_code, f"error: {exc}\n")
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="supervisor", description="Supervised, crash-safe, layerwise export of "
                                  "quantized LLM checkpoints (compressed-tensors).")
-    ap.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
+    ap.add_argument("--version", action=_Version)
+    ap.add_argument("--debug", action="store_true", help="show Python tracebacks on errors, and the libraries' "
+                    "own output (torch, transformers, llm-compressor) as it is written to the logs")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("run", parents=[common], help="export (or resume exporting) the job in job.toml")
+    p = sub.add_parser("run", parents=[common], help="export (or resume exporting) the job in job.toml",
+                       description="Export (or resume exporting) the job described in job.toml.",
+                       epilog="job.toml example (every key and its default: README, 'job.toml reference'):\n\n"
+                       + JOB_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("job", help="path to job.toml")
     p.add_argument("--json", action="store_true", help="print one JSON event per line instead of a progress bar")
     p.set_defaults(func=cmd_run)
@@ -94,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("output")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
+    p = sub.add_parser("report", parents=[common], help="per layer: time, bytes, peak memory, retries and "
+                       "quantization error, from the journal (finished or not)")
+    p.add_argument("output")
+    p.add_argument("--html", metavar="FILE", help="also write one self-contained HTML page with a plot per column")
+    p.add_argument("--modules", action="store_true", help="also print every module's quantization error")
+    p.add_argument("--json", action="store_true", help="print the journal's figures as one JSON object instead")
+    p.set_defaults(func=cmd_report)
     p = sub.add_parser("demo", parents=[common], help="build a small model locally, export it, load the result with transformers")
     p.add_argument("dir", nargs="?", default="demo", help="working folder (default: ./demo)")
     p.add_argument("--scheme", default="FP8_DYNAMIC")
@@ -105,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        from supervisor import provenance
+
+        provenance.check()  # before anything imports `shared` or starts a child
         return args.func(args)
     except KeyboardInterrupt:
         _err("interrupted; the export is resumable: run the same command again")

@@ -13,6 +13,7 @@ The hierarchy (exit code in brackets)::
      ├── ExportFailed (RuntimeError) ............ [1]  a layer could not be exported after its attempts
      ├── OffloadError (RuntimeError) ............ [1]  the live model could not be released / restored
      ├── VerifyFailed ........................... [1]  `supervisor verify` found missing/corrupt shards
+     ├── NameClash (ImportError) ................ [2]  `supervisor`/`child`/`shared` as imported are not ours
      └── Cancelled .............................. [130] cancel() or Ctrl-C; the state is resumable
 
 Rules: messages are one line and say how to fix the problem; a foreign exception is translated once, at the
@@ -80,6 +81,12 @@ class OffloadError(SupervisorError, RuntimeError):
 
 class VerifyFailed(SupervisorError):
     """`verify` found shards that are missing or do not match the journal."""
+
+
+class NameClash(SupervisorError, ImportError):
+    """An import package of ours (`supervisor`, `child`, `shared`) resolves to another distribution's code."""
+
+    exit_code = 2
 
 
 class Cancelled(SupervisorError):

@@ -62,6 +62,8 @@ class LayerWritten(Event):
     seconds: float
     peak_rss: int
     peak_gpu: int = 0
+    retries: int = 0  # failed attempts before the one that wrote it
+    quant_error: dict[str, float] = {}  # module -> relative error of its dequantized weight vs the source
 
 
 class Progress(Event):

@@ -51,6 +51,12 @@ class Shard(msgspec.Struct, tag=True, kw_only=True):
     seconds: float = 0.0
     ino: int = 0  # the file's identity when journaled (0: unknown, always re-hash)
     mtime_ns: int = 0
+    # what the part cost and how good it is (supervisor report); defaults keep older journals readable
+    source_bytes: int = 0  # bytes read from the source
+    peak_rss: int = 0  # the worker's peak RSS while exporting it, bytes
+    peak_gpu: int = 0  # the worker's peak GPU memory (torch allocator) while exporting it, bytes; 0 on CPU
+    retries: int = 0  # failed attempts before the one that wrote it, in the run that wrote it
+    quant_error: dict[str, float] = {}  # module -> relative error of its dequantized weight vs the source
     source_digest: str = ""  # a live model's source tensors of this part; "" for a checkpoint on disk
 
 

@@ -20,6 +20,8 @@ class Display:
     def __init__(self, json_lines: bool, total_hint: int):
         self.json_lines = json_lines
         self.console = Console(stderr=True)
+        if not self.console.is_terminal:
+            self.console = Console(stderr=True, soft_wrap=True)  # into a file or pipe: one line per notice
         self.progress: Progress | None = None
         self.task = None
         self.total_hint = total_hint

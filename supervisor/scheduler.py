@@ -3,7 +3,7 @@
     Scheduler.run(todo)
       parts to do (ascending) ─▶ queue ─┬─▶ slot 0 thread ── Worker (cuda:0 | cpu) ── ExportLayer ─▶ child
                                         └─▶ slot 1 thread ── Worker (cuda:1 | cpu) ── …
-      LayerWritten ─▶ on_written(reply) (journal, events), one at a time under one lock
+      LayerWritten ─▶ on_written(reply, worker, retries) (journal, events), one at a time under one lock
       a part that failed ─▶ back to the queue (attempt + 1); its slot backs off, then starts a fresh worker
       a part out of attempts, a full disk, a worker that sees another model ─▶ abort: every slot stops, raise
 
@@ -73,12 +73,13 @@ class Scheduler:
     """Runs parts on a pool of slots until every part is written, one fails for good, or the run is cancelled.
 
     `start_worker(slot)` returns a ready Worker for the slot (its checks may raise SupervisorError: fatal).
-    `on_written(reply, worker)` journals a part; it is called under one lock, from the slot's thread.
+    `on_written(reply, worker, retries)` journals a part (retries: its failed attempts before this one); it is
+    called under one lock, from the slot's thread.
     """
 
     def __init__(self, slots: list[Slot], *, max_attempts: int, part_timeout: float, retry_delay: float,
                  sequential: bool, cancel: threading.Event, emit: Callable[[ev.Event], None],
-                 start_worker: Callable[[Slot], Worker], on_written: Callable[[LayerWritten, Worker], None],
+                 start_worker: Callable[[Slot], Worker], on_written: Callable[[LayerWritten, Worker, int], None],
                  on_heartbeat: Callable[[Heartbeat], None], recycle: Callable[[Worker], bool]):
         if sequential and len(slots) != 1:
             raise ValueError("a sequential export runs on exactly one slot")
@@ -179,7 +180,7 @@ class Scheduler:
             self._done(slot, index, requeue=True)
             return
         with self._record:
-            self.on_written(reply, w)
+            self.on_written(reply, w, attempt - 1)
         self._done(slot, index, requeue=False)
         if self.recycle(w):
             self._drop(slot, kill=False)

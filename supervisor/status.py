@@ -12,7 +12,8 @@ from supervisor import journal
 from supervisor.errors import OutputError
 
 
-def _state(output: str) -> journal.State:
+def read_state(output: str) -> journal.State:
+    """The export's journal; OutputError if `output` is not an export folder."""
     if not os.path.isdir(output):
         raise OutputError(f"{output!r} is not a folder")
     st = journal.read(output)
@@ -31,8 +32,9 @@ def _running_pid(output: str) -> int | None:
     return None
 
 
-def status(output: str) -> dict:
-    st = _state(output)
+def status(output: str, state: journal.State | None = None) -> dict:
+    """What is done and left in `output` (from `state`, its journal as already read, when given)."""
+    st = read_state(output) if state is None else state
     n = st.header.num_layers
     parts = list(range(n)) + [NON_LAYER]
     left = [p for p in parts if p not in st.shards]
@@ -53,7 +55,7 @@ def status(output: str) -> dict:
 def verify(output: str) -> dict[str, str]:
     """file -> problem, for every journaled shard (and finalized file) whose bytes do not match its digest: every
     byte is re-read (resume trusts an unchanged stat; verify never does)."""
-    st = _state(output)
+    st = read_state(output)
     problems = {}
     for rec in st.shards.values():
         why = journal.verify_shard(output, rec, rehash=True)

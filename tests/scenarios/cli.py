@@ -11,10 +11,11 @@ import sys
 SUPERVISOR = os.environ.get("SUPERVISOR_BIN") or os.path.join(os.path.dirname(sys.executable), "supervisor")
 
 
-def write_job(path, source, output, scheme, *, device="cpu", ignore=None, **resources) -> str:
+def write_job(path, source, output, scheme, *, device="cpu", ignore=None, export=None, **resources) -> str:
     lines = ["[source]", f'path = "{source}"', "[export]", f'scheme = "{scheme}"', f'output = "{output}"']
     if ignore is not None:
         lines.append("ignore = [" + ", ".join(json.dumps(i) for i in ignore) + "]")
+    lines += [f"{k} = {json.dumps(v)}" for k, v in (export or {}).items()]
     lines += ["[resources]", f'device = "{device}"']
     lines += [f"{k} = {json.dumps(v)}" for k, v in resources.items()]
     with open(path, "w") as f:

@@ -1,0 +1,62 @@
+"""The quantization error of each module, measured while its layer is in memory (so it costs no second read).
+
+    rel_error(module) = ||decompress(compressed module) - W_source||_F / ||W_source||_F
+
+The dequantized weight comes from compressed-tensors' own decompressor for the module's format (the one a loader
+runs), applied to exactly the tensors that go into the shard, so the figure describes the written checkpoint.
+The compressed-tensors backend calls `measure` right after it compressed a part's modules; the figures collect
+in this process's tally, which the worker loop empties with `take()` around each part and sends in LayerWritten.
+
+Owns that arithmetic and the tally. It never changes a module or a tensor it is given, and keeps no reference
+to either after returning.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from compressed_tensors.compressors import BaseCompressor
+from compressed_tensors.utils import get_direct_state_dict
+from torch import nn
+
+ROWS = 1024  # rows per float32 block: 16 MiB per temporary for a 4096-wide weight (an 8B MLP: 14336 x 4096)
+
+_tally: dict[str, float] = {}
+enabled = True  # the job's [export] measure_error; the worker sets it once
+
+
+def measure(modules: Iterable[tuple[str, nn.Module]], source: Mapping[str, torch.Tensor]) -> None:
+    """Record rel_error for each compressed (name, module) whose source weight is `source[name + ".weight"]`."""
+    if not enabled:
+        return
+    for name, module in modules:
+        scheme = getattr(module, "quantization_scheme", None)
+        weight = source.get(f"{name}.weight")
+        if scheme is None or scheme.format is None or weight is None:
+            continue
+        compressor = BaseCompressor.get_value_from_registry(scheme.format.value)
+        dequantized = compressor.decompress(get_direct_state_dict(module), scheme)["weight"]
+        error = relative_error(dequantized, weight)
+        del dequantized
+        if error is not None:
+            _tally[name] = error
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float | None:
+    """||got - ref|| / ||ref|| (Frobenius) in float32, block by block; None when ref is all zeros."""
+    if got.shape != ref.shape:
+        raise ValueError(f"dequantized weight has shape {tuple(got.shape)}, the source {tuple(ref.shape)}")
+    # float32 blocks, not one float32 copy of the whole weight: that would add twice the weight to the peak
+    diff_sq = ref_sq = 0.0
+    for g, r in zip(got.split(ROWS), ref.split(ROWS)):
+        r = r.to(g.device, torch.float32)
+        diff_sq += torch.linalg.vector_norm(g.float() - r).item() ** 2
+        ref_sq += torch.linalg.vector_norm(r).item() ** 2
+    return (diff_sq / ref_sq) ** 0.5 if ref_sq else None
+
+
+def take() -> dict[str, float]:
+    """The figures recorded since the last take(), and an empty tally."""
+    out = dict(_tally)
+    _tally.clear()
+    return out
