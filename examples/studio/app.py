@@ -163,4 +163,12 @@ def _load_from_env():
     return model, tokenizer
 
 
-app = create_app(*_load_from_env()) if os.environ.get("STUDIO_MODEL") else None
+def __getattr__(name: str):
+    # `uvicorn app:app` loads the model named by the environment; importing create_app alone loads nothing
+    if name != "app":
+        raise AttributeError(name)
+    if not os.environ.get("STUDIO_MODEL"):
+        raise RuntimeError("set STUDIO_MODEL to the checkpoint folder the studio should hold (and STUDIO_ADAPTER to "
+                           "a LoRA adapter folder, optionally)")
+    globals()["app"] = create_app(*_load_from_env())
+    return globals()["app"]
