@@ -185,6 +185,7 @@ class Exporter:
         del out
         gc.collect()
         _malloc_trim()
+        self.source.trim()
         self.beat.set(None, "idle")
         return LayerWritten(index=index, file=name, digest=w.digest, nbytes=w.nbytes, ino=w.ino, mtime_ns=w.mtime_ns,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,

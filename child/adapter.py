@@ -154,3 +154,6 @@ class Merged:
 
     def digest(self, names: list[str]) -> str:
         return self.inner.digest(names)
+
+    def trim(self) -> None:
+        self.inner.trim()

@@ -6,7 +6,8 @@
 
 Each chunk is mapped copy-on-write: the child sees the supervisor's bytes, and a stray in-place write in a library
 lands in a private page of the child, never in the live model. Tensors are views of the mapping (the page cache
-of the shared memory), so reading a layer costs no copy and the child's memory holds only what it touches.
+of the shared memory), so reading a layer costs no copy and the child's memory holds only what it touches;
+`trim()` after each part unmaps what it touched, so the child's RSS stays one layer's.
 `digest(names)` hashes a part's tensors (and its LoRA pairs) so the journal can tell a changed live model from the
 one the shards came from. Owns reading the mapping only; it never writes to it and never closes the supervisor's
 memory (closing the fds here closes only the child's copies).
@@ -62,6 +63,14 @@ class PoolSource:
                 a, b = self._tensor(lora.a), self._tensor(lora.b)
                 out[name] = LoraPair(a, b, r=a.shape[0], lora_alpha=1.0, scaling=lora.scaling)
         return out
+
+    def trim(self) -> None:
+        # The pages of the pool this child touched count in its RSS (as shared memory) until unmapped: over an
+        # export that grows to the whole model (measured: 705 MiB peak RSS per layer vs 445 MiB from disk, on a
+        # 305 MiB model), and would trip recycle_above_rss_mb. MADV_DONTNEED drops our mappings of them (the pages
+        # stay in the supervisor's memfd; a later read faults them in again), and any private copy-on-write page.
+        for m in self._maps:
+            m.madvise(mmap.MADV_DONTNEED)
 
     @property
     def has_loras(self) -> bool:

@@ -48,6 +48,9 @@ class Source(Protocol):
         """A hash of these tensors' source bytes when the source can change under the same fingerprint (a live
         model); "" when the fingerprint already covers them (files on disk)."""
 
+    def trim(self) -> None:
+        """Give back what the source keeps mapped for parts already exported (called after each part)."""
+
 
 def open_source(job, pool=None) -> Source:
     """The Source the job names: a live model's pool (Hello.pool) or the checkpoint on disk, with its LoRA
@@ -110,3 +113,6 @@ class Checkpoint:
 
     def digest(self, names: list[str]) -> str:
         return ""  # the fingerprint holds the files' sizes and mtimes
+
+    def trim(self) -> None:
+        pass  # each read opens and closes its files
