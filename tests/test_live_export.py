@@ -173,3 +173,19 @@ def test_changed_live_model_after_a_supervisor_crash_is_not_mixed(tiny_models, t
 
     model.save_pretrained(tmp_path / "saved")
     assert output_bytes(out) == _export_checkpoint(tmp_path / "saved", tmp_path / "ref")
+
+
+def test_disk_offloaded_live_model_is_refused_before_anything_is_written(tiny_models, tmp_path, cpu_accelerator):
+    """A live model with a disk-offloaded module has weights in no memory the child could map: one-line SourceError
+    from Supervisor(...), no output folder, the model untouched."""
+    from supervisor.errors import SourceError
+
+    device_map = {"model.embed_tokens": STAND_IN_GPU, "model.layers.0": STAND_IN_GPU, "model.layers.1": "disk",
+                  "model.norm": STAND_IN_GPU, "model.rotary_emb": STAND_IN_GPU, "lm_head": STAND_IN_GPU}
+    model = dispatch_model(load(tiny_models("llama")), device_map, main_device=STAND_IN_GPU, force_hooks=True,
+                           offload_dir=str(tmp_path / "offload"))
+    before = _state(model)
+    with pytest.raises(SourceError, match="disk-offloaded") as info:
+        Supervisor(_job(tmp_path / "out"), model=model)
+    assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
+    _assert_same_model(model, before)
