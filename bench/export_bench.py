@@ -166,7 +166,11 @@ def run_supervisor(args, src: str, out: str, work: str, workers: int, env: dict 
     layers = [e for e in written if e["index"] >= 0]
     first = min((e["t"] for e in events if e["type"] == "LayerStarted"), default=0.0)
     pool = next((e for e in events if e["type"] == "PoolStarted"), {})
-    return {"wall": wall, "startup": first, "imports": pool.get("imports", 0.0), "events": events,
+    stages: dict[str, float] = {}
+    for e in layers:
+        for k, v in e.get("stages", {}).items():
+            stages[k] = stages.get(k, 0.0) + v / len(layers)
+    return {"wall": wall, "startup": first, "imports": pool.get("imports", 0.0), "events": events, "stages": stages,
             "per_layer": sum(e["seconds"] for e in layers) / max(len(layers), 1),
             "workers": len({e["worker"] for e in events if e["type"] == "WorkerStarted"}),
             "peak_gpu": max((e["peak_gpu"] for e in written), default=0), "tree": tree, "rc": proc.returncode,
@@ -261,7 +265,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--scheme", default="FP8_DYNAMIC")
     ap.add_argument("--device", default="cuda", help="the job's resources.device: cuda (every GPU), cuda:N, cpu")
-    ap.add_argument("--workers", type=int, default=0, help="resources.workers for the main supervisor run")
+    ap.add_argument("--workers", default="0", help="resources.workers for the supervisor runs: one run per value "
+                    "of a comma-separated list (0: the default, one per GPU); the first is the one compared")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "export-bench"))
     ap.add_argument("--skip", default="", help="comma-separated tools to skip: oneshot,model_free_ptq,kill,1w")
     ap.add_argument("--no-measure-error", action="store_true",
@@ -280,10 +285,17 @@ def main() -> None:
     print(f"disk: {floor:.2f} GB/s write+fsync in {args.workdir}")
 
     rows = []
-    sup = run_supervisor(args, src, os.path.join(args.workdir, "sup"), args.workdir, args.workers)
-    rows.append(("supervisor", sup))
-    if sup["workers"] > 1 and "1w" not in skip:
-        rows.append(("supervisor-1w", run_supervisor(args, src, os.path.join(args.workdir, "sup1"), args.workdir, 1)))
+    counts = [int(w) for w in args.workers.split(",")]
+    args.workers = counts[0]
+    sup = run_supervisor(args, src, os.path.join(args.workdir, "sup"), args.workdir, counts[0])
+    rows.append((f"supervisor ({sup['workers']} worker{'s' if sup['workers'] > 1 else ''})", sup))
+    for n in counts[1:]:
+        r = run_supervisor(args, src, os.path.join(args.workdir, f"sup{n}"), args.workdir, n)
+        rows.append((f"supervisor ({r['workers']} worker{'s' if r['workers'] > 1 else ''})", r))
+        shutil.rmtree(os.path.join(args.workdir, f"sup{n}"))
+    if sup["workers"] > 1 and "1w" not in skip and 1 not in counts:
+        rows.append(("supervisor (1 worker)", run_supervisor(args, src, os.path.join(args.workdir, "sup1"),
+                                                             args.workdir, 1)))
     out_bytes = output_bytes(os.path.join(args.workdir, "sup"))
     one = mfp = None
     if "oneshot" not in skip:
@@ -308,6 +320,10 @@ def main() -> None:
     print(f"written: {out_bytes / 1e9:.2f} GB; write floor {out_bytes / 1e9 / floor:.2f} s in all, "
           f"{out_bytes / 1e9 / floor / (args.layers + 1):.3f} s per part")
     print(f"supervisor: imports {sup['imports']:.1f} s in the warm parent; {sup['workers']} worker(s)")
+    for name, r in rows:
+        if r.get("stages"):
+            print(f"{name}: mean seconds per layer by stage: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in r["stages"].items()))
     if one:
         print(f"ratio wall supervisor / oneshot: {sup['wall'] / one['wall']:.2f}")
         print("ours vs oneshot:", compare(os.path.join(args.workdir, "sup"), os.path.join(args.workdir, "oneshot")))

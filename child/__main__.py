@@ -136,19 +136,27 @@ class Exporter:
             return self.source.non_layer_names(self.prefix)
         return self.source.layer_names(self.prefix, index)
 
-    def _read_part(self, names: list[str]) -> tuple[dict, str]:
-        return self.source.read(names), self.source.digest(names)
-
     def _read(self, index: int) -> tuple[dict, str]:
         fut = self._ahead.pop(index, None)
-        return fut.result() if fut is not None else self._read_part(self._names(index))
+        return fut.result() if fut is not None else self._load(index)
+
+    def _load(self, index: int) -> tuple[dict, str]:
+        """Part `index`'s tensors, for a layer on a GPU already on the device. safetensors hands out tensors that
+        map the file, so the bytes are only read (page faults, then the copy to the GPU) when first touched:
+        doing that here, in the prefetch thread, overlaps it with the quantization of the part before
+        (measured on an H200: a 436 MB layer spent ~0.2 s of its 0.43 s "quantize" stage reading)."""
+        names = self._names(index)
+        tensors, digest = self.source.read(names), self.source.digest(names)  # the digest: of the source bytes
+        if index != NON_LAYER and self.device.startswith("cuda"):
+            tensors = {k: v.to(self.device) for k, v in tensors.items()}
+        return tensors, digest
 
     def _prefetch(self, index: int | None) -> None:
         # Overlap reading the next layer with quantizing this one; keep at most one layer in flight.
         for stale in [k for k in self._ahead if k != index]:
             self._ahead.pop(stale).cancel()
         if index is not None and index not in self._ahead:
-            self._ahead[index] = self._pool.submit(self._read_part, self._names(index))
+            self._ahead[index] = self._pool.submit(self._load, index)
 
     def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:
         from child import quant_error
@@ -164,11 +172,15 @@ class Exporter:
         source_bytes = self.source.nbytes(tensors)
         faults.hit("read", index, writer)
         self.beat.set(index, "quantize")
+        t1 = time.perf_counter()
         if index == NON_LAYER:
             out = self.backend.quantize_non_layer(tensors)
         else:
             out = self.backend.quantize_layer(index, tensors)
         del tensors
+        out = {k: v.to("cpu") for k, v in out.items()}  # pass-through tensors may still be on the device
+        t2 = time.perf_counter()
+        error_seconds = quant_error.spent
         errors = quant_error.take()
         faults.hit("quantize", index, writer)
         self.beat.set(index, "write")
@@ -180,17 +192,20 @@ class Exporter:
 
         name = layout.shard_name(index)
         out, metadata = self.backend.serialize(out)
+        stages = {"read": t1 - t0, "quantize": t2 - t1 - error_seconds, "error": error_seconds}
         w = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint,
-                        metadata=metadata)
+                        metadata=metadata, timings=stages)
         del out
+        t3 = time.perf_counter()
         gc.collect()
         _malloc_trim()
         self.source.trim()
+        stages["cleanup"] = time.perf_counter() - t3
         self.beat.set(None, "idle")
         return LayerWritten(index=index, file=name, digest=w.digest, nbytes=w.nbytes, ino=w.ino, mtime_ns=w.mtime_ns,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
                             peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), quant_error=errors,
-                            source_digest=digest)
+                            stages={k: round(v, 4) for k, v in stages.items()}, source_digest=digest)
 
     def write_config(self, msg: WriteConfig, writer: Writer) -> ConfigWritten:
         self.beat.set(None, "config")

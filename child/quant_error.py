@@ -12,6 +12,7 @@ to either after returning.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -23,12 +24,15 @@ ROWS = 1024  # rows per float32 block: 16 MiB per temporary for a 4096-wide weig
 
 _tally: dict[str, float] = {}
 enabled = True  # the job's [export] measure_error; the worker sets it once
+spent = 0.0  # seconds measuring since the last take(), so the worker can report them as their own stage
 
 
 def measure(modules: Iterable[tuple[str, nn.Module]], source: Mapping[str, torch.Tensor]) -> None:
     """Record rel_error for each compressed (name, module) whose source weight is `source[name + ".weight"]`."""
+    global spent
     if not enabled:
         return
+    t = time.perf_counter()
     for name, module in modules:
         scheme = getattr(module, "quantization_scheme", None)
         weight = source.get(f"{name}.weight")
@@ -40,6 +44,7 @@ def measure(modules: Iterable[tuple[str, nn.Module]], source: Mapping[str, torch
         del dequantized
         if error is not None:
             _tally[name] = error
+    spent += time.perf_counter() - t
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float | None:
@@ -56,7 +61,9 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float | None:
 
 
 def take() -> dict[str, float]:
-    """The figures recorded since the last take(), and an empty tally."""
+    """The figures recorded since the last take(), and an empty tally (and time spent)."""
+    global spent
     out = dict(_tally)
     _tally.clear()
+    spent = 0.0
     return out

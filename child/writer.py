@@ -11,6 +11,7 @@ import json
 import os
 import re
 import struct
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -105,19 +106,25 @@ def digest_written(path: str, tensors: dict, algo: str = durable.ALGO) -> str:
 
 def write_shard(tensors: dict, output: str, tmp_dir: str, name: str,
                 checkpoint: Callable[[str], None] = lambda stage: None,
-                metadata: dict[str, str] | None = None) -> Written:
+                metadata: dict[str, str] | None = None, timings: dict[str, float] | None = None) -> Written:
     """Write `tensors` as OUT/name with `metadata` in its header. `checkpoint(stage)` is the fault-injection
-    hook."""
+    hook; `timings` (if given) gets the seconds spent in "save", "hash" and "sync" (fsync, rename, fsync dir)."""
+    timings = {} if timings is None else timings
     os.makedirs(tmp_dir, exist_ok=True)
     tmp = os.path.join(tmp_dir, name + ".tmp")
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     try:
+        t0 = time.perf_counter()
         _save(tensors, tmp, METADATA if metadata is None else metadata)
         os.chmod(tmp, 0o644)  # safetensors creates 0600 files; shards are meant to be shared like any checkpoint
+        t1 = time.perf_counter()
         digest = digest_written(tmp, tensors)
+        t2 = time.perf_counter()
         checkpoint("write_tmp")
         dest = os.path.join(output, name)
+        t3 = time.perf_counter()
         durable.replace(tmp, dest)
+        timings.update(save=t1 - t0, hash=t2 - t1, sync=time.perf_counter() - t3)
     except BaseException:
         try:
             os.unlink(tmp)

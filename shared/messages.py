@@ -111,6 +111,7 @@ class LayerWritten(msgspec.Struct, tag=True, kw_only=True):
     peak_gpu: int = 0  # torch.cuda.max_memory_allocated during this part, bytes
     ino: int = 0  # the shard's inode and mtime once renamed into place (resume trusts a matching stat)
     mtime_ns: int = 0
+    stages: dict[str, float] = {}  # seconds per stage: read, quantize, error, save, hash, sync, cleanup
     # module name -> ||dequantized - source|| / ||source|| of its weight, measured by the child (child/quant_error.py)
     quant_error: dict[str, float] = {}
     source_digest: str = ""  # a live model's source tensors of this part (shared.durable.tensor_digest); "" on disk

@@ -568,7 +568,7 @@ class Supervisor:
         rec = journal.Shard(index=reply.index, file=reply.file, digest=reply.digest, nbytes=reply.nbytes,
                             seconds=round(reply.seconds, 3), ino=reply.ino, mtime_ns=reply.mtime_ns,
                             source_bytes=reply.source_bytes, peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
-                            retries=retries, quant_error=reply.quant_error,
+                            retries=retries, quant_error=reply.quant_error, stages=reply.stages,
                             source_digest=reply.source_digest)
         self._journal.append(rec)
         self._done[reply.index] = rec
@@ -576,7 +576,7 @@ class Supervisor:
         w.rss = reply.rss
         self._emit(ev.LayerWritten(index=reply.index, file=reply.file, nbytes=reply.nbytes,
                                    seconds=round(reply.seconds, 3), peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
-                                   retries=retries, quant_error=reply.quant_error))
+                                   retries=retries, quant_error=reply.quant_error, stages=reply.stages))
         self._progress.add(reply.source_bytes, reply.nbytes)
         self._emit(self._progress.event(worker_rss=reply.rss))
 

@@ -129,10 +129,30 @@ def _cuda_index(spec: str) -> int:
 
 
 def _cuda_count() -> int:
-    import torch
+    """GPUs visible to this process. NVML answers in milliseconds without torch (importing torch costs seconds
+    on some machines, and a re-run of a finished export should not pay it); without NVML, torch's own count,
+    which asks NVML first too and never initialises CUDA, so workers can still be forked after it."""
+    physical = _nvml_count()
+    if physical < 0:
+        import torch
 
-    # device_count() asks NVML first and does not initialise CUDA, so workers can still be forked after it.
-    return torch.cuda.device_count()
+        return torch.cuda.device_count()
+    visible = parse_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return physical if visible is None else min(len(visible), physical)
+
+
+def _nvml_count() -> int:
+    """Physical GPUs as NVML reports them (what torch's _raw_device_count_nvml does); -1 without NVML."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return -1
+    count = ctypes.c_int(-1)
+    if nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+        return -1
+    return count.value
 
 
 def _gib(n: int) -> str:

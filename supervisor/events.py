@@ -64,6 +64,7 @@ class LayerWritten(Event):
     peak_gpu: int = 0
     retries: int = 0  # failed attempts before the one that wrote it
     quant_error: dict[str, float] = {}  # module -> relative error of its dequantized weight vs the source
+    stages: dict[str, float] = {}  # seconds per stage in the worker: read, quantize, error, save, hash, sync, cleanup
 
 
 class Progress(Event):

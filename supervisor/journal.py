@@ -57,6 +57,7 @@ class Shard(msgspec.Struct, tag=True, kw_only=True):
     peak_gpu: int = 0  # the worker's peak GPU memory (torch allocator) while exporting it, bytes; 0 on CPU
     retries: int = 0  # failed attempts before the one that wrote it, in the run that wrote it
     quant_error: dict[str, float] = {}  # module -> relative error of its dequantized weight vs the source
+    stages: dict[str, float] = {}  # seconds per stage in the worker (read, quantize, error, save, hash, sync, …)
     source_digest: str = ""  # a live model's source tensors of this part; "" for a checkpoint on disk
 
 

@@ -39,6 +39,12 @@ def test_parse_visible_devices(value, expected):
     assert parse_visible_devices(value) == expected
 
 
+
+@pytest.fixture(autouse=True)
+def _no_nvml(monkeypatch):
+    """These tests set the GPU count through torch; keep a real NVML (on a GPU machine) out of them."""
+    monkeypatch.setattr(devices, "_nvml_count", lambda: -1)
+
 def test_child_env_picks_the_parents_entry_for_the_device():
     """A child for cuda:1 under CUDA_VISIBLE_DEVICES=3,5 sees only physical device 5."""
     base = {"CUDA_VISIBLE_DEVICES": "3,5", "PATH": "/bin"}
