@@ -2,7 +2,8 @@
 
 Handshake (Hello → Ready), then a loop of `match` on messages from the supervisor; one long-lived process
 exports many layers (importing torch + llm-compressor costs seconds, so a process per layer is too slow).
-Talks only over the two dedicated pipe fds: stdout/stderr belong to the libraries and go to a log file.
+Talks only over the two dedicated pipe fds: stdout/stderr belong to the libraries (the supervisor pumps them into
+the worker log and LogLine events).
 It exits on Stop, on EOF from the supervisor, or when its parent dies (parent-death signal, plus a check of
 the parent pid in the heartbeat thread), and it writes nothing after its parent is gone.
 It must never import the supervisor package.
@@ -124,8 +125,10 @@ class Exporter:
         self._writer: Writer | None = None
         measure = job.export.measure_error
         quant_error.enabled = hello.device.startswith("cuda") if measure is None else measure
-        self.source = open_source(job)
-        self.backend = make_backend(job, job.source.path, hello.device, output=hello.output, source=self.source,
+        self.source = open_source(job, hello.pool)
+        # a live model has no checkpoint folder: the supervisor wrote its config.json beside the pool
+        self.config_dir = hello.pool.config_dir if hello.pool is not None else job.source.path
+        self.backend = make_backend(job, self.config_dir, hello.device, output=hello.output, source=self.source,
                                     stage=self._stage, calibration_sha256=hello.calibration_sha256)
         self.prefix = self.backend.layer_prefix
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
@@ -136,19 +139,20 @@ class Exporter:
             return self.source.non_layer_names(self.prefix)
         return self.source.layer_names(self.prefix, index)
 
-    def _read(self, index: int) -> dict:
+    def _read(self, index: int) -> tuple[dict, str]:
         fut = self._ahead.pop(index, None)
         return fut.result() if fut is not None else self._load(index)
 
-    def _load(self, index: int) -> dict:
+    def _load(self, index: int) -> tuple[dict, str]:
         """Part `index`'s tensors, for a layer on a GPU already on the device. safetensors hands out tensors that
         map the file, so the bytes are only read (page faults, then the copy to the GPU) when first touched:
         doing that here, in the prefetch thread, overlaps it with the quantization of the part before
         (measured on an H200: a 436 MB layer spent ~0.2 s of its 0.43 s "quantize" stage reading)."""
-        tensors = self.source.read(self._names(index))
+        names = self._names(index)
+        tensors, digest = self.source.read(names), self.source.digest(names)  # the digest: of the source bytes
         if index != NON_LAYER and self.device.startswith("cuda") and self.backend.reads_to_device:
             tensors = {k: v.to(self.device) for k, v in tensors.items()}
-        return tensors
+        return tensors, digest
 
     def _prefetch(self, index: int | None) -> None:
         # Overlap reading the next layer with quantizing this one; keep at most one layer in flight.
@@ -174,7 +178,7 @@ class Exporter:
         _reset_peak_rss()
         gpu = self._gpu_reset()
         self.beat.set(index, "read")
-        tensors = self._read(index)
+        tensors, digest = self._read(index)
         self._prefetch(msg.prefetch)
         source_bytes = self.source.nbytes(tensors)
         faults.hit("read", index, writer)
@@ -212,19 +216,21 @@ class Exporter:
         t4 = time.perf_counter()
         gc.collect()
         _malloc_trim()
+        self.source.trim()
         stages["boundary"] = t4 - t3
         stages["cleanup"] = time.perf_counter() - t4
         self.beat.set(None, "idle")
         return LayerWritten(index=index, file=name, digest=w.digest, nbytes=w.nbytes, ino=w.ino, mtime_ns=w.mtime_ns,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
                             peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), quant_error=errors,
-                            stages={k: round(v, 4) for k, v in stages.items()}, boundary=boundary)
+                            stages={k: round(v, 4) for k, v in stages.items()}, boundary=boundary,
+                            source_digest=digest)
 
     def write_config(self, msg: WriteConfig, writer: Writer) -> ConfigWritten:
         self.beat.set(None, "config")
         faults.hit("config", None, writer)
         os.makedirs(msg.dest, exist_ok=True)
-        path = self.backend.write_config(os.path.join(self.job.source.path, "config.json"), msg.dest)
+        path = self.backend.write_config(os.path.join(self.config_dir, "config.json"), msg.dest)
         self.beat.set(None, "idle")
         return ConfigWritten(path=path)
 

@@ -20,6 +20,8 @@ class Source(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     path: str
     # config.json with auto_map asks for code from the checkpoint; refused unless this is set.
     allow_remote_code: bool = False
+    # A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors), merged per layer in the child.
+    adapter: str | None = None
 
 
 class Export(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -64,7 +66,8 @@ class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    source: Source
+    # None only through the Python API with a live model (`Supervisor(job, model=live)`): the model is the source.
+    source: Source | None = None
     export: Export
     resources: Resources = msgspec.field(default_factory=Resources)
     calibration: Calibration | None = None
@@ -137,8 +140,10 @@ def _check_values(job: Job) -> None:
     if r.recycle_after_layers < 0 or r.recycle_above_rss_mb < 0 or r.torch_threads < 0 or r.workers < 0:
         raise JobSyntaxError("[resources] recycle_after_layers, recycle_above_rss_mb, torch_threads and workers "
                              "must be 0 or more")
-    if not job.source.path.strip():
+    if job.source is not None and not job.source.path.strip():
         raise JobSyntaxError("[source] path is empty; set it to a Hugging Face checkpoint folder")
+    if job.source is not None and job.source.adapter is not None and not job.source.adapter.strip():
+        raise JobSyntaxError("[source] adapter is empty; set it to a PEFT LoRA adapter folder or remove the key")
     if not job.export.output.strip():
         raise JobSyntaxError("[export] output is empty; set it to the folder to export into")
     if r.activation_ram_gb < 0:

@@ -39,6 +39,31 @@ class Boundary(msgspec.Struct, kw_only=True):
     nbytes: int
 
 
+# ---- a live model's pool (shared memory the supervisor owns; the child maps it read-only) ---------------------
+class PoolTensor(msgspec.Struct, array_like=True):
+    name: str  # checkpoint name, as live.save_pretrained() would write it
+    chunk: int  # index into Pool.fds
+    offset: int  # bytes from the chunk's start
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    shape: list[int]
+    stride: list[int]  # in elements
+
+
+class PoolLora(msgspec.Struct, array_like=True):
+    weight: str  # checkpoint name of the Linear weight this pair merges into
+    a: PoolTensor  # [r, in]
+    b: PoolTensor  # [out, r]
+    scaling: float  # the live PEFT layer's own scaling
+
+
+class Pool(msgspec.Struct, kw_only=True):
+    fds: list[int]  # memfds inherited by the child (same numbers), one per chunk
+    sizes: list[int]  # bytes of each chunk
+    tensors: list[PoolTensor]
+    loras: list[PoolLora] = []
+    config_dir: str  # config.json (+ generation config, tokenizer) of the live model, written by the supervisor
+
+
 # ---- supervisor → child -------------------------------------------------------------------------------------
 class Hello(msgspec.Struct, tag=True, kw_only=True):
     version: int
@@ -48,6 +73,7 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     worker: int = 0
     heartbeat_seconds: float = 1.0
     calibration_sha256: str = ""  # of the dataset lines the supervisor validated; the child checks it
+    pool: Pool | None = None  # set when the source is a live model (job.source is None)
 
 
 class ExportLayer(msgspec.Struct, tag=True, kw_only=True):
@@ -102,6 +128,7 @@ class LayerWritten(msgspec.Struct, tag=True, kw_only=True):
     # module name -> ||dequantized - source|| / ||source|| of its weight, measured by the child (child/quant_error.py)
     quant_error: dict[str, float] = {}
     boundary: Boundary | None = None  # calibrated: the next layer's inputs, made durable after the shard
+    source_digest: str = ""  # a live model's source tensors of this part (shared.durable.tensor_digest); "" on disk
 
 
 class ConfigWritten(msgspec.Struct, tag=True, kw_only=True):

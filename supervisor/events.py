@@ -91,6 +91,14 @@ class ModelRestored(Event):
     restored: bool = True
 
 
+class LogLine(Event):
+    """A line the child printed (its libraries' warnings, progress bars, tracebacks); also in the worker log."""
+
+    stream: str  # "stdout" | "stderr"
+    text: str
+    pid: int
+
+
 class Finished(Event):
     output: str
     parts: int
@@ -112,7 +120,7 @@ class Cancelled(Event):
 
 
 AnyEvent = Union[Started, MemoryReleased, PoolStarted, WorkerStarted, LayerStarted, LayerWritten, Progress, Retrying,
-                 ModelRestored, Finished, Failed, Cancelled]
+                 ModelRestored, LogLine, Finished, Failed, Cancelled]
 TERMINAL = (Finished, Failed, Cancelled)
 
 _json = msgspec.json.Encoder()

@@ -62,6 +62,7 @@ class Shard(msgspec.Struct, tag=True, kw_only=True):
     quant_error: dict[str, float] = {}  # module -> relative error of its dequantized weight vs the source
     stages: dict[str, float] = {}  # seconds per stage in the worker (read, quantize, error, save, hash, sync, …)
     boundary: Boundary | None = None  # calibrated: the inputs of layer index+1, durable before this record
+    source_digest: str = ""  # a live model's source tensors of this part; "" for a checkpoint on disk
 
 
 class Finalized(msgspec.Struct, tag=True, kw_only=True):
@@ -83,11 +84,12 @@ def _versions(packages: tuple[str, ...] = _FINGERPRINT_PACKAGES) -> dict[str, st
     return out
 
 
-def fingerprint(job: Job, source_stats: list[tuple[str, int, int]],
-                calibration: dict | None = None) -> tuple[str, dict]:
+def fingerprint(job: Job, source_stats: list[tuple[str, int, int]], calibration: dict | None = None,
+                extra: dict | None = None) -> tuple[str, dict]:
     """A hash of everything that decides the output's bytes; also returns the parts, for messages.
     `calibration`: the data-dependent parts of a calibrated job (supervisor.calibration); data-free jobs have
-    none, so their fingerprints are what they were before calibration existed."""
+    none, so their fingerprints are what they were before calibration existed. `extra`: what else the source is
+    made of (an adapter's file hashes, a live model's structure)."""
     parts = {
         "source_files": [list(s) for s in source_stats],
         "scheme": job.export.scheme,
@@ -101,6 +103,8 @@ def fingerprint(job: Job, source_stats: list[tuple[str, int, int]],
         parts["versions"] = _versions(_FINGERPRINT_PACKAGES + ("torchao",))
     if calibration is not None:
         parts["calibration"] = calibration
+    if extra:
+        parts["source_extra"] = extra
     blob = json.dumps(parts, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:32], parts
 
@@ -196,8 +200,8 @@ def check_owner(output: str, fp: str, parts: dict) -> State:
         old = st.header.job.get("export", {})
         raise FingerprintMismatch(
             f"output {shown!r} holds an export of a different job (scheme {old.get('scheme')}, "
-            f"source {st.header.job.get('source', {}).get('path')}, or changed source files, calibration data or "
-            f"settings, device kind, library versions); "
+            f"source {(st.header.job.get('source') or {}).get('path', 'a live model')}, or changed source files, "
+            f"calibration data or settings, device kind, library versions); "
             f"delete the folder to start fresh, or choose another [export] output")
     return st
 

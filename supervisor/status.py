@@ -47,7 +47,7 @@ def status(output: str, state: journal.State | None = None) -> dict:
         left = [p for p in parts if p not in st.shards]
     return {
         "output": os.path.abspath(output),
-        "source": job["source"]["path"],
+        "source": (job.get("source") or {}).get("path", "a live model (Python API)"),
         "scheme": job["export"]["scheme"],
         "method": job["export"].get("method", "rtn"),
         "layers": n,
