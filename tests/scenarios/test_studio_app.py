@@ -29,12 +29,21 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models, tmp_path_factory):
+def markers(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("markers")
+    return {"arm": folder / "arm-stall", "fired": folder / "stall-fired"}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory, markers):
     port = _free_port()
     log = tmp_path_factory.mktemp("studio") / "uvicorn.log"
     env = {**os.environ, "STUDIO_MODEL": tiny_models("llama"), "STUDIO_DEVICE": "cpu",
            "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-    env.pop("SUPERVISOR_TEST_FAULT", None)
+    # Test-only: once the cancel test creates the "arm" marker, the next export's child holds at layer 1 (its
+    # heartbeats go on) until cancelled; so the cancel lands mid-export however fast the machine is.
+    env["SUPERVISOR_TEST_FAULT"] = json.dumps({"point": "quantize", "action": "stall", "index": 1,
+                                               "after": str(markers["arm"]), "once": str(markers["fired"])})
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--app-dir", os.path.join(REPO, "examples", "studio"),
                                  "app:app", "--host", "127.0.0.1", "--port", str(port)], stdout=out,
@@ -108,9 +117,10 @@ def test_whole_export_over_http(server, reference, tmp_path):
     assert output_bytes(tmp_path / "out") == reference
 
 
-def test_cancel_then_resume_over_http(server, reference, tmp_path):
-    """Cancel after the first layer is written: the stream ends with Cancelled; the same job POSTed again resumes
-    (the written layer is kept) and finishes with the reference bytes."""
+def test_cancel_then_resume_over_http(server, reference, markers, tmp_path):
+    """Cancel after the first layer is written (the child held at layer 1): the stream ends with Cancelled; the
+    same job POSTed again resumes (the written layer is kept) and finishes with the reference bytes."""
+    markers["arm"].touch()
     export_id = server.post("/exports", json=_job(tmp_path / "out")).json()["id"]
     cancelled = []
 
@@ -120,6 +130,7 @@ def test_cancel_then_resume_over_http(server, reference, tmp_path):
 
     kinds = [e["type"] for e in _events(server, export_id, on_event=cancel_once)]
     assert cancelled == [202] and kinds[-2:] == ["ModelRestored", "Cancelled"]
+    assert markers["fired"].exists()  # the cancel reached a child held mid-export
     assert server.get(f"/exports/{export_id}").json()["state"] == "cancelled"
 
     again = server.post("/exports", json=_job(tmp_path / "out")).json()["id"]
