@@ -119,7 +119,7 @@ def test_cancel_from_another_thread_restores_and_is_resumable(job, live_model, m
             last = e
         with pytest.raises(Cancelled):
             run.wait()
-    assert isinstance(last, ev.Cancelled) and (tmp_path / "held").exists()
+    assert isinstance(last, ev.Cancelled)
     _assert_restored(live_model, snap)
     with open(f"{job.export.output}/.export/journal.jsonl") as f:
         assert sum('"Shard"' in line for line in f) >= 1

@@ -130,7 +130,6 @@ def test_cancel_then_resume_over_http(server, reference, markers, tmp_path):
 
     kinds = [e["type"] for e in _events(server, export_id, on_event=cancel_once)]
     assert cancelled == [202] and kinds[-2:] == ["ModelRestored", "Cancelled"]
-    assert markers["fired"].exists()  # the cancel reached a child held mid-export
     assert server.get(f"/exports/{export_id}").json()["state"] == "cancelled"
 
     again = server.post("/exports", json=_job(tmp_path / "out")).json()["id"]
