@@ -16,7 +16,7 @@ the finished export, and kills a worker mid-export (SIGKILL at a middle layer) t
 
     python bench/export_bench.py                                  # 32 layers (16 GB), FP8_DYNAMIC, cuda
     python bench/export_bench.py --scheme W4A16
-    python bench/export_bench.py --scheme W4A16 --no-measure-error --skip oneshot,model_free_ptq,kill,1w  # its cost
+    python bench/export_bench.py --scheme W4A16 --measure-error false --skip oneshot,model_free_ptq,kill  # its cost
     python bench/export_bench.py --device cpu --layers 8 --hidden 2048 --intermediate 5632 --vocab 32000
 """
 from __future__ import annotations
@@ -146,10 +146,10 @@ def timed(cmd: list[str], env: dict | None = None) -> tuple[subprocess.Completed
 
 # ---- the tools --------------------------------------------------------------------------------------------
 def write_job(path: str, src: str, out: str, scheme: str, device: str, workers: int,
-              measure_error: bool = True) -> str:
+              measure_error: bool | None = None) -> str:
+    measure = "" if measure_error is None else f"measure_error = {str(measure_error).lower()}\n"
     with open(path, "w") as f:
-        f.write(f'[source]\npath = "{src}"\n[export]\nscheme = "{scheme}"\noutput = "{out}"\n'
-                f'measure_error = {str(measure_error).lower()}\n'
+        f.write(f'[source]\npath = "{src}"\n[export]\nscheme = "{scheme}"\noutput = "{out}"\n{measure}'
                 f'[resources]\ndevice = "{device}"\nworkers = {workers}\n')
     return path
 
@@ -157,7 +157,7 @@ def write_job(path: str, src: str, out: str, scheme: str, device: str, workers: 
 def run_supervisor(args, src: str, out: str, work: str, workers: int, env: dict | None = None,
                    check: bool = True) -> dict:
     job = write_job(os.path.join(work, f"job-{os.path.basename(out)}.toml"), src, out, args.scheme,
-                    args.device, workers, measure_error=not args.no_measure_error)
+                    args.device, workers, measure_error=args.measure_error)
     proc, wall, tree = timed([SUPERVISOR, "run", job, "--json"], env)
     if check and proc.returncode != 0:
         sys.exit(f"supervisor failed: {proc.stderr[-3000:]}")
@@ -269,8 +269,8 @@ def main() -> None:
                     "of a comma-separated list (0: the default, one per GPU); the first is the one compared")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "export-bench"))
     ap.add_argument("--skip", default="", help="comma-separated tools to skip: oneshot,model_free_ptq,kill,1w")
-    ap.add_argument("--no-measure-error", action="store_true",
-                    help="[export] measure_error = false: skip the per-module quantization error (its cost)")
+    ap.add_argument("--measure-error", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
+                    help="[export] measure_error = true|false (default: the job default, on a GPU only)")
     args = ap.parse_args()
     args.torch_device = "cpu" if args.device == "cpu" else ("cuda:0" if args.device == "cuda" else args.device)
     skip = set(filter(None, args.skip.split(",")))

@@ -17,6 +17,9 @@ fi
 if [ "${EXPORT_BENCH:-1}" = 1 ]; then
   python3 bench/export_bench.py ${EXPORT_BENCH_ARGS:-} 2>&1 | grep -v "^W11\|WARNING\|it/s]" | tee "$OUT/export_bench.txt" | tail -12
 fi
+if [ "${LORA_BENCH:-1}" = 1 ]; then
+  python3 bench/lora_merge_fidelity.py 2>&1 | grep -v "^W11\|WARNING" | tee "$OUT/lora_merge_fidelity.txt" | tail -8
+fi
 if [ "${MOE_BENCH:-0}" = 1 ]; then  # a 35 GB DeepSeek-V3-shaped MoE, built and deleted here: opt-in
   python3 bench/moe_bench.py ${MOE_BENCH_ARGS:-} 2>&1 | grep -v "^W11\|WARNING\|it/s]" | tee "$OUT/moe_bench.txt" | tail -20
 fi

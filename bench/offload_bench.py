@@ -91,7 +91,7 @@ def bench_release(model, rounds: int) -> list[tuple]:
 def bench_pinned(model, device: torch.device, rounds: int) -> list[tuple]:
     tensors = [t for t in [*model.parameters(), *model.buffers()] if t.device == device]
     pool = PinnedPool()
-    hosts = pool._lease([t.numel() * t.element_size() for t in tensors])  # registered once, outside the timing
+    hosts = pool.lease([t.numel() * t.element_size() for t in tensors])  # registered once, outside the timing
     hosts = [h.view(t.dtype).view(t.shape) for h, t in zip(hosts, tensors)]
     rows = []
     with torch.no_grad():
@@ -99,7 +99,7 @@ def bench_pinned(model, device: torch.device, rounds: int) -> list[tuple]:
             down = timed(device, lambda: [h.copy_(t, non_blocking=True) for h, t in zip(hosts, tensors)])
             up = timed(device, lambda: [t.copy_(h, non_blocking=True) for h, t in zip(hosts, tensors)])
             rows.append(("pinned copies", r, down, up, "no alloc/free: the floor"))
-    pool._end_lease()
+    pool.end_lease()
     pool.close()
     return rows
 

@@ -2,7 +2,8 @@
 
 Handshake (Hello → Ready), then a loop of `match` on messages from the supervisor; one long-lived process
 exports many layers (importing torch + llm-compressor costs seconds, so a process per layer is too slow).
-Talks only over the two dedicated pipe fds: stdout/stderr belong to the libraries and go to a log file.
+Talks only over the two dedicated pipe fds: stdout/stderr belong to the libraries (the supervisor pumps them into
+the worker log and LogLine events).
 It exits on Stop, on EOF from the supervisor, or when its parent dies (parent-death signal, plus a check of
 the parent pid in the heartbeat thread), and it writes nothing after its parent is gone.
 It must never import the supervisor package.
@@ -121,10 +122,15 @@ class Exporter:
             import torch
             torch.set_num_threads(job.resources.torch_threads)
         self.job, self.output, self.device, self.beat = job, hello.output, hello.device, beat
+        self._index: int | None = None
+        self._writer: Writer | None = None
         measure = job.export.measure_error
         quant_error.enabled = hello.device.startswith("cuda") if measure is None else measure
-        self.source = open_source(job)
-        self.backend = make_backend(job, job.source.path, hello.device, self.source.all_names())
+        self.source = open_source(job, hello.pool)
+        # a live model has no checkpoint folder: the supervisor wrote its config.json beside the pool
+        self.config_dir = hello.pool.config_dir if hello.pool is not None else job.source.path
+        self.backend = make_backend(job, self.config_dir, hello.device, output=hello.output, source=self.source,
+                                    stage=self._stage, calibration_sha256=hello.calibration_sha256)
         self.prefix = self.backend.layer_prefix
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self._ahead: dict[int, Future] = {}
@@ -134,19 +140,20 @@ class Exporter:
             return self.source.non_layer_names(self.prefix, self.backend.num_layers)
         return self.source.layer_names(self.prefix, index)
 
-    def _read(self, index: int) -> dict:
+    def _read(self, index: int) -> tuple[dict, str]:
         fut = self._ahead.pop(index, None)
         return fut.result() if fut is not None else self._load(index)
 
-    def _load(self, index: int) -> dict:
+    def _load(self, index: int) -> tuple[dict, str]:
         """Part `index`'s tensors, for a layer on a GPU already on the device. safetensors hands out tensors that
         map the file, so the bytes are only read (page faults, then the copy to the GPU) when first touched:
         doing that here, in the prefetch thread, overlaps it with the quantization of the part before
         (measured on an H200: a 436 MB layer spent ~0.2 s of its 0.43 s "quantize" stage reading)."""
-        tensors = self.source.read(self._names(index))
-        if index != NON_LAYER and self.device.startswith("cuda"):
+        names = self._names(index)
+        tensors, digest = self.source.read(names), self.source.digest(names)  # the digest: of the source bytes
+        if index != NON_LAYER and self.device.startswith("cuda") and self.backend.reads_to_device:
             tensors = {k: v.to(self.device) for k, v in tensors.items()}
-        return tensors
+        return tensors, digest
 
     def _prefetch(self, index: int | None) -> None:
         # Overlap reading the next layer with quantizing this one; keep at most one layer in flight.
@@ -155,19 +162,29 @@ class Exporter:
         if index is not None and index not in self._ahead:
             self._ahead[index] = self._pool.submit(self._load, index)
 
+    def _stage(self, name: str) -> None:
+        """A stage inside the part in progress (calibrated: forward, calibrate, propagate, quantize): shown in
+        heartbeats, and a fault point for tests ("quantize" fires once, after the part, as for every backend)."""
+        self.beat.set(self._index, name)
+        if name != "quantize":
+            faults.hit(name, self._index, self._writer)
+
     def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:
         from child import quant_error
         from child.writer import write_shard
 
         index, t0 = msg.index, time.perf_counter()
+        self._index, self._writer = index, writer
         quant_error.take()  # drop what a failed earlier part may have left
         _reset_peak_rss()
         gpu = self._gpu_reset()
         self.beat.set(index, "read")
-        tensors = self._read(index)
+        tensors, digest = self._read(index)
         self._prefetch(msg.prefetch)
         source_bytes = self.source.nbytes(tensors)
         faults.hit("read", index, writer)
+        t_read = time.perf_counter()
+        self.backend.begin(index, msg.boundary)  # calibrated: this layer's inputs (from memory, a file, or computed)
         self.beat.set(index, "quantize")
         t1 = time.perf_counter()
         if index == NON_LAYER:
@@ -189,26 +206,33 @@ class Exporter:
 
         name = layout.shard_name(index)
         out, metadata = self.backend.serialize(out)
-        stages = {"read": t1 - t0, "quantize": t2 - t1 - error_seconds, "error": error_seconds}
+        stages = {"read": t_read - t0, "inputs": t1 - t_read, "quantize": t2 - t1 - error_seconds,
+                  "error": error_seconds}
         w = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint,
                         metadata=metadata, timings=stages)
         del out
         t3 = time.perf_counter()
+        boundary = self.backend.commit(index)  # calibrated: the next layer's inputs made durable after the shard
+        checkpoint("boundary")
+        t4 = time.perf_counter()
         gc.collect()
         _malloc_trim()
-        stages["cleanup"] = time.perf_counter() - t3
+        self.source.trim()
+        stages["boundary"] = t4 - t3
+        stages["cleanup"] = time.perf_counter() - t4
         faults.log_live_tensors(index, settle=lambda: [f.result() for f in self._ahead.values()])
         self.beat.set(None, "idle")
         return LayerWritten(index=index, file=name, digest=w.digest, nbytes=w.nbytes, ino=w.ino, mtime_ns=w.mtime_ns,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
                             peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), quant_error=errors,
-                            stages={k: round(v, 4) for k, v in stages.items()})
+                            stages={k: round(v, 4) for k, v in stages.items()}, boundary=boundary,
+                            source_digest=digest)
 
     def write_config(self, msg: WriteConfig, writer: Writer) -> ConfigWritten:
         self.beat.set(None, "config")
         faults.hit("config", None, writer)
         os.makedirs(msg.dest, exist_ok=True)
-        path = self.backend.write_config(os.path.join(self.job.source.path, "config.json"), msg.dest)
+        path = self.backend.write_config(os.path.join(self.config_dir, "config.json"), msg.dest)
         self.beat.set(None, "idle")
         return ConfigWritten(path=path)
 
@@ -219,7 +243,7 @@ class Exporter:
             self.beat.set(index, "plan")
             parent_alive()
 
-        described = describe(self.source, self.backend, os.path.join(self.job.source.path, "config.json"),
+        described = describe(self.source, self.backend, os.path.join(self.config_dir, "config.json"),
                              self.job.source.allow_remote_code, on_part)
         self.beat.set(None, "idle")
         return described

@@ -1,27 +1,32 @@
-"""The Backend: one per output format; how a layer is quantized, how its shard is serialized, what config.json says.
+"""The Backend: one per output format and method; how a layer is quantized, how its shard is serialized, what
+config.json says, and (calibrated methods) the activations that cross from one layer to the next.
 
     Exporter (child/__main__.py)          Backend (one per job, built once per worker)
+      ExportLayer(i, boundary) ──────────▶ begin(i, boundary)       calibrated: layer i's inputs at hand
       tensors of part i ─────────────────▶ quantize_layer(i, tensors) | quantize_non_layer(tensors)
       ◀──────────────────────── {name: tensor}  (the format's own objects, e.g. torchao tensor subclasses)
       that dict ─────────────────────────▶ serialize(tensors)
       ◀──────────────────────── ({name: plain CPU tensor}, __metadata__)   written by child/writer.py
+      shard durable ─────────────────────▶ commit(i) -> Boundary | None  calibrated: next layer's inputs durable
       WriteConfig(dest) ─────────────────▶ write_config(dest): dest/config.json
 
-The worker loop, the journal, resume and finalize never branch on the format: everything that differs between
-compressed-tensors and another stack lives behind this interface. `make_backend` is the one place that picks an
-implementation from the job and the source: for compressed-tensors, child/quantize.py (LayerQuantizer) when
-transformers knows the architecture (a meta model gives modules, their names and the layer list), and
-child/name_only.py (NameOnlyQuantizer: llm-compressor's model_free_ptq rules on tensor names) when it does not or
-when the checkpoint asks for remote code the job did not allow; child/torchao_backend.py for torchao.
-A backend with `previews = True` takes meta tensors too and returns meta tensors: the output's names, shapes and
+The worker loop, the journal, resume and finalize never branch on the format or the method: everything that
+differs lives behind this interface. Data-free backends keep no state across layers (begin/commit do nothing).
+`make_backend` is the one place that picks an implementation from the job and the source: for data-free
+compressed-tensors, child/quantize.py (LayerQuantizer) when transformers knows the architecture (a meta model gives
+modules, their names and the layer list), child/name_only.py (NameOnlyQuantizer: llm-compressor's model_free_ptq
+rules on tensor names) when it does not or when the checkpoint asks for remote code the job did not allow;
+child/calibrate.py for calibrated methods (they need the architecture); child/torchao_backend.py for torchao.
+A backend with `previews = True` also takes meta tensors and returns meta tensors: the output's names, shapes and
 dtypes without reading a weight (child/preview.py: `supervisor plan` and the pre-export loader check).
 Owns that choice only; it never reads the source or writes shards itself.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
-from shared.job import Job
+from shared.job import Job, is_calibrated
+from shared.messages import Boundary
 
 
 class Refused(ValueError):
@@ -32,8 +37,14 @@ class Backend(Protocol):
     layer_prefix: str  # e.g. "model.layers."
     num_layers: int
     ignore: list[str]  # the ignore list in effect
+    # a GPU worker's read-ahead copies the next layer to the device (False: it stays on the host until used)
+    reads_to_device: bool
     previews: bool  # quantize_* accept meta tensors (shapes and dtypes only) and return meta tensors
     checks_loading: bool  # transformers' loader check (child/loadcheck.py) applies to this format's output
+
+    def begin(self, index: int, boundary: Boundary | None) -> None:
+        """Before part `index` (NON_LAYER included): `boundary` is the journaled input of layer `index` when the
+        supervisor knows one (calibrated methods); a backend that keeps it in memory may ignore it."""
 
     def quantize_layer(self, index: int, tensors: dict) -> dict:
         """Layer `index`'s checkpoint tensors (full names) in, the tensors of its output shard out (CPU)."""
@@ -45,6 +56,9 @@ class Backend(Protocol):
         """A part's quantized tensors as a shard stores them: plain CPU tensors and the safetensors `__metadata__`
         (the writer stores its keys in sorted order)."""
 
+    def commit(self, index: int) -> Boundary | None:
+        """After part `index`'s shard is durable: make whatever the next layer needs durable, and name it."""
+
     def write_config(self, source_config_json: str, dest_dir: str) -> str:
         """Write dest_dir/config.json (the source's config plus this format's quantization_config); its path."""
 
@@ -54,7 +68,7 @@ class Backend(Protocol):
 
 # The modules each format's backend imports: the warm parent (child.zygote) imports them once, before forking.
 _MODULES: dict[str, tuple[str, ...]] = {
-    "compressed-tensors": ("child.quantize", "child.name_only", "child.loadcheck"),
+    "compressed-tensors": ("child.quantize", "child.calibrate", "child.name_only", "child.loadcheck"),
     "torchao": ("child.torchao_backend",),
 }
 
@@ -70,10 +84,14 @@ def preload(fmt: str) -> None:
         importlib.import_module(name)
 
 
-def make_backend(job: Job, config_dir: str, device: str, names: list[str]) -> Backend:
-    """The backend for job.export.format and this source (`names`: its tensor names), ready for its first layer."""
+def make_backend(job: Job, config_dir: str, device: str, *, output: str = "", source=None,
+                 stage: Callable[[str], None] = lambda name: None, calibration_sha256: str = "") -> Backend:
+    """The backend for the job's format and method, ready for its first layer. `stage(name)` reports progress
+    inside a part (calibrated methods: forward, calibrate, propagate, quantize)."""
+    from child.source import open_source
     from shared.job import effective_ignore
 
+    names = (source if source is not None else open_source(job)).all_names()
     if job.export.format == "torchao":
         from child.torchao_backend import TorchaoBackend
 
@@ -83,6 +101,14 @@ def make_backend(job: Job, config_dir: str, device: str, names: list[str]) -> Ba
         raise ValueError(f"unknown export format {job.export.format!r}")
     allow = job.source.allow_remote_code
     why = unknown_architecture(config_dir, allow)
+    if is_calibrated(job):
+        if why is not None:
+            raise Refused(f"method {job.export.method!r} calibrates through the model's forward, which needs the "
+                          f"architecture: {why}")
+        from child.calibrate import Calibrator
+
+        return Calibrator(job, config_dir, device, output=output, source=source, stage=stage,
+                          calibration_sha256=calibration_sha256)
     if why is None:
         from child.quantize import LayerQuantizer
 

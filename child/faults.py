@@ -7,10 +7,12 @@ reach it. The value is one fault object or a list of them::
     [{"point": "read", "action": "hang", "index": 0, "once": "/tmp/m0"},
      {"point": "start", "action": "garbage", "once": "/tmp/m1", "after": "/tmp/m0"}]
 
-point:  start | read | quantize | write_tmp | after_rename | config | any
+point:  start | read | quantize | write_tmp | after_rename | boundary | config | any
+        calibrated methods also: forward | calibrate | propagate (stages inside quantize), and boundary fires
+        after the next layer's inputs were made durable, before the supervisor hears of the layer
 action: sigkill | sigsegv | exit | raise | repeats | memoryerror | hang | stall | garbage | truncated | oversized |
-        leak | enospc  (raise: a RuntimeError, retried; repeats: a ValueError, which the child reports as certain
-        to repeat)
+        leak | enospc | flood  (raise: a RuntimeError, retried; repeats: a ValueError, which the child reports as
+        certain to repeat)
         (hang stops heartbeats too; stall keeps them going, as a main thread stuck in a GIL-free C call would)
 index:  the layer it fires on (omit: every layer; -1 is the non-layer shard); start and config have no layer
 once:   a marker file; the fault fires only while the file does not exist, and creates it when firing (so a
@@ -19,6 +21,7 @@ once:   a marker file; the fault fires only while the file does not exist, and c
 after:  a marker file that must exist for the fault to be armed (chains faults: "the restart after that
         crash fails too")
 bytes:  for leak, how much to keep alive per hit (default 64 MiB); code: for exit, the exit code (default 7)
+lines:  for flood, how many lines to print, alternating stdout and stderr, numbered (default 100000)
 
 At a point, the first armed fault in list order fires.
 
@@ -102,6 +105,11 @@ def _fire(action: str, s: dict, writer) -> None:
         _stop_beating()  # no heartbeat may follow the bad bytes: the supervisor must act on the frame itself
         writer.send_raw(payload)
         _hang()
+    elif action == "flood":
+        import sys
+        for i in range(s.get("lines", 100_000)):
+            print(f"flood line {i}", file=sys.stdout if i % 2 == 0 else sys.stderr)
+        sys.stdout.flush()
     elif action == "leak":
         # bytes(n) is zero pages the kernel may share; writing into every page makes the RSS really grow
         buf = bytearray(s.get("bytes", 64 * 1024 * 1024))

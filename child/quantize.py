@@ -51,7 +51,7 @@ from compressed_tensors.quantization.utils import is_module_quantized
 from compressed_tensors.utils import match_named_modules
 from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
 from llmcompressor.modeling.moe.linearize import get_non_linearized_moes
-from llmcompressor.modifiers.quantization import QuantizationModifier
+from llmcompressor.modifiers.quantization import QuantizationMixin, QuantizationModifier
 from llmcompressor.modifiers.quantization.calibration import (
     apply_calibration_status,
     freeze_module_quantization,
@@ -83,15 +83,20 @@ DEFAULT_IGNORE: list[str] = list(_JOB_DEFAULT_IGNORE)
 class LayerQuantizer:
     """Quantizes one decoder layer (or the non-layer modules) at a time, exactly as `oneshot` would."""
 
+    reads_to_device = True  # the read-ahead's page faults and copy overlap the previous layer's work
     previews = True  # meta tensors in, meta tensors out (child/preview.py)
     checks_loading = True
 
-    def __init__(self, config_dir: str, scheme: str, ignore: list[str], device: str = "cpu", *,
-                 trust_remote_code: bool = False, tensor_names: list[str] | None = None):
+    def __init__(self, config_dir: str, scheme: str, ignore: list[str], device: str = "cpu",
+                 modifier: QuantizationMixin | None = None, *, trust_remote_code: bool = False,
+                 tensor_names: list[str] | None = None):
+        """`modifier`: the calibrated recipe's quantization modifier (GPTQModifier's config carries its actorder);
+        None builds the data-free QuantizationModifier oneshot would, refusing schemes that need data.
+        `tensor_names`: the checkpoint's, for the names config.json's ignore list is written in."""
         self.scheme = scheme
         self.ignore = list(ignore)
         self.device = torch.device(device)
-        self._modifier = _modifier(scheme, self.ignore)
+        self._modifier = modifier if modifier is not None else _modifier(scheme, self.ignore)
         self._targets = self._modifier.resolved_targets
         self._qcfg = self._modifier.resolved_config
         self.trust_remote_code = trust_remote_code
@@ -137,8 +142,20 @@ class LayerQuantizer:
         return f"{type(self._skeleton).__name__} (transformers' model class, experts linearized as oneshot does)"
 
     def write_config(self, source_config_json: str, dest_dir: str) -> str:
-        return write_config(source_config_json, dest_dir, self.scheme, self.ignore, self.trust_remote_code,
-                            self.tensor_names)
+        return write_config(source_config_json, dest_dir, self.scheme, self.ignore, self._modifier,
+                            self.trust_remote_code, self.tensor_names)
+
+    def begin(self, index: int, boundary) -> None:
+        """Data-free: no state crosses layers."""
+
+    def commit(self, index: int):
+        """Data-free: nothing beyond the shard."""
+        return None
+
+    @property
+    def non_layer_targets(self) -> list[str]:
+        """Targeted modules outside the decoder layers (lm_head unless ignored)."""
+        return sorted(self._non_layer_targets)
 
     def _quantize_subtree(
         self, path: str, meta_module: nn.Module, tensors: dict[str, torch.Tensor]
@@ -177,16 +194,16 @@ class LayerQuantizer:
         return {k: v.to("cpu").contiguous() for k, v in out.items()}
 
 
-def quantization_config_dict(scheme: str, ignore: list[str], config: str, tensor_names: list[str] | None = None,
-                             trust_remote_code: bool = False) -> dict:
+def quantization_config_dict(scheme: str, ignore: list[str], config: str, modifier: QuantizationMixin | None = None,
+                             tensor_names: list[str] | None = None, trust_remote_code: bool = False) -> dict:
     """The `quantization_config` block oneshot writes for `scheme`/`ignore` on the model that `config` describes.
 
     `config` is the source config.json or its folder. The model's structure is needed because oneshot's block
     lists the unquantized Linear-like modules by name (e.g. every MoE router) rather than the ignore patterns;
     `tensor_names` (the checkpoint's) decide which of transformers' renamings those names are written back through.
     """
-    qcfg, _ = _compressed_qconfig(scheme, ignore, _load_config(config, trust_remote_code), trust_remote_code,
-                                  tensor_names)
+    qcfg, _ = _compressed_qconfig(modifier if modifier is not None else _modifier(scheme, ignore),
+                                  _load_config(config, trust_remote_code), trust_remote_code, tensor_names)
     if qcfg is None:
         return {}  # nothing targeted: oneshot writes no block
     # the same keys, in the same order, as ModelCompressor.update_config writes
@@ -200,12 +217,14 @@ def quantization_config_dict(scheme: str, ignore: list[str], config: str, tensor
 
 
 def write_config(source_config_json: str, dest_dir: str, scheme: str, ignore: list[str],
-                 trust_remote_code: bool = False, tensor_names: list[str] | None = None) -> str:
+                 modifier: QuantizationMixin | None = None, trust_remote_code: bool = False,
+                 tensor_names: list[str] | None = None) -> str:
     """Write dest_dir/config.json: the source config plus the quantization_config block, as oneshot's save does."""
     with open(source_config_json) as f:
         source = json.load(f)
-    config = _load_config(source_config_json, trust_remote_code)
-    qcfg, unties = _compressed_qconfig(scheme, ignore, config, trust_remote_code, tensor_names)
+    qcfg, unties = _compressed_qconfig(modifier if modifier is not None else _modifier(scheme, ignore),
+                                       _load_config(source_config_json, trust_remote_code), trust_remote_code,
+                                       tensor_names)
     if unties:
         # oneshot unties a targeted tied head, and resave_config copies that into the original config
         text = source.get("text_config", source)
@@ -304,10 +323,13 @@ def _materialise(
     # assign=True keeps the checkpoint's dtypes and puts the loaded tensors in place of the meta ones, so the
     # layer is never allocated twice (to_empty first would hold an empty copy beside the loaded one)
     module.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=False, assign=True)
-    for sub in module.modules():  # non-persistent buffers are not in a checkpoint; quantization never reads them
+    for sub in module.modules():
         for name, buf in sub._buffers.items():
             if buf is not None and buf.is_meta:
+                # not in a checkpoint; data-free quantization never reads them (a calibrated skeleton has them real)
                 sub._buffers[name] = torch.empty_like(buf, device=device)
+            elif buf is not None and buf.device != device:
+                sub._buffers[name] = buf.to(device)
     return module
 
 
@@ -473,13 +495,12 @@ def _non_layer_targets(
     return out
 
 
-def _compressed_qconfig(scheme: str, ignore: list[str], config: PretrainedConfig, trust_remote_code: bool = False,
+def _compressed_qconfig(modifier: QuantizationMixin, config: PretrainedConfig, trust_remote_code: bool = False,
                         tensor_names: list[str] | None = None) -> tuple[QuantizationConfig, bool]:
     """The config oneshot's save derives from the quantized model, built on the meta skeleton instead.
 
     Also says whether oneshot would untie the embeddings (a tied lm_head that the scheme targets).
     """
-    modifier = _modifier(scheme, ignore)
     model, names, _ = _meta_skeleton(config, trust_remote_code)
     if tensor_names is not None:
         # what from_pretrained records on oneshot's model; compressed-tensors writes the ignore list through it

@@ -1,9 +1,9 @@
 """Sources of layer tensors: the `Source` interface, and the checkpoint on disk (mmap reads of one layer at a time).
 
 The child asks a Source for "layer i's tensors" and never receives tensors over the pipe. `Checkpoint` is the
-disk implementation; other sources (a live model's pinned pool in shared memory, a LoRA adapter merged on top of
-either) implement the same methods, and `open_source` is the one place that picks one from the job. `meta`
-gives shapes and dtypes without data (what `supervisor plan` and the pre-export loader check work from).
+disk implementation; `child.pool_reader.PoolSource` reads a live model's pool in shared memory, and
+`child.adapter.Merged` merges a LoRA adapter on top of either. `open_source` is the one place that picks them.
+`meta` gives shapes and dtypes without data (what `supervisor plan` and the pre-export loader check work from).
 
 Reads go through safetensors' `safe_open` (mmap), so several children share the page cache and nothing is ever
 unpickled. Owns reading only: it never writes, and never resolves a file outside the checkpoint folder (the
@@ -54,10 +54,30 @@ class Source(Protocol):
     def all_names(self) -> list[str]:
         """Every tensor name of the model, sorted (a torchao shard lists them all in its metadata)."""
 
+    def digest(self, names: list[str]) -> str:
+        """A hash of these tensors' source bytes when the source can change under the same fingerprint (a live
+        model); "" when the fingerprint already covers them (files on disk)."""
 
-def open_source(job) -> Source:
-    """The Source the job names."""
-    return Checkpoint(job.source.path)
+    def trim(self) -> None:
+        """Give back what the source keeps mapped for parts already exported (called after each part)."""
+
+
+def open_source(job, pool=None) -> Source:
+    """The Source the job names: a live model's pool (Hello.pool) or the checkpoint on disk, with its LoRA
+    adapter (a [source] adapter folder, or the live PEFT model's own pairs) merged on top."""
+    from child.adapter import Merged
+
+    if pool is not None:
+        from child.pool_reader import PoolSource
+
+        live = PoolSource(pool)
+        return Merged(live, live.pairs) if live.has_loras else live
+    disk = Checkpoint(job.source.path)
+    if job.source.adapter:
+        from child.adapter import AdapterFolder
+
+        return Merged(disk, AdapterFolder(job.source.adapter).pairs)
+    return disk
 
 
 class Checkpoint:
@@ -119,3 +139,9 @@ class Checkpoint:
 
     def all_names(self) -> list[str]:
         return sorted(self.weight_map)
+
+    def digest(self, names: list[str]) -> str:
+        return ""  # the fingerprint holds the files' sizes and mtimes
+
+    def trim(self) -> None:
+        pass  # each read opens and closes its files

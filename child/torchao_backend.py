@@ -48,6 +48,7 @@ from shared import torchao_schemes
 class TorchaoBackend:
     """Quantizes one decoder layer (or the non-layer tensors) at a time, as transformers' torchao path would."""
 
+    reads_to_device = True  # the read-ahead's page faults and copy overlap the previous layer's work
     previews = False  # torchao's tensor subclasses are not predicted on meta: `supervisor plan` lists no parts
     checks_loading = False  # the meta loader check (child/loadcheck.py) covers compressed-tensors outputs only
 
@@ -88,6 +89,13 @@ class TorchaoBackend:
         """Embeddings and norms pass through; a Linear outside the layers (lm_head) is quantized unless ignored.
         A tied lm_head has no tensor of its own, so it stays the (dense) embedding, as in transformers."""
         return self._quantize(tensors)
+
+    def begin(self, index: int, boundary) -> None:
+        """Data-free: no state crosses layers."""
+
+    def commit(self, index: int):
+        """Data-free: nothing beyond the shard."""
+        return None
 
     def serialize(self, tensors: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         flat, metadata = flatten_tensor_state_dict(tensors)

@@ -3,9 +3,9 @@
 Imports torch, transformers and the backend's libraries once (several seconds), never touches CUDA, then forks
 a worker whenever the supervisor asks, so a worker starts (or restarts after a crash) in well under a second:
 
-    supervisor ──{"fork": {env, argv}} + fds (read, write, log) over a SOCK_SEQPACKET socket──▶ zygote
+    supervisor ──{"fork": {env, argv}} + fds (read, write, stdout, stderr) over a SOCK_SEQPACKET socket──▶ zygote
                ◀── {"ready"} once, {"forked": pid} per fork, {"exited": pid, "code"} per reaped worker ──
-    forked worker: log fd on stdout/stderr, its own environment (CUDA_VISIBLE_DEVICES), then child.__main__.main
+    forked worker: the given stdout/stderr fds (pipes the supervisor pumps), its own environment (CUDA_VISIBLE_DEVICES), then child.__main__.main
 
 A forked worker is as isolated as a spawned one: its own process, pipes, CUDA context (CUDA is first touched
 after the fork; PYTORCH_NVML_BASED_CUDA_CHECK keeps the imports' availability checks from initialising it) and
@@ -52,10 +52,11 @@ def _worker(sock: socket.socket, wake_r: int, wake_w: int, req: dict, fds: list[
         sock.close()
         os.close(wake_r)
         os.close(wake_w)
-        read_fd, write_fd, log_fd = fds
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        os.close(log_fd)
+        read_fd, write_fd, out_fd, err_fd = fds
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        os.close(out_fd)
+        os.close(err_fd)
         os.environ.clear()
         os.environ.update(req["env"])
         from child.__main__ import main
@@ -100,7 +101,7 @@ def serve(sock: socket.socket, parent_pid: int) -> int:
             _reap(sock)
         if sock not in ready:
             continue
-        msg, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 3)
+        msg, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 4)
         if not msg:
             return 0  # the supervisor closed the socket: done
         req = json.loads(msg)["fork"]

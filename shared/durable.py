@@ -97,3 +97,13 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def tensor_digest(items, algo: str = ALGO) -> str:
+    """The digest ("algo:hex") of (name, dtype, shape, raw bytes) items in name order: a live model's part, as both
+    sides see it. `items` yields (name, dtype name, shape, bytes-like of the tensor's contiguous bytes)."""
+    h = hasher(algo)
+    for name, dtype, shape, data in sorted(items, key=lambda item: item[0]):
+        h.update(f"{name}|{dtype}|{list(shape)}\n".encode())
+        h.update(data)
+    return f"{algo}:{h.hexdigest()}"

@@ -7,8 +7,9 @@ New fields always get defaults, so journals written by an older version still de
 from __future__ import annotations
 
 import difflib
+import re
 import tomllib
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -19,6 +20,8 @@ class Source(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     path: str
     # config.json with auto_map asks for code from the checkpoint; refused unless this is set.
     allow_remote_code: bool = False
+    # A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors), merged per layer in the child.
+    adapter: str | None = None
 
 
 class Export(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -34,9 +37,17 @@ class Export(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # costs 45-180% more CPU time per layer on a CPU export (docs/report.md) and little on a GPU; it never
     # changes the output's bytes. None: measure on a GPU, not on the CPU.
     measure_error: bool | None = None
+    # rtn: round-to-nearest (llm-compressor's QuantizationModifier); gptq / awq need [calibration].
+    method: Literal["rtn", "gptq", "awq"] = "rtn"
 
 
 FORMATS = ("compressed-tensors", "torchao")
+
+
+class Calibration(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    dataset: str  # local JSONL: one {"text": ...} or {"input_ids": [...]} per line
+    samples: int = 128  # the first N lines of the file
+    seq_len: int = 2048  # each sample is truncated to this many tokens
 
 
 class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -49,12 +60,17 @@ class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     recycle_above_rss_mb: int = 0  # restart the worker when its RSS exceeds this (0: never)
     torch_threads: int = 0  # torch.set_num_threads in the child (0: leave torch's default)
     workers: int = 0  # worker processes exporting parts at once (0: one per GPU; on CPU, by cores and memory)
+    # Host memory (GiB) the calibration activations of one layer (its inputs and outputs) may take; above it
+    # they stay on disk under OUT/.export and are read back one sample at a time. 0: a quarter of the RAM.
+    activation_ram_gb: float = 0.0
 
 
 class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    source: Source
+    # None only through the Python API with a live model (`Supervisor(job, model=live)`): the model is the source.
+    source: Source | None = None
     export: Export
     resources: Resources = msgspec.field(default_factory=Resources)
+    calibration: Calibration | None = None
 
 
 # lm_head: vLLM and transformers expect it dense unless asked. The rest are MoE routers and shared-expert
@@ -81,6 +97,16 @@ def effective_ignore(job: Job, by_names: bool = False) -> list[str]:
     if job.export.ignore is not None:
         return list(job.export.ignore)
     return list(DEFAULT_IGNORE + (NAME_ONLY_IGNORE if by_names else ()))
+
+
+def is_calibrated(job: Job) -> bool:
+    """Whether the export runs calibration data through the model (then its layers run in order, one worker)."""
+    return job.export.format == "compressed-tensors" and schemes.needs_calibration(job.export.scheme,
+                                                                                 job.export.method)
+
+
+def _ignores_lm_head(ignore: list[str]) -> bool:
+    return any(p == "lm_head" or (p.startswith("re:") and re.fullmatch(p[3:], "lm_head")) for p in ignore)
 
 
 class JobSyntaxError(ValueError):
@@ -126,10 +152,42 @@ def _check_values(job: Job) -> None:
     if r.recycle_after_layers < 0 or r.recycle_above_rss_mb < 0 or r.torch_threads < 0 or r.workers < 0:
         raise JobSyntaxError("[resources] recycle_after_layers, recycle_above_rss_mb, torch_threads and workers "
                              "must be 0 or more")
-    if not job.source.path.strip():
+    if job.source is not None and not job.source.path.strip():
         raise JobSyntaxError("[source] path is empty; set it to a Hugging Face checkpoint folder")
+    if job.source is not None and job.source.adapter is not None and not job.source.adapter.strip():
+        raise JobSyntaxError("[source] adapter is empty; set it to a PEFT LoRA adapter folder or remove the key")
     if not job.export.output.strip():
         raise JobSyntaxError("[export] output is empty; set it to the folder to export into")
+    if r.activation_ram_gb < 0:
+        raise JobSyntaxError("[resources] activation_ram_gb must be 0 (a quarter of the RAM) or positive")
+    _check_calibration(job)
+
+
+def _check_calibration(job: Job) -> None:
+    e, c = job.export, job.calibration
+    if e.format != "compressed-tensors" and (e.method != "rtn" or c is not None):
+        raise JobSyntaxError(f"[export] method and [calibration] apply to format = \"compressed-tensors\" only; "
+                             f"format {e.format!r} rounds to nearest without data")
+    if not is_calibrated(job):
+        if c is not None:
+            raise JobSyntaxError(f"[calibration] has no effect with method = \"rtn\" and scheme {e.scheme!r}; "
+                                 "remove it, or set [export] method = \"gptq\" or \"awq\"")
+        return
+    if c is None:
+        why = (f"method = {e.method!r}" if e.method != "rtn"
+               else f"scheme {e.scheme!r} (static activation scales)")
+        raise JobSyntaxError(f"{why} needs calibration data: add a [calibration] table with dataset "
+                             "(a JSONL file), samples and seq_len")
+    if not c.dataset.strip():
+        raise JobSyntaxError("[calibration] dataset is empty; set it to a JSONL file")
+    if c.samples < 1 or c.seq_len < 1:
+        raise JobSyntaxError("[calibration] samples and seq_len must be at least 1")
+    if e.method == "awq" and e.scheme in schemes.PER_TENSOR_WEIGHTS:
+        raise JobSyntaxError(f"method = \"awq\" needs per-channel or grouped weight scales and scheme {e.scheme!r} "
+                             "has one scale per tensor; use gptq or rtn, or another scheme")
+    if not _ignores_lm_head(effective_ignore(job)):
+        raise JobSyntaxError("calibrated exports quantize the decoder layers only; keep \"lm_head\" in "
+                             "[export] ignore")
 
 
 def _one_line(err: msgspec.ValidationError) -> str:

@@ -4,7 +4,8 @@
       config.json, model.safetensors.index.json, generation_config.json, tokenizer files
       model-layer-00000.safetensors …   one shard per decoder layer
       model-non-layer.safetensors       embeddings, final norm, lm_head
-      .export/                          state, not output: journal, lock, logs, staging, done marker
+      .export/                          state, not output: journal, lock, logs, staging, done marker,
+                                        boundary/ (calibrated exports: the newest layer's input activations)
 
 Everything that is not part of the model lives under `.export/`, so the rest of the folder is exactly what a
 loader reads and is byte-identical from run to run. Owns names only; never touches the disk.
@@ -22,12 +23,18 @@ DONE = "done.json"
 LOGS = "logs"
 TMP = "tmp"  # shard tmp files; on the output's filesystem so rename is atomic
 STAGING = "staging"  # config.json staging before it is moved into place
+BOUNDARY = "boundary"  # calibration activations entering the next layer (only the newest is kept)
 INDEX = "model.safetensors.index.json"
 NON_LAYER_FILE = "model-non-layer.safetensors"
 
 
 def shard_name(index: int) -> str:
     return NON_LAYER_FILE if index == NON_LAYER else f"model-layer-{index:05d}.safetensors"
+
+
+def boundary_name(feeds: int) -> str:
+    """The boundary file feeding layer `feeds`, relative to the output folder."""
+    return f"{STATE_DIR}/{BOUNDARY}/inputs-layer-{feeds:05d}.bin"
 
 
 def state_dir(output: str) -> str:

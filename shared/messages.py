@@ -6,7 +6,9 @@ Data flow (one worker)::
       Hello(version, job, device) ────────────▶  imports torch/llm-compressor, builds the meta skeleton
       ◀──────────── Ready(pid, versions, layer_prefix, num_layers)   (Heartbeat while importing)
       ExportLayer(index, attempt, prefetch) ──▶  read (mmap) → quantize → write tmp → fsync → rename
+        (+ boundary: calibrated jobs)            (calibrated: forward → calibrate → propagate → quantize → write)
       ◀──────────── Heartbeat(index, stage) …  then  LayerWritten(index, file, digest, …) | Failed(…)
+                                                 (calibrated: + boundary, the next layer's inputs, durable)
       Describe() ─────────────────────────────▶  every part's output on meta tensors (no weight read) + the loader
       ◀──────────── Described(parts, load)          check of that predicted output (before the first part)
       WriteConfig(dest) ──────────────────────▶  config.json with quantization_config into dest
@@ -33,6 +35,40 @@ PROTOCOL_VERSION = 3
 NON_LAYER = -1  # the index used for the non-layer shard (embeddings, final norm, lm_head)
 
 
+class Boundary(msgspec.Struct, kw_only=True):
+    """A calibrated export's activations entering layer `feeds` (every sample's hidden states), on disk."""
+
+    feeds: int  # the layer whose inputs these are
+    file: str  # relative to the output folder (under .export/)
+    digest: str  # "algo:hex" of the file's bytes (shared.durable)
+    nbytes: int
+
+
+# ---- a live model's pool (shared memory the supervisor owns; the child maps it read-only) ---------------------
+class PoolTensor(msgspec.Struct, array_like=True):
+    name: str  # checkpoint name, as live.save_pretrained() would write it
+    chunk: int  # index into Pool.fds
+    offset: int  # bytes from the chunk's start
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    shape: list[int]
+    stride: list[int]  # in elements
+
+
+class PoolLora(msgspec.Struct, array_like=True):
+    weight: str  # checkpoint name of the Linear weight this pair merges into
+    a: PoolTensor  # [r, in]
+    b: PoolTensor  # [out, r]
+    scaling: float  # the live PEFT layer's own scaling
+
+
+class Pool(msgspec.Struct, kw_only=True):
+    fds: list[int]  # memfds inherited by the child (same numbers), one per chunk
+    sizes: list[int]  # bytes of each chunk
+    tensors: list[PoolTensor]
+    loras: list[PoolLora] = []
+    config_dir: str  # config.json (+ generation config, tokenizer) of the live model, written by the supervisor
+
+
 # ---- supervisor → child -------------------------------------------------------------------------------------
 class Hello(msgspec.Struct, tag=True, kw_only=True):
     version: int
@@ -41,12 +77,15 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     device: str  # "cpu" or "cuda:N" as the child sees it
     worker: int = 0
     heartbeat_seconds: float = 1.0
+    calibration_sha256: str = ""  # of the dataset lines the supervisor validated; the child checks it
+    pool: Pool | None = None  # set when the source is a live model (job.source is None)
 
 
 class ExportLayer(msgspec.Struct, tag=True, kw_only=True):
     index: int  # decoder layer index, or NON_LAYER
     attempt: int = 1
     prefetch: int | None = None  # the index the supervisor will ask for next (read ahead)
+    boundary: Boundary | None = None  # calibrated: the journaled inputs of layer `index` (None: compute layer 0's)
 
 
 class WriteConfig(msgspec.Struct, tag=True, kw_only=True):
@@ -82,7 +121,7 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
 
 class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
     index: int | None = None  # the part in progress, None while starting
-    stage: str = ""  # "starting" | "read" | "quantize" | "write" | "config"
+    stage: str = ""  # "starting" | "read" | "quantize" | "write" | "config"; calibrated: "forward" | "calibrate" | "propagate"
     rss: int = 0
 
 
@@ -101,6 +140,8 @@ class LayerWritten(msgspec.Struct, tag=True, kw_only=True):
     stages: dict[str, float] = {}  # seconds per stage: read, quantize, error, save, hash, sync, cleanup
     # module name -> ||dequantized - source|| / ||source|| of its weight, measured by the child (child/quant_error.py)
     quant_error: dict[str, float] = {}
+    boundary: Boundary | None = None  # calibrated: the next layer's inputs, made durable after the shard
+    source_digest: str = ""  # a live model's source tensors of this part (shared.durable.tensor_digest); "" on disk
 
 
 class ConfigWritten(msgspec.Struct, tag=True, kw_only=True):

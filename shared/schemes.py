@@ -1,8 +1,8 @@
 """Scheme names the exporter accepts, which of them need calibration data, and typo suggestions.
 
 Owns only names: it must never import torch or compressed-tensors (the CLI validates a job before any heavy
-import). `tests/test_schemes.py` checks these names against compressed-tensors' PRESET_SCHEMES and
-llm-compressor's `requires_calibration_data`, so the lists cannot drift from the library silently.
+import). `tests/test_calibrate.py::test_scheme_lists_match_the_libraries` checks these lists against
+compressed-tensors' presets and llm-compressor's `requires_calibration_data`, so they cannot drift silently.
 """
 from __future__ import annotations
 
@@ -19,10 +19,17 @@ DATA_FREE: tuple[str, ...] = (
     "NVFP4A16",
 )
 
-# Presets that need calibration data (activation scales): not supported yet.
+# Presets with static activation scales: they need calibration data ([calibration] in the job).
 CALIBRATED: tuple[str, ...] = ("FP8", "NVFP4")
 
-SUPPORTED = DATA_FREE
+# Presets whose weights have one scale per tensor: AWQ's duo scaling (llm-compressor's default) refuses them.
+PER_TENSOR_WEIGHTS: tuple[str, ...] = ("FP8",)
+
+SUPPORTED = DATA_FREE + CALIBRATED
+
+# How weights are rounded: round-to-nearest (data-free unless the scheme has static activations), or a
+# calibrated method that needs data (llm-compressor's GPTQModifier / AWQModifier).
+METHODS: tuple[str, ...] = ("rtn", "gptq", "awq")
 
 
 def closest(name: str) -> str | None:
@@ -30,17 +37,19 @@ def closest(name: str) -> str | None:
     upper = name.upper()
     if upper in SUPPORTED:
         return upper
-    hits = difflib.get_close_matches(upper, SUPPORTED + CALIBRATED, n=1, cutoff=0.5)
+    hits = difflib.get_close_matches(upper, SUPPORTED, n=1, cutoff=0.5)
     return hits[0] if hits else None
+
+
+def needs_calibration(scheme: str, method: str) -> bool:
+    """Whether an export with this scheme and method runs calibration data through the model."""
+    return method != "rtn" or scheme in CALIBRATED
 
 
 def check(name: str) -> str | None:
     """None when `name` is supported, else a one-line reason with a suggestion."""
     if name in SUPPORTED:
         return None
-    if name in CALIBRATED:
-        return (f"scheme {name!r} needs calibration data, which this exporter does not support yet; "
-                f"use one of {', '.join(SUPPORTED)}")
     hint = closest(name)
     did_you_mean = f"did you mean {hint!r}? " if hint else ""
     return f"unknown scheme {name!r}; {did_you_mean}supported: {', '.join(SUPPORTED)}"

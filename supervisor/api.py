@@ -13,6 +13,7 @@ format (shared.framing), and imports torch only when a live model is handed to i
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import queue
@@ -27,12 +28,12 @@ from dataclasses import dataclass
 import msgspec
 
 from shared import layout
-from shared.job import Job, JobSyntaxError, parse_toml
+from shared.job import Job, JobSyntaxError, is_calibrated, parse_toml
 from shared.load_verdict import problems as load_problems
 from shared.messages import (NON_LAYER, PROTOCOL_VERSION, CheckLoad, Describe, Described, Failed, Heartbeat, Hello,
                              LayerWritten, LoadChecked)
 from supervisor import events as ev
-from supervisor import finalize, journal
+from supervisor import calibration, finalize, journal
 from supervisor.errors import (Cancelled, DeviceError, ExportFailed, InputError, JobError, OutputError, SourceError,
                                SupervisorError)
 from supervisor.lock import Lock, probe
@@ -42,6 +43,8 @@ from supervisor.worker import CancelledWait, Worker, WorkerLost
 from supervisor.zygote import Zygote, ZygoteLost
 
 ENOSPC = 28
+LOG_KEEP = 2000  # child log lines kept for a UI that connects late (recent_logs())
+LOG_QUEUED_MAX = 1000  # LogLine events waiting unread at most; past that a flood is counted, not queued
 
 
 def load_job(path: str | os.PathLike) -> Job:
@@ -59,8 +62,13 @@ def load_job(path: str | os.PathLike) -> Job:
         raise JobError(f"{path}: {exc}") from exc
     # Relative paths in a job file are relative to the file, so a job runs the same from any cwd.
     base = os.path.dirname(os.path.abspath(path))
-    job.source.path = os.path.normpath(os.path.join(base, os.path.expanduser(job.source.path)))
+    if job.source is not None:
+        job.source.path = os.path.normpath(os.path.join(base, os.path.expanduser(job.source.path)))
+        if job.source.adapter is not None:
+            job.source.adapter = os.path.normpath(os.path.join(base, os.path.expanduser(job.source.adapter)))
     job.export.output = os.path.normpath(os.path.join(base, os.path.expanduser(job.export.output)))
+    if job.calibration is not None:
+        job.calibration.dataset = os.path.normpath(os.path.join(base, os.path.expanduser(job.calibration.dataset)))
     return job
 
 
@@ -73,6 +81,8 @@ class Plan:
     state: journal.State
     device: str  # the first of `devices`
     devices: list[str]  # every device the workers use ("cpu" or "cuda:N", the supervisor's numbering)
+    calibration: calibration.Calibration | None = None  # calibrated jobs: the validated data, for the child
+    live: bool = False  # the source is the live model handed to Supervisor (its pool), not a folder
     fresh: bool = False  # the output folder did not exist or was empty: a refused run leaves it that way
 
 
@@ -92,38 +102,74 @@ def _check_writable(output: str) -> None:
                           "choose a writable [export] output")
 
 
-def prepare(job: Job) -> Plan:
-    """Validate everything about the job before anything is written; raises InputError subclasses."""
+def prepare(job: Job, model=None) -> Plan:
+    """Validate everything about the job before anything is written; raises InputError subclasses. A job without
+    [source] exports `model` itself (a live model, Python API only)."""
     from supervisor import devices
 
-    source = inspect(job.source.path)
     output = os.path.abspath(job.export.output)
-    if _is_within(output, source.path):
-        raise OutputError(f"output {job.export.output!r} is inside the source folder (or is it); "
-                          "choose an output folder elsewhere")
-    if os.path.exists(output) and _is_within(source.path, output):
-        raise OutputError(f"the source folder is inside output {job.export.output!r}; choose another output")
+    if job.source is None:
+        source, extra = _live_source(model, output)
+    else:
+        source, extra = _disk_source(job, output)
     probe(output)
-    fp, parts = journal.fingerprint(job, source.stats)
+    devs = devices.resolve_devices(job.resources.device)
+    calib = calibration.check(job, source, devs[0]) if is_calibrated(job) else None
+    fp, parts = journal.fingerprint(job, source.stats, calib.fingerprint if calib else None, extra)
     state = journal.check_owner(output, fp, parts)
     _check_writable(output)
-    devs = devices.resolve_devices(job.resources.device)
     if job.export.format == "torchao":
         from supervisor import torchao_job  # imports torchao (and torch): only for torchao jobs
 
         torchao_job.check(job, source, devs[0])
     fresh = not os.path.exists(output) or not os.listdir(output)
-    return Plan(job, output, source, fp, state, devs[0], devs, fresh)
+    return Plan(job, output, source, fp, state, devs[0], devs, calib, live=job.source is None, fresh=fresh)
+
+
+def _disk_source(job: Job, output: str) -> tuple[SourceInfo, dict | None]:
+    source = inspect(job.source.path)
+    extra = None
+    if job.source.adapter is not None:
+        from supervisor.adapter import inspect_adapter
+
+        extra = {"adapter": inspect_adapter(job.source.adapter, source.path, source.files)}
+    if _is_within(output, source.path):
+        raise OutputError(f"output {job.export.output!r} is inside the source folder (or is it); "
+                          "choose an output folder elsewhere")
+    if os.path.exists(output) and _is_within(source.path, output):
+        raise OutputError(f"the source folder is inside output {job.export.output!r}; choose another output")
+    return source, extra
+
+
+def _live_source(model, output: str) -> tuple[SourceInfo, dict]:
+    if model is None:
+        raise JobError("the job has no [source]: set [source] path to a checkpoint folder (only the Python API "
+                       "exports a live model without one: Supervisor(job, model=...))")
+    from supervisor import live
+
+    # named and checked now; the tensors themselves are looked at again after the release (they move)
+    return live.describe(live.saved_state(model), layout.state_path(output, live.CONFIG_DIR))
 
 
 class Supervisor:
     """Runs one export in a supervised child; see the module docstring for the life cycle."""
 
-    def __init__(self, job: Job | str | os.PathLike, model=None, *, retry_delay: float = 0.5):
+    def __init__(self, job: Job | str | os.PathLike, model=None, *, tokenizer=None, pool=None,
+                 retry_delay: float = 0.5):
+        """`model`: the live model to release while the child runs (and, for a job without [source], the model
+        to export); `tokenizer`: saved into the output of such a job; `pool`: an offload.PinnedPool to reuse
+        across exports (pinning costs once), else one is made for this run and freed at its end."""
         self.job = job if isinstance(job, Job) else load_job(job)
-        self.plan = prepare(self.job)
+        self.plan = prepare(self.job, model)
         self.model = model
+        self.tokenizer = tokenizer
         self.retry_delay = retry_delay
+        self._pool, self._own_pool = pool, False
+        self._live = None  # live.Saved while a live model is the source: its tensors, now in the pool
+        self._pool_spec = None  # shared.messages.Pool sent to every worker
+        self._logs: collections.deque = collections.deque(maxlen=LOG_KEEP)
+        self._log_lock = threading.Lock()
+        self._logs_queued = self._logs_dropped = 0
         self._events: queue.Queue = queue.Queue()
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
@@ -141,6 +187,7 @@ class Supervisor:
         self._cleanup_lock = threading.Lock()
         self._started = False
         self._progress: _Progress | None = None
+        self._boundary = None  # calibrated: the journaled inputs of the next layer to export
         self._output_existed = os.path.isdir(self.plan.output)
 
     # ---- public API --------------------------------------------------------------------------------------
@@ -186,9 +233,16 @@ class Supervisor:
                 if timeout is not None:
                     return
                 continue
+            if isinstance(e, ev.LogLine):
+                with self._log_lock:
+                    self._logs_queued -= 1
             yield e
             if isinstance(e, ev.TERMINAL):
                 return
+
+    def recent_logs(self) -> list[ev.LogLine]:
+        """The child's last LOG_KEEP lines (stdout and stderr), oldest first, whether or not events() saw them."""
+        return list(self._logs)
 
     def cancel(self) -> None:
         """Stop the export soon (from any thread); what was written stays and a re-run resumes."""
@@ -242,7 +296,20 @@ class Supervisor:
             terminal = ev.Failed(kind=type(exc).__name__, message=str(exc),
                                  traceback="".join(tb.format_exception(exc)))
         self._terminal = terminal
+        self._flush_dropped_logs()  # the reader learns of a flood it missed before the run's last event
         self._emit(terminal)
+
+    def _discard_fresh_output(self) -> None:
+        """Bad input found by a worker (before any part): leave a new output folder as it was, absent or empty, so
+        the fixed job runs there without a 'holds another export' refusal. Only a folder this run created (or found
+        empty) and whose journal holds no part is removed; a killed run's journal header stays, so a re-run resumes."""
+        out = self.plan.output
+        if not self.plan.fresh or journal.read(out).shards:
+            return
+        shutil.rmtree(layout.state_dir(out), ignore_errors=True)
+        if not self._output_existed:
+            with contextlib.suppress(OSError):
+                os.rmdir(out)
 
     def _cleanup(self) -> None:
         """Stop the worker, close the journal, restore the model, unlock. Idempotent, safe from any thread."""
@@ -252,6 +319,7 @@ class Supervisor:
             if self._lock is not None:
                 steps.callback(self._lock.release)
                 self._lock = None
+            steps.callback(self._close_pool)  # after the restore: the model lives in it until then
             steps.callback(self._restore_model)
             if self._journal is not None:
                 steps.callback(self._journal.close)
@@ -266,30 +334,44 @@ class Supervisor:
                 steps.callback(self._scheduler.close)
                 self._scheduler = None
 
-    def _discard_fresh_output(self) -> None:
-        """Bad input found by a worker (before any part): leave a new output folder as it was, absent or empty, so
-        the fixed job runs there without a 'holds another export' refusal. Only a folder this run created (or found
-        empty) and whose journal holds no part is removed; a killed run's journal header stays, so a re-run resumes."""
-        out = self.plan.output
-        if not self.plan.fresh or journal.read(out).shards:
-            return
-        shutil.rmtree(layout.state_dir(out), ignore_errors=True)
-        if not self._output_existed:
-            with contextlib.suppress(OSError):
-                os.rmdir(out)
-
     def _release_model(self) -> None:
         if self.model is None:
             return
         from supervisor import offload
 
-        result = offload.release(self.model)
+        if self.plan.live:
+            from supervisor import live
+
+            self._live = live.saved_state(self.model)  # names first: after the release all tensors share a chunk
+            if self._pool is None:
+                self._pool, self._own_pool = offload.PinnedPool(), True
+            result = offload.release(self.model, buffers=self._pool, share_host=True)
+            if isinstance(result, offload.NotReleased):
+                raise SourceError(f"the live model cannot be exported: {result.reason}")
+            self._handle = result
+            self._share_live_model()
+        else:
+            result = offload.release(self.model, buffers=self._pool)
         if isinstance(result, offload.NotReleased):
             self._emit(ev.MemoryReleased(released=False, reason=result.reason))
             return
         self._handle = result
         self._emit(ev.MemoryReleased(released=True, freed=dict(result.freed), moved_bytes=result.moved_bytes,
                                      seconds=result.seconds))
+
+    def _share_live_model(self) -> None:
+        """The released live model as the child's source: the pool's manifest and the config folder."""
+        from supervisor import live
+
+        config_dir = self.plan.source.path
+        self._pool_spec = live.manifest(self._live, self._pool, config_dir)
+        live.write_config_dir(self._live, self.tokenizer, config_dir)
+
+    def _close_pool(self) -> None:
+        self._live = self._pool_spec = None
+        if self._own_pool and self._pool is not None and not self._pool.leased:
+            self._pool.close()
+            self._pool, self._own_pool = None, False
 
     def _restore_model(self) -> None:
         if self._handle is None:
@@ -309,13 +391,7 @@ class Supervisor:
         st = journal.read(out)  # re-read under the lock: the journal may have grown since prepare()
         if st.header is not None and st.header.fingerprint != plan.fingerprint:
             raise OutputError(f"output {out!r} changed hands while starting; run again")
-        done, redo = {}, []
-        for idx, rec in st.shards.items():
-            problem = journal.verify_shard(out, rec)
-            if problem is None:
-                done[idx] = rec
-            else:
-                redo.append(idx)
+        done, redo = self._verified(st, n)
         self._journal = journal.Journal(out, st) if st.header else journal.start(out, self.job, plan.fingerprint, n)
         for idx, rec in done.items():
             # verified by its bytes under a new identity (copied, restored from a backup): journal the new
@@ -348,7 +424,8 @@ class Supervisor:
         self._start_zygote()
         self._scheduler = self._make_scheduler()
         described = self._scheduler.request(Describe(), Described, "the export plan")
-        what = f"{self.job.export.scheme} export of {self.job.source.path!r}"
+        what = f"{self.job.export.scheme} export of " + (
+            repr(self.job.source.path) if self.job.source is not None else "the live model")
         if described.parts and not any(part.quantized for part in described.parts):
             raise SourceError(f"{what} would quantize nothing: no weight matches the scheme's targets outside the "
                               f"ignore list (by {described.backend}); see `supervisor plan`")
@@ -356,17 +433,63 @@ class Supervisor:
         if problem:
             raise SourceError(f"{what} would not load in transformers: {problem}")
 
+    def _source_changed(self, index: int, rec: journal.Shard) -> str | None:
+        """A live model's part whose tensors differ from those its shard was made from (a re-run after a crash
+        with a changed model): redone, never mixed in."""
+        if self._live is None:
+            return None
+        from supervisor import live
+
+        names = live.part_names(self.plan.source.tensor_names, self.plan.source.layer_prefix, index)
+        return None if live.part_digest(self._live, names) == rec.source_digest else "the live model changed"
+
     def _make_scheduler(self) -> Scheduler:
         from supervisor import devices
 
         r = self.job.resources
         layer_bytes = self.plan.source.nbytes // max(self.plan.source.num_layers, 1)
-        slots = devices.worker_slots(self.plan.devices, r.workers, layer_bytes)
+        calibrated = self.plan.calibration is not None
+        # calibrated: each layer's inputs are the previous layer's outputs, so one worker, in order
+        slots = [self.plan.devices[0]] if calibrated else devices.worker_slots(self.plan.devices, r.workers,
+                                                                               layer_bytes)
         slots = [Slot(id=i, device=d) for i, d in enumerate(slots)]
         return Scheduler(slots, max_attempts=r.max_attempts, part_timeout=r.part_timeout,
-                         retry_delay=self.retry_delay, sequential=False, cancel=self._cancel, emit=self._emit,
+                         retry_delay=self.retry_delay, sequential=calibrated, cancel=self._cancel, emit=self._emit,
                          start_worker=self._start_worker, on_written=self._record, on_heartbeat=self._on_heartbeat,
-                         recycle=self._should_recycle)
+                         recycle=self._should_recycle, boundary=self._boundary_for)
+
+    # ---- calibrated exports: the boundary (a layer's input activations) crossing from one layer to the next ----
+    def _verified(self, st: journal.State, n: int) -> tuple[dict[int, journal.Shard], list[int]]:
+        """The journaled parts that stand and those to redo. A calibrated export continues after the last layer
+        whose outputs (the boundary) are durable and good: every layer from there is redone, in order, starting
+        from that boundary (journal.calibrated_resume)."""
+        done, redo = {}, []
+        for idx, rec in st.shards.items():
+            if (journal.verify_shard(self.plan.output, rec) or self._source_changed(idx, rec)) is None:
+                done[idx] = rec
+            else:
+                redo.append(idx)
+        if self.plan.calibration is not None:
+            start, self._boundary = journal.calibrated_resume(self.plan.output, st, n)
+            redo = sorted(set(redo) | {i for i in done if i >= start})
+            done = {i: r for i, r in done.items() if i < start}  # NON_LAYER (-1) stays when good
+            journal.prune_boundaries(self.plan.output, self._boundary)
+        return done, redo
+
+    def _boundary_for(self, index: int):
+        """The journaled inputs of layer `index`, for a worker that does not hold them in memory (None: none)."""
+        b = self._boundary
+        return b if b is not None and b.feeds == index else None
+
+    def _check_boundary(self, reply: LayerWritten) -> None:
+        b, n = reply.boundary, self.plan.source.num_layers
+        if self.plan.calibration is None or not 0 <= reply.index < n - 1:
+            return
+        path = os.path.join(self.plan.output, b.file) if b is not None else ""
+        if b is None or b.feeds != reply.index + 1 or b.file != layout.boundary_name(b.feeds) \
+                or not os.path.isfile(path) or os.path.getsize(path) != b.nbytes:
+            raise ExportFailed(f"worker did not leave layer {reply.index + 1}'s calibration inputs on disk as "
+                               "described", index=reply.index)
 
     def _clear_tmp(self) -> None:
         tmp = layout.state_path(self.plan.output, layout.TMP)
@@ -388,7 +511,8 @@ class Supervisor:
         if self.plan.devices == ["cpu"]:
             env = devices.child_env("cpu", env)
         log = layout.state_path(self.plan.output, layout.LOGS, "zygote.log")
-        z = Zygote(env, log, self.job.export.format, self.job.resources.startup_timeout)
+        z = Zygote(env, log, self.job.export.format, self.job.resources.startup_timeout,
+                   pass_fds=tuple(self._pool_spec.fds) if self._pool_spec is not None else (), on_log=self._on_log)
         t = time.monotonic()
         try:
             self._spawner.submit(z.start, self._cancel.is_set).result()
@@ -399,7 +523,7 @@ class Supervisor:
         self._zygote = z
         self._emit(ev.PoolStarted(pid=z.proc.pid, seconds=round(time.monotonic() - t, 3), imports=z.seconds))
 
-    def _fork(self, env: dict, fds: tuple[int, int], log_fd: int):
+    def _fork(self, env: dict, fds: tuple[int, int], out_fds: tuple[int, int]):
         """Fork a worker from the zygote; a zygote that died is started again once (on the spawner thread)."""
         with self._zygote_lock:
             try:
@@ -408,7 +532,7 @@ class Supervisor:
                     if old is not None:
                         old.close()
                     self._start_zygote()
-                return self._zygote.fork([], env, fds, log_fd)
+                return self._zygote.fork([], env, fds, out_fds)
             except ZygoteLost as exc:
                 raise WorkerLost(exc.reason, exc.log_tail) from None
 
@@ -427,10 +551,12 @@ class Supervisor:
             # several CPU workers share the cores instead of each starting one thread per core
             threads = max(1, (os.cpu_count() or 1) // cpu_slots)
             job = msgspec.structs.replace(job, resources=msgspec.structs.replace(r, torch_threads=threads))
-        hello = Hello(version=PROTOCOL_VERSION, job=job, output=plan.output, device=child_device, worker=slot.id)
+        hello = Hello(version=PROTOCOL_VERSION, job=job, output=plan.output, device=child_device, worker=slot.id,
+                      calibration_sha256=plan.calibration.sha256 if plan.calibration else "",
+                      pool=self._pool_spec)
         log = layout.state_path(plan.output, layout.LOGS, f"worker-{slot.id}.log")
         w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout,
-                   fork=self._fork)
+                   fork=self._fork, on_log=self._on_log)
         slot.worker = w  # so a stop or kill reaches it while it starts
         t = time.monotonic()
         ready = w.start(self._cancel.is_set, self._on_heartbeat)
@@ -473,6 +599,31 @@ class Supervisor:
                               f"a layer needs about {need / 2**30:.1f} GiB: free memory on that GPU (or hand the live "
                               "model to Supervisor(model=...)), or set [resources] device to another one")
 
+    def _on_log(self, stream: str, text: str, pid: int) -> None:
+        """Called by the worker's log pump for every line: keep it, and stream it unless the reader is behind."""
+        line = ev.LogLine(stream=stream, text=text, pid=pid, t=round(time.monotonic() - self._t0, 3))
+        self._logs.append(line)
+        with self._log_lock:
+            if self._logs_queued >= LOG_QUEUED_MAX:
+                self._logs_dropped += 1
+                return
+            dropped, self._logs_dropped = self._logs_dropped, 0
+            self._logs_queued += 1 + bool(dropped)
+        if dropped:
+            self._emit_dropped(dropped, stream, pid)
+        self._emit(line)
+
+    def _emit_dropped(self, dropped: int, stream: str = "stderr", pid: int = 0) -> None:
+        self._emit(ev.LogLine(stream=stream, pid=pid, text=f"[{dropped} lines not streamed while the reader was "
+                              "behind; recent_logs() and the worker log have them]"))
+
+    def _flush_dropped_logs(self) -> None:
+        with self._log_lock:
+            dropped, self._logs_dropped = self._logs_dropped, 0
+            self._logs_queued += bool(dropped)
+        if dropped:
+            self._emit_dropped(dropped)
+
     def _on_heartbeat(self, hb: Heartbeat) -> None:
         p = self._progress
         if p is not None and hb.index is not None:
@@ -484,12 +635,18 @@ class Supervisor:
         if reply.file != layout.shard_name(reply.index) or not os.path.isfile(path) \
                 or os.path.getsize(path) != reply.nbytes:
             raise ExportFailed(f"worker reported {reply.file} but it is not on disk as described", index=reply.index)
+        self._check_boundary(reply)
         rec = journal.Shard(index=reply.index, file=reply.file, digest=reply.digest, nbytes=reply.nbytes,
                             seconds=round(reply.seconds, 3), ino=reply.ino, mtime_ns=reply.mtime_ns,
                             source_bytes=reply.source_bytes, peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
-                            retries=retries, quant_error=reply.quant_error, stages=reply.stages)
+                            retries=retries, quant_error=reply.quant_error, stages=reply.stages,
+                            boundary=reply.boundary, source_digest=reply.source_digest)
         self._journal.append(rec)
         self._done[reply.index] = rec
+        if self.plan.calibration is not None and reply.index >= 0:
+            # journaled: the new boundary is the only one the next layer needs
+            self._boundary = reply.boundary
+            journal.prune_boundaries(self.plan.output, self._boundary)
         w.layers_done += 1
         w.rss = reply.rss
         self._emit(ev.LayerWritten(index=reply.index, file=reply.file, nbytes=reply.nbytes,
@@ -560,7 +717,8 @@ def describe(job: Job | str | os.PathLike) -> Described:
     job = job if isinstance(job, Job) else load_job(job)
     plan = prepare(job)
     r = job.resources
-    hello = Hello(version=PROTOCOL_VERSION, job=job, output=plan.output, device="cpu")
+    hello = Hello(version=PROTOCOL_VERSION, job=job, output=plan.output, device="cpu",
+                  calibration_sha256=plan.calibration.sha256 if plan.calibration else "")
     never, ignore = (lambda: False), (lambda hb: None)
     with tempfile.TemporaryDirectory(prefix="supervisor-plan-") as tmp:
         from supervisor import devices
@@ -591,9 +749,9 @@ def _check_layers(ready, source: SourceInfo) -> None:
                           "this architecture is not supported")
 
 
-def export(job: Job | str | os.PathLike, model=None, on_event=None) -> ev.Finished:
+def export(job: Job | str | os.PathLike, model=None, on_event=None, *, tokenizer=None) -> ev.Finished:
     """Run one export to the end (blocking); `on_event` sees every event. Raises the error that ended it."""
-    with Supervisor(job, model=model) as run:
+    with Supervisor(job, model=model, tokenizer=tokenizer) as run:
         for e in run.events():
             if on_event is not None:
                 on_event(e)

@@ -6,6 +6,7 @@ The hierarchy (exit code in brackets)::
      ├── InputError (ValueError) ................ [2]  bad input: nothing was written
      │    ├── JobError .......................... [2]  job.toml: unknown key, wrong type, bad value
      │    ├── SourceError ....................... [2]  the source checkpoint cannot be exported
+     │    ├── CalibrationError .................. [2]  the calibration dataset or settings cannot be used
      │    └── OutputError ....................... [2]  the output folder cannot be used
      │         └── FingerprintMismatch .......... [2]  it holds an export of a different job
      ├── LockedError ............................ [3]  another supervisor is exporting into the folder
@@ -40,6 +41,10 @@ class JobError(InputError):
 
 class SourceError(InputError):
     """The source checkpoint cannot be exported (missing, pickle-only, hostile, inconsistent)."""
+
+
+class CalibrationError(InputError):
+    """The calibration data cannot be used (missing, malformed, too few lines, no tokenizer, seq_len too long)."""
 
 
 class OutputError(InputError):

@@ -64,7 +64,8 @@ class LayerWritten(Event):
     peak_gpu: int = 0
     retries: int = 0  # failed attempts before the one that wrote it
     quant_error: dict[str, float] = {}  # module -> relative error of its dequantized weight vs the source
-    stages: dict[str, float] = {}  # seconds per stage in the worker: read, quantize, error, save, hash, sync, cleanup
+    stages: dict[str, float] = {}  # seconds per stage in the worker: read, inputs, quantize, error, save, hash, sync,
+    # boundary, cleanup (inputs, boundary: a calibrated layer's activations in and out)
 
 
 class Progress(Event):
@@ -90,6 +91,14 @@ class ModelRestored(Event):
     restored: bool = True
 
 
+class LogLine(Event):
+    """A line the child printed (its libraries' warnings, progress bars, tracebacks); also in the worker log."""
+
+    stream: str  # "stdout" | "stderr"
+    text: str
+    pid: int
+
+
 class Finished(Event):
     output: str
     parts: int
@@ -111,7 +120,7 @@ class Cancelled(Event):
 
 
 AnyEvent = Union[Started, MemoryReleased, PoolStarted, WorkerStarted, LayerStarted, LayerWritten, Progress, Retrying,
-                 ModelRestored, Finished, Failed, Cancelled]
+                 ModelRestored, LogLine, Finished, Failed, Cancelled]
 TERMINAL = (Finished, Failed, Cancelled)
 
 _json = msgspec.json.Encoder()

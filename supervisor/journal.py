@@ -1,7 +1,9 @@
 """The journal: the job's fingerprint, one append-only record per finished shard, and the resume plan.
 
 `OUT/.export/journal.jsonl` holds JSON lines: a Header first (fingerprint + job), then a Shard record per
-written shard (appended and fsynced only after the shard was renamed into place), then Finalized. A record counts
+written shard (appended and fsynced only after the shard was renamed into place), then Finalized. A calibrated
+export's Shard record for layer i also names the boundary feeding layer i+1 (its file under .export/boundary,
+digest and size), made durable before the record: one record makes both count, atomically. A record counts
 only when its line is complete: a torn last line (the supervisor died mid-write) is ignored and cut off before
 the next append. A shard counts as done only if its file is on disk as journaled; anything else is redone, so the
 output after any crash and re-run is byte-identical to an uninterrupted run.
@@ -26,6 +28,7 @@ import msgspec
 
 from shared import durable, layout
 from shared.job import Job, effective_ignore, to_dict
+from shared.messages import Boundary
 from supervisor.errors import FingerprintMismatch, OutputError
 
 JOURNAL_VERSION = 2
@@ -58,6 +61,8 @@ class Shard(msgspec.Struct, tag=True, kw_only=True):
     retries: int = 0  # failed attempts before the one that wrote it, in the run that wrote it
     quant_error: dict[str, float] = {}  # module -> relative error of its dequantized weight vs the source
     stages: dict[str, float] = {}  # seconds per stage in the worker (read, quantize, error, save, hash, sync, …)
+    boundary: Boundary | None = None  # calibrated: the inputs of layer index+1, durable before this record
+    source_digest: str = ""  # a live model's source tensors of this part; "" for a checkpoint on disk
 
 
 class Finalized(msgspec.Struct, tag=True, kw_only=True):
@@ -79,8 +84,12 @@ def _versions(packages: tuple[str, ...] = _FINGERPRINT_PACKAGES) -> dict[str, st
     return out
 
 
-def fingerprint(job: Job, source_stats: list[tuple[str, int, int]]) -> tuple[str, dict]:
-    """A hash of everything that decides the output's bytes; also returns the parts, for messages."""
+def fingerprint(job: Job, source_stats: list[tuple[str, int, int]], calibration: dict | None = None,
+                extra: dict | None = None) -> tuple[str, dict]:
+    """A hash of everything that decides the output's bytes; also returns the parts, for messages.
+    `calibration`: the data-dependent parts of a calibrated job (supervisor.calibration); data-free jobs have
+    none, so their fingerprints are what they were before calibration existed. `extra`: what else the source is
+    made of (an adapter's file hashes, a live model's structure)."""
     parts = {
         "source_files": [list(s) for s in source_stats],
         "scheme": job.export.scheme,
@@ -92,6 +101,10 @@ def fingerprint(job: Job, source_stats: list[tuple[str, int, int]]) -> tuple[str
         # Only for torchao jobs, so compressed-tensors fingerprints (and the outputs they resume) stay as they were.
         parts["torchao"] = job.export.torchao or {}
         parts["versions"] = _versions(_FINGERPRINT_PACKAGES + ("torchao",))
+    if calibration is not None:
+        parts["calibration"] = calibration
+    if extra:
+        parts["source_extra"] = extra
     blob = json.dumps(parts, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:32], parts
 
@@ -187,7 +200,8 @@ def check_owner(output: str, fp: str, parts: dict) -> State:
         old = st.header.job.get("export", {})
         raise FingerprintMismatch(
             f"output {shown!r} holds an export of a different job (scheme {old.get('scheme')}, "
-            f"source {st.header.job.get('source', {}).get('path')}, or changed source files / library versions); "
+            f"source {(st.header.job.get('source') or {}).get('path', 'a live model')}, or changed source files, "
+            f"calibration data or settings, device kind, library versions); "
             f"delete the folder to start fresh, or choose another [export] output")
     return st
 
@@ -215,6 +229,35 @@ def restat(output: str, rec: Shard) -> Shard:
     if (st.st_ino, st.st_mtime_ns) == (rec.ino, rec.mtime_ns):
         return rec
     return msgspec.structs.replace(rec, ino=st.st_ino, mtime_ns=st.st_mtime_ns)
+
+
+def calibrated_resume(output: str, st: State, num_layers: int) -> tuple[int, Boundary | None]:
+    """Where a calibrated export continues: (first layer to export, the journaled boundary feeding it).
+
+    Layers run in order and each needs the previous one's outputs, so resume continues after the longest run of
+    good shards 0..k-1 whose last record names a boundary that is on disk with its digest (re-hashed here: the
+    boundary is small next to the export, and a damaged one would silently change every later layer). A boundary
+    that fails its hash is never trusted: only the newest one is kept, so the inputs are recomputed from layer 0."""
+    k = 0
+    while k < num_layers and k in st.shards and verify_shard(output, st.shards[k]) is None:
+        k += 1
+    if k == 0 or k == num_layers:
+        return k, None
+    b = st.shards[k - 1].boundary
+    if b is None or b.feeds != k or verify_files(output, {b.file: b.digest}):
+        return 0, None
+    return k, b
+
+
+def prune_boundaries(output: str, keep: Boundary | None) -> None:
+    """Delete every boundary file but `keep` (the journaled one the next layer needs)."""
+    folder = layout.state_path(output, layout.BOUNDARY)
+    if not os.path.isdir(folder):
+        return
+    keep_name = os.path.basename(keep.file) if keep is not None else None
+    for fn in os.listdir(folder):
+        if fn != keep_name:
+            os.unlink(os.path.join(folder, fn))
 
 
 def verify_files(output: str, files: dict[str, str]) -> dict[str, str]:

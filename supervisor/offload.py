@@ -5,7 +5,9 @@ accelerator-resident parameter, buffer and gradient into reusable host buffers s
 the GPU, and later putting the exact same model back. It must never re-dispatch from scratch (accelerate's
 `dispatch_model` would hook modules added since, such as LoRA layers, and drop forwards installed after
 dispatch), never create new Parameter objects for plain tensors (ties and optimizer references hang on
-identity), never touch CPU, meta or disk-offloaded tensors, and never leave a model half-moved.
+identity), never touch meta or disk-offloaded tensors, never touch CPU tensors unless asked to share them
+(`share_host`, for a live model exported from its pool), and never leave a model half-moved. The host memory
+itself is supervisor/hostpool.py's.
 
 ```
 release(model)                                      restore(handle)
@@ -27,7 +29,6 @@ Params4bit/Int8Params, torchao) keep state outside `.data`, so they move through
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,14 +37,14 @@ import torch
 from torch import nn
 
 from supervisor.errors import OffloadError  # noqa: F401 - re-exported; the hierarchy lives in errors.py
+from supervisor.hostpool import ALIGN as _ALIGN
+from supervisor.hostpool import PinnedPool  # noqa: F401 - re-exported: callers keep one across releases
 
 # Device types whose memory release() frees. Tests on CPU-only machines swap in {"cpu"} so the whole
 # path (hooks, pools, ties, rollback) runs for real; only the host<->device transfer itself needs a GPU.
 ACCELERATOR_TYPES: frozenset[str] = frozenset({"cuda", "xpu", "mps"})
 
 _HOST = torch.device("cpu")
-# Every host view starts on a 256-byte boundary: divisible by every dtype's itemsize (set_ needs that).
-_ALIGN = 256
 _PLAIN_TYPES = (torch.Tensor, nn.Parameter)
 # What dispatch_model/add_hook_to_module put in a module's __dict__; remove_hook_from_module pops these.
 _ADDED_ATTRS = tuple(
@@ -57,107 +58,6 @@ class NotReleased:
     """release() moved nothing; `reason` says why (the model is exactly as it was)."""
 
     reason: str
-
-
-# --------------------------------------------------------------------------------------------------------
-# Host buffers
-
-
-class PinnedPool:
-    """Host byte buffers reused across release/restore cycles.
-
-    Buffers are plain host memory registered with cudaHostRegister when CUDA is available: measured on an
-    H200, registering existing memory costs 0.19 s per 4 GiB against 1.84 s for cudaHostAlloc, and copies into
-    it run at 55 GB/s (pageable: 9-16 GB/s). A pool serves one released model at a time; keep it for the next
-    cycle and call close() to give the memory back.
-    """
-
-    def __init__(self, *, pin: bool | None = None) -> None:
-        self._pin = pin
-        self._chunks: list[torch.Tensor] = []
-        self._registered: list[int] = []
-        self._leased = False
-        self._closed = False
-        # Unregister before the memory can be freed, also when the pool is dropped without close().
-        self._finalizer = weakref.finalize(self, _unregister_chunks, self._registered, self._chunks)
-
-    @property
-    def capacity(self) -> int:
-        """Bytes of host memory the pool holds."""
-        return sum(chunk.numel() for chunk in self._chunks)
-
-    @property
-    def pinned(self) -> bool:
-        return bool(self._registered)
-
-    @property
-    def leased(self) -> bool:
-        """True while a released model lives in this pool's buffers."""
-        return self._leased
-
-    def close(self) -> None:
-        """Unpin and free the buffers; the pool cannot be used afterwards."""
-        if self._leased:
-            raise OffloadError("this PinnedPool still holds a released model: restore() it before close()")
-        self._closed = True
-        self._finalizer()
-
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise OffloadError("this PinnedPool is closed: create a new one")
-        if self._leased:
-            raise OffloadError("this PinnedPool already holds a released model: restore that one or pass another pool")
-
-    def _lease(self, sizes: list[int]) -> list[torch.Tensor]:
-        """One uint8 host view per requested size; grows the pool only by what it lacks."""
-        self._check_usable()
-        views = self._place(sizes)
-        self._leased = True
-        return views
-
-    def _end_lease(self) -> None:
-        self._leased = False
-
-    def _place(self, sizes: list[int]) -> list[torch.Tensor]:
-        cursors = [0] * len(self._chunks)
-        views: list[torch.Tensor | None] = [None] * len(sizes)
-        spill = []
-        for i, n in enumerate(sizes):
-            for c, chunk in enumerate(self._chunks):
-                if cursors[c] + _aligned(n) <= chunk.numel():
-                    views[i] = chunk[cursors[c] : cursors[c] + n]
-                    cursors[c] += _aligned(n)
-                    break
-            else:
-                spill.append(i)
-        if spill:
-            chunk = self._new_chunk(sum(_aligned(sizes[i]) for i in spill))
-            offset = 0
-            for i in spill:
-                views[i] = chunk[offset : offset + sizes[i]]
-                offset += _aligned(sizes[i])
-        return views  # type: ignore[return-value]
-
-    def _new_chunk(self, nbytes: int) -> torch.Tensor:
-        chunk = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=_HOST)
-        pin = torch.cuda.is_available() if self._pin is None else self._pin
-        if pin:
-            # cudaHostRegisterPortable (1): pinned for every device's context, so one pool serves a multi-GPU map.
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), chunk.numel(), 1))
-            self._registered.append(chunk.data_ptr())
-        self._chunks.append(chunk)
-        return chunk
-
-
-def _unregister_chunks(registered: list[int], chunks: list[torch.Tensor]) -> None:
-    for ptr in registered:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    registered.clear()
-    chunks.clear()
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -227,6 +127,7 @@ class _Snapshot:
     stacks: list[_StackMove] = field(default_factory=list)
     pool: PinnedPool | None = None
     own_pool: bool = False
+    share_host: bool = False  # host-resident parameters and buffers move into the pool too
 
     @property
     def devices(self) -> set[torch.device]:
@@ -250,13 +151,19 @@ class Released:
 # Public API
 
 
-def release(model: nn.Module, *, buffers: PinnedPool | None = None) -> Released | NotReleased:
-    """Move `model`'s accelerator tensors to host memory; a Released handle, or NotReleased(reason)."""
+def release(model: nn.Module, *, buffers: PinnedPool | None = None, share_host: bool = False) -> Released | NotReleased:
+    """Move `model`'s accelerator tensors to host memory; a Released handle, or NotReleased(reason).
+
+    share_host=True (a live model exported from its pool): CPU-resident parameters and buffers move into the pool
+    as well, by the same storage swap, so every tensor of the model is in shared memory a child can map; restore()
+    copies them back into private memory. Cost: those bytes are copied once each way (peak: twice the host-resident
+    part while a copy runs). Disk/meta-offloaded and quantized (subclass) tensors are refused in this mode."""
     start = time.perf_counter()
     if buffers is not None:
-        buffers._check_usable()
+        buffers.check_usable()
     state = _snapshot(model)
-    refusal = map_refusal(state.device_map) or _plan_moves(state)
+    state.share_host = share_host
+    refusal = (_share_refusal(state) if share_host else map_refusal(state.device_map)) or _plan_moves(state)
     if refusal:
         return NotReleased(refusal)
     before = _allocated(state.devices)
@@ -350,13 +257,48 @@ def _record_hooks(modules) -> list[tuple[nn.Module, dict[str, Any]]]:
     return records
 
 
+def _share_refusal(state: _Snapshot) -> str | None:
+    """Why a model cannot be shared whole with a child (share_host), or None."""
+    where = "a live model exported without a checkpoint must have every weight in memory"
+    offloaded = sorted(name or "<root>" for name, dev in (state.device_map or {}).items() if str(dev) in ("disk", "meta"))
+    if offloaded:
+        return f"hf_device_map offloads {', '.join(offloaded[:5])} to disk/meta: {where}; load it without disk offload"
+    for slot in state.slots:
+        if slot.device.type == "meta" and offloaded_value(slot.module, slot.key) is None:
+            return f"{slot.name} is on the meta device with no copy in host memory: {where}"
+        if type(slot.tensor) not in _PLAIN_TYPES:
+            return (f"{slot.name} is a {type(slot.tensor).__name__} (quantized), not a plain tensor: a quantized live "
+                    "model cannot be exported; export the checkpoint it came from")
+    return None
+
+
+def offloaded_value(module: nn.Module, key: str) -> torch.Tensor | None:
+    """The host tensor an accelerate hook keeps for a CPU-offloaded (meta) parameter or buffer of `module`, or
+    None. Only an in-memory value counts: a weights_map that loads from disk returns a new tensor every time."""
+    hooks = [module.__dict__.get("_hf_hook")]
+    hooks += list(getattr(hooks[0], "hooks", ()))  # a SequentialHook holds several
+    for hook in hooks:
+        weights = getattr(hook, "weights_map", None) if getattr(hook, "offload", False) else None
+        if weights is None or key not in weights:
+            continue
+        value = weights[key]
+        if isinstance(value, torch.Tensor) and value is weights[key] and value.device.type == "cpu" \
+                and type(value) in _PLAIN_TYPES:
+            return value
+    return None
+
+
+def _moves(state: _Snapshot, tensor: torch.Tensor, slot: _Slot | None) -> bool:
+    return _on_accelerator(tensor) or (state.share_host and slot is not None and tensor.device.type == "cpu")
+
+
 def _plan_moves(state: _Snapshot) -> str | None:
-    """Fill state.storages / state.stacks with the accelerator tensors; a refusal when that is impossible."""
+    """Fill state.storages / state.stacks with the tensors to move; a refusal when that is impossible."""
     storages: dict[tuple, _StorageMove] = {}
     stacks: dict[int, _StackMove] = {}
     seen: set[int] = set()
     for name, tensor, slot in _tensors(state):
-        if not _on_accelerator(tensor):
+        if not _moves(state, tensor, slot):
             continue
         if type(tensor) not in _PLAIN_TYPES and slot is None:
             return f"{name} is a {type(tensor).__name__}, not a plain tensor: release cannot move it"
@@ -366,9 +308,16 @@ def _plan_moves(state: _Snapshot) -> str | None:
         elif id(tensor) not in seen:
             _add_member(storages, name, tensor)
         seen.add(id(tensor))
+    if state.share_host:
+        # CPU-spilled modules of a dispatched model: their weights live in the hooks' weights_map, not the module
+        for slot in state.slots:
+            value = offloaded_value(slot.module, slot.key) if slot.device.type == "meta" else None
+            if value is not None and id(value) not in seen:
+                _add_member(storages, slot.name, value)
+                seen.add(id(value))
     state.storages = [m for m in storages.values() if m.nbytes > 0]
     state.stacks = list(stacks.values())
-    if not (state.storages or state.stacks):
+    if not (state.storages or state.stacks) and not state.share_host:
         return f"no parameter, buffer or gradient is on an accelerator ({_types()}): nothing to free"
     return None
 
@@ -394,7 +343,7 @@ def _add_member(storages: dict[tuple, _StorageMove], name: str, tensor: torch.Te
 def _copy_down(state: _Snapshot) -> str | None:
     """Copy every accelerator tensor to the host; the model itself is not changed here."""
     try:
-        hosts = state.pool._lease([move.nbytes for move in state.storages])
+        hosts = state.pool.lease([move.nbytes for move in state.storages])
         refusal = _stack_down(state)
         if refusal is None:
             _storages_down(state, hosts)
@@ -538,7 +487,7 @@ def _put_back_device_map(state: _Snapshot) -> None:
 def _return_pool(state: _Snapshot) -> None:
     if state.pool is None:
         return
-    state.pool._end_lease()
+    state.pool.end_lease()
     if state.own_pool:
         state.pool.close()
     for move in state.storages:

@@ -13,7 +13,8 @@ exactly the part that was in flight (a worker with several parts in flight could
 Throughput comes from several slots: on a GPU their reads, copies and writes overlap, and the output does not
 depend on which slot wrote which part. A slot takes the smallest waiting part and reserves the next one as its
 read-ahead hint. Calibrated exports run with one slot and strictly in order (a part's inputs are the previous
-part's outputs); a failed part then comes back first, before anything after it.
+part's outputs); a failed part then comes back first, before anything after it, and each request names the
+journaled inputs of its layer (`boundary(index)`) for a fresh worker that does not hold them in memory.
 Owns scheduling only: it never touches the journal or files itself (on_written does) and never quantizes.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from shared.messages import NON_LAYER, ConfigWritten, ExportLayer, Failed, Heartbeat, LayerWritten, WriteConfig
+from shared.messages import (NON_LAYER, Boundary, ConfigWritten, ExportLayer, Failed, Heartbeat, LayerWritten,
+                             WriteConfig)
 from supervisor import events as ev
 from supervisor.errors import Cancelled, ExportFailed, SourceError, SupervisorError
 from supervisor.worker import CancelledWait, Worker, WorkerLost
@@ -90,7 +92,8 @@ class Scheduler:
     def __init__(self, slots: list[Slot], *, max_attempts: int, part_timeout: float, retry_delay: float,
                  sequential: bool, cancel: threading.Event, emit: Callable[[ev.Event], None],
                  start_worker: Callable[[Slot], Worker], on_written: Callable[[LayerWritten, Worker, int], None],
-                 on_heartbeat: Callable[[Heartbeat], None], recycle: Callable[[Worker], bool]):
+                 on_heartbeat: Callable[[Heartbeat], None], recycle: Callable[[Worker], bool],
+                 boundary: Callable[[int], Boundary | None] = lambda index: None):
         if sequential and len(slots) != 1:
             raise ValueError("a sequential export runs on exactly one slot")
         self.slots = slots
@@ -99,6 +102,7 @@ class Scheduler:
         self.cancel = cancel
         self.emit, self.start_worker, self.on_written = emit, start_worker, on_written
         self.on_heartbeat, self.recycle = on_heartbeat, recycle
+        self.boundary = boundary  # calibrated: the journaled inputs of a layer, for a worker without them
         self._cond = threading.Condition()
         self._record = threading.Lock()
         self._q = _Queue()
@@ -180,7 +184,7 @@ class Scheduler:
         with self._cond:
             attempt = self._q.attempts.get(index, 0) + 1
             self._q.attempts[index] = attempt
-        msg = ExportLayer(index=index, attempt=attempt, prefetch=slot.reserved)
+        msg = ExportLayer(index=index, attempt=attempt, prefetch=slot.reserved, boundary=self.boundary(index))
         try:
             reply, w = self._request(slot, msg, LayerWritten, index, attempt)
         except BaseException:

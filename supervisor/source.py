@@ -46,7 +46,7 @@ def inspect(path: str) -> SourceInfo:
         keys, size = _check_header(folder, fn)
         names += keys
         nbytes += size
-    prefix, num_layers = _layers(names, config, path)
+    prefix, num_layers = find_layers(names, config, path)
     stats = []
     for fn in sorted(set(files) | {"config.json"} | ({INDEX} if os.path.exists(os.path.join(folder, INDEX)) else set())):
         st = os.stat(os.path.join(folder, fn))
@@ -106,7 +106,7 @@ def _check_header(folder: str, fn: str) -> tuple[list[str], int]:
     return keys, os.path.getsize(path)
 
 
-def _layers(names: list[str], config: dict, shown: str) -> tuple[str, int]:
+def find_layers(names: list[str], config: dict, shown: str) -> tuple[str, int]:
     found = tensor_names.find_layers(names, config)
     if found is None:
         raise SourceError(f"source {shown!r} has no decoder layers (no tensor name holds a layer number, like "

@@ -15,6 +15,7 @@ import msgspec
 from shared import layout
 from shared.load_verdict import problems as load_problems
 from shared.messages import NON_LAYER, LoadReport
+from shared.schemes import needs_calibration
 from supervisor import journal
 from supervisor.errors import OutputError
 
@@ -44,12 +45,18 @@ def status(output: str, state: journal.State | None = None) -> dict:
     st = read_state(output) if state is None else state
     n = st.header.num_layers
     parts = list(range(n)) + [NON_LAYER]
-    left = [p for p in parts if p not in st.shards]
     job = st.header.job
+    if needs_calibration(job["export"]["scheme"], job["export"].get("method", "rtn")):
+        # layers run in order from the last one whose outputs were journaled (files are checked by `run`)
+        k = next((i for i in range(n) if i not in st.shards), n)
+        left = list(range(k, n)) + ([] if NON_LAYER in st.shards else [NON_LAYER])
+    else:
+        left = [p for p in parts if p not in st.shards]
     return {
         "output": os.path.abspath(output),
-        "source": job["source"]["path"],
+        "source": (job.get("source") or {}).get("path", "a live model (Python API)"),
         "scheme": job["export"]["scheme"],
+        "method": job["export"].get("method", "rtn"),
         "layers": n,
         "done": f"{len(parts) - len(left)}/{len(parts)} shards",
         "left": ["non-layer" if p == NON_LAYER else p for p in left],

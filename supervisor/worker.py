@@ -1,8 +1,8 @@
 """One child worker process: start, dedicated pipes, handshake, requests with a heartbeat watch, stop.
 
     supervisor                         child (forked by the zygote, or spawned as python -m child; its own pipes)
-      p2c_w ──frames──▶ p2c_r            stdout+stderr ─▶ OUT/.export/logs/worker-N.log
-      c2p_r ◀──frames── c2p_w
+      p2c_w ──frames──▶ p2c_r            stdout, stderr ─pipes─▶ LogPump ─▶ OUT/.export/logs/worker-N.log
+      c2p_r ◀──frames── c2p_w                                             └─▶ on_log(stream, text, pid)
 
 The parent closes its copies of the child's ends, so EOF means the child is gone. A child that dies, stays silent
 past the heartbeat timeout, or sends a bad frame is one failure path: `WorkerLost`, with the reason and the tail
@@ -20,6 +20,7 @@ from typing import Callable
 
 from shared.framing import EndOfStream, FrameError, Reader, Writer
 from shared.messages import PROTOCOL_VERSION, Failed, Heartbeat, Hello, Ready, Stop, ToSupervisor
+from supervisor.logpump import LogPump, OnLine
 
 POLL = 0.2  # seconds between checks of the process, the cancel flag and the heartbeat clock
 LOG_TAIL = 4000  # characters of the log's end reported when it holds no traceback
@@ -57,13 +58,17 @@ def _describe_exit(code: int) -> str:
 
 
 class Worker:
-    """`fork(env, (read_fd, write_fd), log_fd)` starts the child from a warm parent (supervisor.zygote); without
+    """`fork(env, (read_fd, write_fd), (stdout_fd, stderr_fd))` starts the child from a warm parent (supervisor.zygote); without
     it the child is spawned with a fresh interpreter (python -P -m child), which re-imports everything."""
 
     def __init__(self, hello: Hello, log_path: str, env: dict[str, str] | None = None, *,
-                 startup_timeout: float, heartbeat_timeout: float, fork: Callable | None = None):
+                 startup_timeout: float, heartbeat_timeout: float, fork: Callable | None = None,
+                 pass_fds: tuple[int, ...] = (), on_log: OnLine | None = None):
         self.hello = hello
         self.fork = fork
+        self.on_log = on_log  # (stream, text, pid) per line the child prints; called from the pump thread
+        self._pump: LogPump | None = None
+        self.pass_fds = pass_fds  # inherited as they are by a spawned child (a live model's pool memfds)
         self.log_path = log_path
         self.env = env
         self.startup_timeout = startup_timeout
@@ -86,21 +91,29 @@ class Worker:
         p2c_r, p2c_w = os.pipe()
         c2p_r, c2p_w = os.pipe()
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
         try:
             with open(self.log_path, "ab") as log:
                 self._log_start = os.fstat(log.fileno()).st_size  # earlier workers' output is not this child's
-                if self.fork is not None:
-                    self.proc = self.fork(self.env, (p2c_r, c2p_w), log.fileno())
-                else:
-                    cmd = [sys.executable, "-P",  # -P: a 'child' folder in the cwd must not shadow our package
-                           "-m", "child", "--read-fd", str(p2c_r), "--write-fd", str(c2p_w),
-                           "--parent-pid", str(os.getpid())]
-                    self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                                 stderr=subprocess.STDOUT, pass_fds=(p2c_r, c2p_w), close_fds=True,
-                                                 env=self.env)
+            if self.fork is not None:
+                self.proc = self.fork(self.env, (p2c_r, c2p_w), (out_w, err_w))
+            else:
+                cmd = [sys.executable, "-P",  # -P: a 'child' folder in the cwd must not shadow our package
+                       "-m", "child", "--read-fd", str(p2c_r), "--write-fd", str(c2p_w),
+                       "--parent-pid", str(os.getpid())]
+                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+                                             pass_fds=(p2c_r, c2p_w, *self.pass_fds), close_fds=True, env=self.env)
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
         finally:
-            os.close(p2c_r)
-            os.close(c2p_w)
+            for fd in (p2c_r, c2p_w, out_w, err_w):
+                os.close(fd)
+        # stdout/stderr go through the pump: into the log file, and to on_log as LogLine events
+        self._pump = LogPump({"stdout": out_r, "stderr": err_r}, self.log_path, self.proc.pid, self.on_log)
+        self._pump.start()
         self._fds = [p2c_w, c2p_r]
         self._writer, self._reader = Writer(p2c_w), Reader(c2p_r, ToSupervisor)
         self._send(self.hello)
@@ -182,6 +195,7 @@ class Worker:
     def log_tail(self) -> str:
         """This child's log from its last traceback (with its chained causes) or fatal-error dump to the end;
         the log's last LOG_TAIL characters when it holds none."""
+        self._drain_log(timeout=2.0)
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(0, os.SEEK_END)
@@ -203,6 +217,11 @@ class Worker:
             section = section[:half] + "\n[...]\n" + section[-half:]
         return section
 
+    def _drain_log(self, timeout: float) -> None:
+        # A dead child's last words (its traceback) may still be in the pipe: let the pump reach EOF first.
+        if self._pump is not None and self.proc is not None and self.proc.poll() is not None:
+            self._pump.join(timeout)
+
     def stop(self, grace: float = 5.0) -> None:
         """Stop the child for sure: Stop message, grace, SIGTERM, grace, SIGKILL; always wait()."""
         if self.proc is None:
@@ -219,6 +238,7 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        self._drain_log(timeout=5.0)  # a grandchild holding the pipes open must not hang the stop
         for fd in self._fds:
             try:
                 os.close(fd)

@@ -1,7 +1,8 @@
 """The warm pool: one pre-imported parent per run (child/zygote.py) that forks workers on request.
 
-    Zygote.start()  python -P -m child.zygote (its log: OUT/.export/logs/zygote.log); waits for {"ready"}
-    Zygote.fork()   sends {"fork": {env, argv}} with the worker's pipe ends and log fd (SCM_RIGHTS) and
+    Zygote.start()  python -P -m child.zygote (stdout/stderr pumped into OUT/.export/logs/zygote.log and on_log);
+                    waits for {"ready"}
+    Zygote.fork()   sends {"fork": {env, argv}} with the worker's pipe ends and stdout/stderr fds (SCM_RIGHTS) and
                     returns a Forked (Popen-like: pid, poll, wait, terminate, kill) once the zygote says
                     {"forked": pid}; {"exited": pid, code} arrive on a reader thread and settle that Forked
     Zygote.close()  closes the socket (the zygote exits, its workers with it) and waits for it
@@ -23,6 +24,8 @@ import sys
 import threading
 import time
 from typing import Callable
+
+from supervisor.logpump import LogPump, OnLine
 
 MAX_MSG = 1 << 20
 
@@ -83,8 +86,12 @@ class Forked:
 
 
 class Zygote:
-    def __init__(self, env: dict[str, str], log_path: str, fmt: str, startup_timeout: float):
+    def __init__(self, env: dict[str, str], log_path: str, fmt: str, startup_timeout: float,
+                 pass_fds: tuple[int, ...] = (), on_log: OnLine | None = None):
         self.env, self.log_path, self.fmt, self.startup_timeout = env, log_path, fmt, startup_timeout
+        self.pass_fds = pass_fds  # inherited by the zygote and so by every worker it forks (a live model's pool)
+        self.on_log = on_log  # its import-time lines (library warnings) as LogLine events, like a worker's
+        self._pump: LogPump | None = None
         self.proc: subprocess.Popen | None = None
         self.seconds = 0.0  # its import time, reported by itself
         self._sock: socket.socket | None = None
@@ -106,12 +113,21 @@ class Zygote:
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         cmd = [sys.executable, "-P", "-m", "child.zygote", "--sock-fd", str(theirs.fileno()),
                "--parent-pid", str(os.getpid()), "--format", self.fmt]
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
         try:
-            with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                             pass_fds=(theirs.fileno(),), close_fds=True, env=self.env)
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+                                         pass_fds=(theirs.fileno(), *self.pass_fds), close_fds=True, env=self.env)
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
         finally:
             theirs.close()
+            os.close(out_w)
+            os.close(err_w)
+        self._pump = LogPump({"stdout": out_r, "stderr": err_r}, self.log_path, self.proc.pid, self.on_log)
+        self._pump.start()
         self._sock = ours
         self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
         self._reader.start()
@@ -164,14 +180,15 @@ class Zygote:
         for child in children:
             child._settle(-signal.SIGKILL)
 
-    def fork(self, argv: list[str], env: dict[str, str], fds: tuple[int, int], log_fd: int) -> Forked:
-        """A new worker running `python -m child` with argv + its pipe fds; raises ZygoteLost."""
+    def fork(self, argv: list[str], env: dict[str, str], fds: tuple[int, int], out_fds: tuple[int, int]) -> Forked:
+        """A new worker running `python -m child` with argv + its pipe fds, `out_fds` as its stdout and stderr;
+        raises ZygoteLost."""
         with self._lock:
             if not self.alive:
                 raise ZygoteLost(f"the worker parent (zygote) {self._lost or 'is not running'}", self.log_tail())
             req = json.dumps({"fork": {"env": env, "argv": argv}}).encode()
             try:
-                socket.send_fds(self._sock, [req], [fds[0], fds[1], log_fd])
+                socket.send_fds(self._sock, [req], [fds[0], fds[1], *out_fds])
             except OSError as exc:
                 raise ZygoteLost(f"the worker parent (zygote) cannot be reached ({exc})", self.log_tail()) from exc
             while True:
@@ -206,11 +223,15 @@ class Zygote:
                 self.proc.wait()
         if self._reader is not None:
             self._reader.join(5)
+        if self._pump is not None:
+            self._pump.join(5)
         if self._sock is not None:
             self._sock.close()
             self._sock = None
 
     def log_tail(self, n: int = 4000) -> str:
+        if self._pump is not None and self.proc is not None and self.proc.poll() is not None:
+            self._pump.join(2)  # its last words may still be in the pipe
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(0, os.SEEK_END)

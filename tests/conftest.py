@@ -102,3 +102,31 @@ def moe_oneshot(moe_models, tmp_path_factory):
         return done[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def saved_export(tiny_models, tmp_path_factory):
+    """saved_export(kind, scheme) -> {file: sha256} of exporting `load(kind).save_pretrained(tmp)` (plus its tokenizer)
+    on the CPU: the reference for exports of that model held live (tests/ref_studio.py, built once per session)."""
+    done: dict[tuple, dict] = {}
+
+    def get(kind: str, scheme: str) -> dict:
+        if (kind, scheme) not in done:
+            from transformers import AutoTokenizer
+
+            from shared.job import parse_job
+            from supervisor import Supervisor
+            from tests.ref_studio import load
+            from tests.scenarios.cli import output_bytes
+
+            tmp = tmp_path_factory.mktemp(f"saved-{kind}-{scheme}")
+            load(tiny_models(kind)).save_pretrained(tmp / "saved")
+            AutoTokenizer.from_pretrained(tiny_models(kind)).save_pretrained(tmp / "saved")
+            job = parse_job({"source": {"path": str(tmp / "saved")},
+                             "export": {"scheme": scheme, "output": str(tmp / "out")}, "resources": {"device": "cpu"}})
+            with Supervisor(job) as run:
+                run.wait()
+            done[kind, scheme] = output_bytes(tmp / "out")
+        return done[kind, scheme]
+
+    return get

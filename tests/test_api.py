@@ -107,9 +107,11 @@ def test_failure_restores_and_raises(job, live_model, monkeypatch, tmp_path):
     _assert_restored(live_model, snap)
 
 
-def test_cancel_from_another_thread_restores_and_is_resumable(job, live_model):
+def test_cancel_from_another_thread_restores_and_is_resumable(job, live_model, monkeypatch, tmp_path):
     """cancel() mid-export stops the child, restores the model, and leaves journaled layers for a resume."""
     snap = _snapshot(live_model)
+    # the child holds at layer 1 (heartbeats on) until cancelled: the cancel lands mid-export on any machine
+    _fault(monkeypatch, tmp_path, point="quantize", action="stall", index=1, once=str(tmp_path / "held"))
     with Supervisor(job, model=live_model) as run:
         for e in run.events():
             if isinstance(e, ev.LayerWritten):

@@ -11,13 +11,20 @@ import sys
 SUPERVISOR = os.environ.get("SUPERVISOR_BIN") or os.path.join(os.path.dirname(sys.executable), "supervisor")
 
 
-def write_job(path, source, output, scheme, *, device="cpu", ignore=None, export=None, **resources) -> str:
+def write_job(path, source, output, scheme, *, device="cpu", ignore=None, export=None, method=None,
+              calibration=None, **resources) -> str:
+    """export: more [export] keys; method: [export] method; calibration: the [calibration] table as a dict."""
     lines = ["[source]", f'path = "{source}"', "[export]", f'scheme = "{scheme}"', f'output = "{output}"']
     if ignore is not None:
         lines.append("ignore = [" + ", ".join(json.dumps(i) for i in ignore) + "]")
+    if method is not None:
+        lines.append(f'method = "{method}"')
     lines += [f"{k} = {json.dumps(v)}" for k, v in (export or {}).items()]
     lines += ["[resources]", f'device = "{device}"']
     lines += [f"{k} = {json.dumps(v)}" for k, v in resources.items()]
+    if calibration is not None:
+        lines += ["[calibration]"] + [f"{k} = {json.dumps(str(v) if k == 'dataset' else v)}"
+                                      for k, v in calibration.items()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return str(path)

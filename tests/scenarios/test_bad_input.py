@@ -110,7 +110,7 @@ CASES = [
     ("unknown key in section", GOOD_JOB.replace('scheme = "W4A16"', 'scheme = "W4A16"\nschema = 1'), None,
      "unknown field `schema`"),
     ("wrong type", GOOD_JOB.replace('path = "src"', "path = 3"), None, "Expected `str`, got `int`"),
-    ("missing section", "[export]\nscheme='W4A16'\noutput='out'\n", None, "missing required field `source`"),
+    ("missing section", "[export]\nscheme='W4A16'\noutput='out'\n", None, "the job has no [source]"),
     ("unknown scheme with suggestion", GOOD_JOB.replace("W4A16", "W4A61"), None, "did you mean"),
     ("calibrated scheme", GOOD_JOB.replace("W4A16", "NVFP4"), None, "needs calibration data"),
     ("bad device", GOOD_JOB.replace('device = "cpu"', 'device = "gpu"'), None, "device"),

@@ -87,6 +87,11 @@ def test_child_sigkilled_is_restarted_within_the_same_run(big_model, reference, 
     assert cli.output_bytes(out) == reference[0]
 
 
+def _hold(tmp_path) -> dict:
+    """A test fault that holds the child at layer 6 (heartbeats going on) until it is killed."""
+    return _fault(tmp_path, point="quantize", action="stall", index=6)
+
+
 def _start_run(job, env=None):
     full_env = dict(os.environ)
     full_env.pop("SUPERVISOR_TEST_FAULT", None)
@@ -112,7 +117,7 @@ def test_supervisor_sigkilled_then_rerun_is_byte_identical(big_model, reference,
     """SIGKILL the supervisor mid-export: its child exits by itself, no lock blocks, re-run is identical."""
     out = tmp_path / "out"
     job = cli.write_job(tmp_path / "job.toml", big_model, out, SCHEME)
-    proc = _start_run(job)
+    proc = _start_run(job, env=_hold(tmp_path))  # the export cannot end before the kill, however fast the worker
     _wait_for_shards(str(out), 4, proc)
     children = psutil.Process(proc.pid).children(recursive=True)
     assert children, "no child worker found"
@@ -140,8 +145,7 @@ def test_ctrl_c_stops_cleanly_and_resumes(big_model, reference, tmp_path):
     """Ctrl-C (SIGINT to the whole process group) exits 130, leaves no child, and a re-run resumes identically."""
     out = tmp_path / "out"
     job = cli.write_job(tmp_path / "job.toml", big_model, out, SCHEME)
-    env = dict(os.environ)
-    env.pop("SUPERVISOR_TEST_FAULT", None)
+    env = dict(os.environ, **_hold(tmp_path))  # the export cannot end before Ctrl-C, however fast the worker
     proc = subprocess.Popen([cli.SUPERVISOR, "run", str(job)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=env, start_new_session=True)  # its own group, like a terminal job
     _wait_for_shards(str(out), 3, proc)

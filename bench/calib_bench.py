@@ -1,0 +1,225 @@
+"""GPTQ side by side: `supervisor run` (layerwise, calibrated) against llm-compressor's `oneshot` sequential pipeline.
+
+Builds a random bf16 Llama checkpoint (Llama-3-8B shape by default) and a calibration set of random token ids
+(128 samples x 2048 tokens), warms the page cache and the import caches, then runs each tool in its own process,
+sampling that process's whole tree (psutil RSS, nvidia-smi GPU memory; bench/export_bench.py's TreeSampler):
+
+  supervisor   `supervisor run job.toml --json`: method = "gptq", [calibration] over the JSONL file
+  oneshot      from_pretrained on CPU (bf16) + oneshot(GPTQModifier, the same rows, shuffle off; its sequential
+               pipeline onloads one layer at a time to the GPU) + save_pretrained(save_compressed=True)
+
+Both pin torch's thread count to --threads. It prints one table (wall, start-up, per layer, peak GPU allocated
+and as nvidia-smi sees the tree, peak tree RSS), checks every tensor and config.json for equality, and measures
+what a crash costs: the worker SIGKILLed while calibrating layer --kill-at (a) retried inside the same run, and
+(b) with no retries left, followed by a second `supervisor run` (restart and imports included); each is reported
+as seconds beyond the uninterrupted run and in units of one layer's time.
+
+    python bench/calib_bench.py                               # 32 layers, 128 x 2048, W4A16, cuda
+    python bench/calib_bench.py --layers 4 --samples 16 --seq-len 256 --skip kill     # a quick check
+
+In pieces (each under 10 minutes on one H200): `--skip oneshot,kill,retry` first (builds, runs ours, saves its
+figures), then `--keep --skip supervisor,...` runs the others against the saved uninterrupted run and outputs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from export_bench import IGNORE, SUPERVISOR, build, compare, disk_write_speed, timed, warm  # noqa: E402
+
+ONESHOT = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from llmcompressor import oneshot
+from llmcompressor.modifiers.gptq import GPTQModifier
+src, out, scheme, data, seq_len, threads, ignore = sys.argv[1:8]
+torch.set_num_threads(int(threads))
+rows = [json.loads(line)["input_ids"] for line in open(data)]
+t1 = time.perf_counter()
+model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)  # on CPU, as oneshot users load it
+t2 = time.perf_counter()
+oneshot(model=model, processor=AutoTokenizer.from_pretrained(src),
+        dataset=Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}),
+        recipe=GPTQModifier(targets="Linear", scheme=scheme, ignore=json.loads(ignore)),
+        num_calibration_samples=len(rows), max_seq_length=int(seq_len), shuffle_calibration_samples=False)
+t3 = time.perf_counter()
+model.save_pretrained(out, save_compressed=True)
+t4 = time.perf_counter()
+gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+res = torch.cuda.max_memory_reserved() if torch.cuda.is_available() else 0
+print(json.dumps({"startup": t1 - t0, "load": t2 - t1, "gptq": t3 - t2, "save": t4 - t3, "peak_gpu": gpu,
+                  "peak_reserved": res}))
+"""
+
+
+class _Tree:
+    def __init__(self, peak_rss: int, peak_gpu: int):
+        self.peak_rss, self.peak_gpu = peak_rss, peak_gpu
+
+
+def write_dataset(path: str, samples: int, seq_len: int, vocab: int, seed: int = 1234) -> str:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (samples, seq_len), generator=g)
+    with open(path, "w") as f:
+        for row in ids.tolist():
+            f.write(json.dumps({"input_ids": row}) + "\n")
+    return path
+
+
+def save_tokenizer(path: str, vocab: int) -> None:
+    # oneshot refuses a dataset without a processor, even of token ids; a word-level one needs no download
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t1", eos_token="t2").save_pretrained(path)
+
+
+def write_job(args, path: str, src: str, out: str, data: str, **resources) -> str:
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in resources.items())
+    with open(path, "w") as f:
+        f.write(f'[source]\npath = "{src}"\n[export]\nscheme = "{args.scheme}"\nmethod = "gptq"\noutput = "{out}"\n'
+                f'[resources]\ndevice = "{args.device}"\ntorch_threads = {args.threads}\n{extra}'
+                f'[calibration]\ndataset = "{data}"\nsamples = {args.samples}\nseq_len = {args.seq_len}\n')
+    return path
+
+
+def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None, check: bool = True,
+                   **resources) -> dict:
+    out = os.path.join(args.workdir, name)
+    job = write_job(args, os.path.join(args.workdir, f"job-{name}.toml"), src, out, data, **resources)
+    full_env = dict(os.environ)
+    full_env.pop("SUPERVISOR_TEST_FAULT", None)
+    full_env.update(env or {})
+    proc, wall, tree = timed([SUPERVISOR, "run", job, "--json"], full_env)
+    if check and proc.returncode != 0:
+        sys.exit(f"supervisor failed: {proc.stderr[-3000:]}")
+    events = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    layers = [e for e in events if e["type"] == "LayerWritten" and e["index"] >= 0]
+    first = min((e["t"] for e in events if e["type"] == "LayerStarted"), default=0.0)
+    stages: dict[str, float] = {}
+    for e in layers:
+        for k, v in e.get("stages", {}).items():
+            stages[k] = stages.get(k, 0.0) + v / len(layers)
+    return {"wall": wall, "startup": first, "events": events, "rc": proc.returncode, "stderr": proc.stderr,
+            "stages": stages,
+            "per_layer": sum(e["seconds"] for e in layers) / max(len(layers), 1), "layers": layers,
+            "peak_gpu": max((e["peak_gpu"] for e in layers), default=0), "tree": tree, "out": out}
+
+
+def run_oneshot(args, src: str, data: str) -> dict:
+    out = os.path.join(args.workdir, "oneshot")
+    proc, wall, tree = timed([sys.executable, "-c", ONESHOT, src, out, args.scheme, data, str(args.seq_len),
+                              str(args.threads), json.dumps(IGNORE)])
+    if proc.returncode != 0:
+        sys.exit(f"oneshot failed: {proc.stderr[-3000:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res.update(wall=wall, tree=tree, out=out, per_layer=res["gptq"] / args.layers)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--samples", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--scheme", default="W4A16")
+    ap.add_argument("--device", default="cuda:0", help="the job's resources.device")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both tools")
+    ap.add_argument("--kill-at", type=int, default=20, help="the layer whose calibration the kill interrupts")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "calib-bench"))
+    ap.add_argument("--skip", default="", help="comma-separated: supervisor,oneshot,kill,retry")
+    ap.add_argument("--keep", action="store_true", help="reuse the workdir's checkpoint, dataset and saved run")
+    args = ap.parse_args()
+    args.torch_device = "cpu" if args.device == "cpu" else "cuda:0"
+    skip = set(filter(None, args.skip.split(",")))
+    src, data = os.path.join(args.workdir, "model"), os.path.join(args.workdir, "calib.jsonl")
+    if not (args.keep and os.path.exists(os.path.join(src, "config.json")) and os.path.exists(data)):
+        shutil.rmtree(args.workdir, ignore_errors=True)
+        os.makedirs(args.workdir)
+        t = time.perf_counter()
+        size = build(args, src)
+        save_tokenizer(src, args.vocab)
+        write_dataset(data, args.samples, args.seq_len, args.vocab)
+        print(f"checkpoint: {args.layers} layers, {size / 1e9:.2f} GB bf16; calibration {args.samples} x "
+              f"{args.seq_len} random ids; built in {time.perf_counter() - t:.1f} s")
+        print(f"disk: {disk_write_speed(args.workdir):.2f} GB/s write+fsync in {args.workdir}")
+    warm(src)
+
+    gib = 2**30
+    saved = os.path.join(args.workdir, "supervisor.json")
+    if "supervisor" in skip:
+        with open(saved) as f:
+            sup = json.load(f)
+        sup["tree"] = _Tree(**sup["tree"])
+        print(f"uninterrupted supervisor run: from {saved}")
+    else:
+        sup = run_supervisor(args, src, data, "sup")
+        with open(saved, "w") as f:
+            json.dump({**{k: v for k, v in sup.items() if k != "tree"},
+                       "tree": {"peak_rss": sup["tree"].peak_rss, "peak_gpu": sup["tree"].peak_gpu}}, f)
+    rows = [("supervisor", sup)]
+    one = None
+    if "oneshot" not in skip:
+        one = run_oneshot(args, src, data)
+        rows.append(("oneshot", one))
+    print()
+    print("| tool | wall s | start-up s | s/layer | peak GPU GiB (allocated / nvidia-smi tree) | peak RSS GiB (tree) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, r in rows:
+        startup = r["startup"] if name == "supervisor" else r["startup"] + r["load"]
+        print(f"| {name} | {r['wall']:.1f} | {startup:.1f} | {r['per_layer']:.2f} | "
+              f"{r['peak_gpu'] / gib:.2f} / {r['tree'].peak_gpu / gib:.2f} | {r['tree'].peak_rss / gib:.2f} |")
+    if one:
+        print(f"\noneshot: imports {one['startup']:.1f} s, load {one['load']:.1f} s, GPTQ {one['gptq']:.1f} s, "
+              f"save {one['save']:.1f} s, peak reserved {one['peak_reserved'] / gib:.2f} GiB")
+        print(f"ratio wall supervisor / oneshot: {sup['wall'] / one['wall']:.3f}")
+        print("ours vs oneshot:", compare(sup["out"], one["out"]))
+    if sup.get("stages"):
+        print("supervisor, mean seconds per layer by stage: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in sup["stages"].items()))
+    print(f"per-layer time (supervisor): first {sup['layers'][0]['seconds']:.2f} s, median "
+          f"{sorted(e['seconds'] for e in sup['layers'])[len(sup['layers']) // 2]:.2f} s; peak RSS of the worker per "
+          f"layer: first {sup['layers'][0]['peak_rss'] / gib:.2f} GiB, last {sup['layers'][-1]['peak_rss'] / gib:.2f} GiB; "
+          f"peak GPU per layer: first {sup['layers'][0]['peak_gpu'] / gib:.2f} GiB, second "
+          f"{sup['layers'][min(1, len(sup['layers']) - 1)]['peak_gpu'] / gib:.2f} GiB, last "
+          f"{sup['layers'][-1]['peak_gpu'] / gib:.2f} GiB")
+
+    k = args.kill_at
+    if k >= args.layers:
+        return
+    fault = {"point": "calibrate", "action": "sigkill", "index": k}
+    if "retry" not in skip:
+        env = {"SUPERVISOR_TEST_FAULT": json.dumps({**fault, "once": os.path.join(args.workdir, "retry.fired")})}
+        r = run_supervisor(args, src, data, "retry", env=env)
+        extra = r["wall"] - sup["wall"]
+        print(f"\nkill at layer {k}, retried in the same run: +{extra:.1f} s = {extra / sup['per_layer']:.2f} layers; "
+              f"same bytes as uninterrupted: {compare(r['out'], sup['out'])}")
+    if "kill" not in skip:
+        env = {"SUPERVISOR_TEST_FAULT": json.dumps({**fault, "once": os.path.join(args.workdir, "kill.fired")})}
+        first = run_supervisor(args, src, data, "killed", env=env, check=False, max_attempts=1)
+        second = run_supervisor(args, src, data, "killed")
+        extra = first["wall"] + second["wall"] - sup["wall"]
+        print(f"kill at layer {k}, then a second `supervisor run`: {first['wall']:.1f} s + {second['wall']:.1f} s "
+              f"(start-up {second['startup']:.1f} s) = +{extra:.1f} s beyond uninterrupted = "
+              f"{extra / sup['per_layer']:.2f} layers (exit {first['rc']}, then {second['rc']})")
+        print("resumed output vs uninterrupted:", compare(second["out"], sup["out"]))
+
+
+if __name__ == "__main__":
+    main()

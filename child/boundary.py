@@ -1,0 +1,271 @@
+"""Calibration activations at a layer boundary: every sample's hidden states entering one decoder layer.
+
+    BoundaryWriter (filled while the layer propagates)        Activations (what the next layer reads)
+      put(j, hidden) in sample order ─▶ a thread appends the      in RAM: one flat host buffer, views per sample
+        bytes to a temp file and hashes them meanwhile            on disk: one sample read back at a time (pread)
+        (+ a copy in one flat host buffer when it fits)         load(path, digest): refuses a file whose hash differs
+      commit(dest): fsync, rename, fsync the folder ─▶ Activations + (digest, size) for the journal
+
+The file (state under OUT/.export/boundary/, never part of the output): b"LWBOUND1", the JSON header's length
+(u64 little-endian), the JSON header {"feeds", "dtype", "shapes"}, then every sample's bytes in sample order
+(C order, no padding). Why not safetensors: its writer needs every tensor in memory at once, and a boundary may
+exceed the RAM budget (`resources.activation_ram_gb`); this layout is written and read one sample at a time.
+
+Owns the files' format and I/O only: it never decides which layer a boundary feeds or when one is deleted (the
+supervisor, which owns the journal, does), and never keeps a sample it was handed after `commit`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import struct
+import threading
+
+import torch
+
+from shared import durable
+
+MAGIC = b"LWBOUND1"
+SYNC_EVERY = 256 << 20
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class BoundaryCorrupt(ValueError):
+    """A boundary file does not match its journaled hash (or is not a boundary file at all)."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, d in _DTYPES.items():
+        if d == dtype:
+            return name
+    raise TypeError(f"activations of dtype {dtype} cannot be stored in a boundary file")
+
+
+def _header(feeds: int, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> bytes:
+    body = json.dumps({"feeds": feeds, "dtype": _dtype_name(dtype), "shapes": [list(s) for s in shapes]},
+                      sort_keys=True, separators=(",", ":")).encode()
+    return MAGIC + struct.pack("<Q", len(body)) + body
+
+
+def _bytes_of(t: torch.Tensor):
+    # t: contiguous CPU tensor -> a writable byte view of its memory (numpy has no bfloat16, uint8 it has)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class Activations:
+    """The hidden states of every calibration sample entering layer `feeds` (CPU tensors, one per sample)."""
+
+    def __init__(self, feeds: int, shapes: list[tuple[int, ...]], dtype: torch.dtype, *,
+                 flat: torch.Tensor | None = None, path: str | None = None, data_offset: int = 0):
+        self.feeds, self.shapes, self.dtype = feeds, [tuple(s) for s in shapes], dtype
+        self._numel = [math.prod(s) for s in self.shapes]
+        self._start = [0]
+        for n in self._numel:
+            self._start.append(self._start[-1] + n)
+        self._flat = flat  # RAM: every sample back to back
+        self._fd = os.open(path, os.O_RDONLY) if flat is None and path is not None else None
+        self._data_offset = data_offset
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def nbytes(self) -> int:
+        return self._start[-1] * self.dtype.itemsize
+
+    @property
+    def in_ram(self) -> bool:
+        return self._flat is not None
+
+    def get(self, j: int) -> torch.Tensor:
+        """Sample j's hidden states (a view in RAM mode, a fresh tensor read from the file in disk mode)."""
+        if self._flat is not None:
+            return self._flat[self._start[j]:self._start[j + 1]].view(self.shapes[j])
+        t = torch.empty(self._numel[j], dtype=self.dtype)
+        _pread_into(self._fd, _bytes_of(t), self._data_offset + self._start[j] * self.dtype.itemsize)
+        return t.view(self.shapes[j])
+
+    @property
+    def numel(self) -> int:
+        return self._start[-1]
+
+    def close(self) -> torch.Tensor | None:
+        """Release the file or the memory; returns the RAM buffer, which the next boundary may reuse."""
+        flat, self._flat = self._flat, None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        return flat
+
+    @classmethod
+    def load(cls, path: str, digest: str, feeds: int, in_ram: bool, pin: bool = False) -> "Activations":
+        """Open a committed boundary file after checking its digest; `in_ram` reads it whole into host memory
+        (hashing what it read, so the file is read once)."""
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC) + 8)
+            if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
+                raise BoundaryCorrupt(f"{path} is not a boundary file")
+            (n,) = struct.unpack("<Q", head[len(MAGIC):])
+            body = f.read(n)
+            meta = json.loads(body)
+        if meta["feeds"] != feeds:
+            raise BoundaryCorrupt(f"{path} holds the inputs of layer {meta['feeds']}, not of layer {feeds}")
+        offset = len(MAGIC) + 8 + n
+        acts = cls(feeds, meta["shapes"], _DTYPES[meta["dtype"]], path=path, data_offset=offset)
+        corrupt = BoundaryCorrupt(f"boundary {os.path.basename(path)} does not match its journaled digest")
+        if not in_ram:
+            if not durable.matches(path, digest):
+                acts.close()
+                raise corrupt
+            return acts
+        flat = host_buffer(acts.numel, acts.dtype, pin)
+        _pread_into(acts._fd, _bytes_of(flat), offset)
+        size = os.fstat(acts._fd).st_size
+        acts.close()
+        h = durable.hasher(durable.algo_of(digest))
+        for part in (head, body, _bytes_of(flat)):
+            h.update(part)
+        got = h.hexdigest()
+        if size != offset + flat.numel() * flat.element_size() or got != digest.split(":", 1)[-1]:
+            raise corrupt
+        return cls(feeds, acts.shapes, acts.dtype, flat=flat)
+
+
+class BoundaryWriter:
+    """Builds one boundary, sample by sample in order; `commit` makes it durable and returns the Activations."""
+
+    def __init__(self, feeds: int, shapes: list[tuple[int, ...]], dtype: torch.dtype, *, tmp_path: str | None,
+                 keep_in_ram: bool, buffer: torch.Tensor | None = None, pin: bool = False):
+        """`buffer`: a released RAM buffer to reuse (fresh host memory costs a page fault per 4 KiB on first
+        touch, ~1.6 GB/s measured); `pin`: allocate page-locked memory for faster copies to and from a GPU."""
+        if tmp_path is None and not keep_in_ram:
+            raise ValueError("a boundary needs a file or RAM")
+        self.feeds, self.shapes, self.dtype = feeds, [tuple(s) for s in shapes], dtype
+        self._layout = Activations(feeds, shapes, dtype)  # offsets only
+        self._flat = None
+        if keep_in_ram:
+            fits = buffer is not None and buffer.dtype == dtype and buffer.numel() == self._layout.numel
+            self._flat = buffer if fits else host_buffer(self._layout.numel, dtype, pin)
+        self._next = 0
+        self._tmp = tmp_path
+        self._hash = durable.hasher()
+        self._size = 0
+        self._synced = 0
+        self._error: BaseException | None = None
+        self._fd = None
+        self._queue: queue.Queue = queue.Queue(maxsize=4)
+        self._thread = None
+        if tmp_path is not None:
+            self._fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            head = _header(feeds, self.shapes, dtype)
+            self._data_offset = len(head)
+            self._write(memoryview(head))
+            self._thread = threading.Thread(target=self._drain, name="boundary-writer", daemon=True)
+            self._thread.start()
+
+    def put(self, j: int, hidden: torch.Tensor) -> None:
+        """Sample j's output hidden states (any device); samples must come in order 0, 1, ..."""
+        if j != self._next or tuple(hidden.shape) != self.shapes[j] or hidden.dtype != self.dtype:
+            raise ValueError(f"boundary sample {j}: expected #{self._next} {self.shapes[self._next]} {self.dtype}, "
+                             f"got {tuple(hidden.shape)} {hidden.dtype}")
+        self._raise_if_failed()
+        self._next += 1
+        if self._flat is not None:
+            dest = self._flat[self._layout._start[j]:self._layout._start[j + 1]]
+            dest.copy_(hidden.reshape(-1))  # device -> host straight into place
+            buf = dest
+        else:
+            buf = hidden.reshape(-1).to("cpu").contiguous()
+        if self._thread is not None:
+            self._queue.put(buf)
+
+    def commit(self, dest: str | None) -> tuple[Activations, str, int]:
+        """Finish: dest None keeps the data where it is (RAM, or the temp file), else the temp file is fsynced and
+        renamed to dest durably. Returns (activations, digest of the file ("algo:hex"), file size)."""
+        if self._next != len(self.shapes):
+            raise ValueError(f"boundary has {self._next} of {len(self.shapes)} samples")
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        self._raise_if_failed()
+        path = self._tmp
+        if self._fd is not None:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            if dest is not None:
+                durable.replace(self._tmp, dest)
+                path = dest
+        if self._flat is not None:
+            acts = Activations(self.feeds, self.shapes, self.dtype, flat=self._flat)
+        else:
+            acts = Activations(self.feeds, self.shapes, self.dtype, path=path, data_offset=self._data_offset)
+        self._flat = None
+        return acts, f"{durable.ALGO}:{self._hash.hexdigest()}", self._size
+
+    def abort(self) -> None:
+        """Drop a boundary that will not be committed (the layer failed); removes the temp file."""
+        if self._thread is not None:
+            self._error = self._error or RuntimeError("aborted")
+            while self._thread.is_alive():
+                try:
+                    self._queue.put(None, timeout=0.1)
+                except queue.Full:
+                    continue
+                self._thread.join()
+            self._thread = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._tmp is not None:
+            try:
+                os.unlink(self._tmp)
+            except FileNotFoundError:
+                pass
+        self._flat = None
+
+    # ---- the writer thread: append and hash while the main thread computes the next sample ----------------
+    def _drain(self) -> None:
+        while True:
+            buf = self._queue.get()
+            if buf is None:
+                return
+            if self._error is not None:
+                continue  # keep draining so put() never blocks on a dead writer
+            try:
+                self._write(memoryview(_bytes_of(buf)))
+                if self._size - self._synced >= SYNC_EVERY:
+                    # start the disk writing now, beside the computation, instead of all of it at commit's fsync
+                    # (with much RAM the kernel would otherwise hold gigabytes of dirty pages until then)
+                    os.fdatasync(self._fd)
+                    self._synced = self._size
+            except BaseException as exc:  # noqa: BLE001 - reported by put()/commit() on the main thread
+                self._error = exc
+
+    def _write(self, data: memoryview) -> None:
+        self._hash.update(data)
+        while len(data):
+            n = os.write(self._fd, data)
+            data = data[n:]
+            self._size += n
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Host memory for one boundary; page-locked when `pin` (copies to and from a GPU at full speed)."""
+    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
+
+def _pread_into(fd: int, buf, offset: int) -> None:
+    view = memoryview(buf).cast("B")
+    while len(view):
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise BoundaryCorrupt("boundary file is shorter than its header says")
+        view, offset = view[n:], offset + n

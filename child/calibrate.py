@@ -1,0 +1,371 @@
+"""Calibrated quantization, one decoder layer at a time: GPTQ, AWQ and static activation scales, equal to oneshot.
+
+The Backend for jobs that run calibration data through the model (child/backend.py picks it). Per layer it
+replays exactly what llm-compressor's sequential pipeline does for that layer's subgraph, with the library's own
+session, modifiers, hooks and contexts, so the result is oneshot's by construction:
+
+    begin(i, boundary)   inputs of layer i: kept in memory from layer i-1, or read from the journaled boundary file
+                         (hash checked), or for layer 0 computed from the samples through the model's own forward
+    quantize_layer(i)    layer i materialised on the device, rooted at its checkpoint path ("model.layers.i")
+      forward            a fresh llm-compressor session on that layer (the recipe oneshot builds, initialized on it);
+                         every sample through the layer with the modifiers' hooks (Hessians, observers, AWQ stats)
+      calibrate          sequential_epoch_end: GPTQ's solve, AWQ's smoothing, activation/weight qparams
+      propagate          every sample through the calibrated layer, hooks off ─▶ BoundaryWriter (next layer's inputs)
+      quantize           calibration_end, finalize, compress_module ─▶ the shard's tensors
+    commit(i)            the boundary feeding i+1 made durable (fsync, rename) and named for the journal
+
+    what oneshot does                              here
+    load the model (bf16), linearize MoE experts   meta skeleton from config.json, experts linearized (quantize.py)
+    LengthAwareSampler order, truncation           child/samples.py (the library's sampler)
+    moe_calibration_context, norm context          entered around each layer's session
+    calibration_forward_context, DisableQuant      no_grad, eval, eager attention, use_cache off, DisableQuantization
+    trace: kwargs each layer receives              the model's own forward with stub layers records them
+
+Memory: one layer on the device plus one sample's activations; the samples' hidden states live on the host
+(boundary.Activations) or, above `resources.activation_ram_gb`, on disk. It must never import `supervisor`, never
+change torch's thread count (the Exporter does), and keep nothing of a layer after its shard is returned.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from typing import Callable
+
+import psutil
+import torch
+from accelerate import init_empty_weights
+from accelerate.utils import set_module_tensor_to_device
+from compressed_tensors.compressors import compress_module
+from compressed_tensors.quantization.utils import is_module_quantized
+from compressed_tensors.utils import match_named_modules, patch_attr
+from llmcompressor.core import LifecycleCallbacks
+from llmcompressor.core.session_functions import create_session
+from llmcompressor.modeling.moe.context import moe_calibration_context
+# _is_registered: the check norm_calibration_context itself makes, so the same norms are converted
+from llmcompressor.modeling.offset_norm import NormCalibrationModule, _is_registered, norm_calibration_context
+from llmcompressor.modifiers.gptq import GPTQModifier
+from llmcompressor.modifiers.quantization import QuantizationModifier
+from llmcompressor.modifiers.transform.awq import AWQModifier, get_layer_mappings_from_model
+from llmcompressor.modifiers.utils.hooks import HooksMixin
+from llmcompressor.modifiers.utils.pytorch_helpers import is_moe_model
+from llmcompressor.pipelines.cache import IntermediatesCache
+from llmcompressor.utils.helpers import DisableQuantization, eval_context
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from child import quant_error
+from child.boundary import Activations, BoundaryWriter
+from child.quantize import LayerQuantizer, _find_layers, _linearize_meta_experts, _load_config, _materialise, _rooted
+from child.samples import calibration_ids
+from shared import layout
+from shared.job import Job, effective_ignore
+from shared.messages import Boundary
+
+__all__ = ["Calibrator", "recipe"]
+
+
+def recipe(method: str, scheme: str, ignore: list[str], awq_mappings=None, awq_offload=None) -> list:
+    """The modifiers oneshot runs for this job, fresh (they hold per-layer state)."""
+    if method == "gptq":
+        return [GPTQModifier(targets="Linear", scheme=scheme, ignore=list(ignore))]
+    quantize = QuantizationModifier(targets="Linear", scheme=scheme, ignore=list(ignore))
+    if method == "awq":
+        return [AWQModifier(mappings=awq_mappings, offload_device=awq_offload), quantize]
+    return [quantize]
+
+
+class Calibrator:
+    """Backend for calibrated jobs: holds the activations crossing layers; see the module docstring."""
+
+    # the next layer waits on the host: on the GPU, one layer and its calibration state at a time (peak GPU
+    # memory as oneshot's); a calibrated layer's forward passes dwarf the copy it would hide
+    reads_to_device = False
+    previews = False  # a calibrated layer needs its inputs: `supervisor plan` lists no parts for it
+    checks_loading = True  # its output is compressed-tensors: transformers' loader check applies at the end
+
+    def __init__(self, job: Job, config_dir: str, device: str, *, output: str, source,
+                 stage: Callable[[str], None] = lambda name: None, calibration_sha256: str = ""):
+        self.job, self.output, self.source, self._stage = job, output, source, stage
+        self.device = torch.device(device)
+        self.method, self.scheme, self.ignore = job.export.method, job.export.scheme, effective_ignore(job)
+        self._calibration_sha256 = calibration_sha256
+        self.config = _load_config(config_dir)
+        self._model = _calibration_skeleton(self.config)
+        self.layer_prefix, layers = _find_layers(self._model, self.config)
+        self.num_layers = len(layers)
+        self._layers = list(layers)  # the real (meta) layers; the ModuleList gets stubs below
+        self._awq_mappings = get_layer_mappings_from_model(self._model) if self.method == "awq" else None
+        self._awq_offload = torch.device("cpu") if self.method == "awq" and is_moe_model(self._model) else None
+        self._trunk_name = self.layer_prefix[:-1].rsplit(".", 1)[0] if "." in self.layer_prefix[:-1] else ""
+        self._trunk = self._model.get_submodule(self._trunk_name)
+        self._sink: dict[int, tuple] = {}
+        self._stop_at = [0]
+        for i in range(self.num_layers):
+            layers[i] = _LayerStub(self._layers[i], i, self._sink, self._stop_at)
+        _buffers_to(self._trunk, self.device)  # rotary frequencies etc.; parameters stay on meta
+        # the non-layer shard and config.json: the data-free quantizer, configured by the recipe's quantizer
+        self._plain = LayerQuantizer(config_dir, self.scheme, self.ignore, device=device,
+                                     modifier=recipe(self.method, self.scheme, self.ignore)[-1])
+        self._inputs: Activations | None = None  # the activations entering the next layer to export
+        self._writer: BoundaryWriter | None = None  # the activations leaving the layer in progress
+        self._spare: torch.Tensor | None = None  # the RAM of the last released inputs, reused by the next outputs
+        self._pin = self.device.type == "cuda"
+        self._args_key = None
+        self._args = None
+        r = job.resources
+        self._ram_budget = int(r.activation_ram_gb * 2**30) if r.activation_ram_gb else \
+            psutil.virtual_memory().total // 4
+
+    # ---- Backend -------------------------------------------------------------------------------------------
+    def begin(self, index: int, boundary: Boundary | None) -> None:
+        """Make sure the inputs of layer `index` are at hand (the non-layer part needs none)."""
+        if index < 0 or (self._inputs is not None and self._inputs.feeds == index):
+            return
+        self._drop_inputs()
+        if index == 0:
+            self._inputs = self._first_inputs()
+        elif boundary is not None and boundary.feeds == index:
+            size = boundary.nbytes
+            self._inputs = Activations.load(os.path.join(self.output, boundary.file), boundary.digest, index,
+                                            in_ram=2 * size <= self._ram_budget, pin=self._pin)
+        else:
+            raise RuntimeError(f"layer {index} needs the calibration inputs left by layer {index - 1}, "
+                               "and no boundary was named for it")
+
+    def quantize_layer(self, index: int, tensors: dict) -> dict:
+        if self._inputs is None or self._inputs.feeds != index:
+            raise RuntimeError(f"layer {index}: begin() did not prepare its inputs")
+        path = f"{self.layer_prefix}{index}"
+        prefix = path + "."
+        layer = _materialise(self._layers[index], {k[len(prefix):]: v for k, v in tensors.items()}, self.device, path)
+        root = _rooted(path, layer)
+        root.config = self.config  # norm_calibration_context reads model.config
+        try:
+            self._calibrate(index, layer, root)
+            self._stage("quantize")
+            with torch.no_grad():
+                quantized = [(n, m) for n, m in match_named_modules(root, self._plain._targets, self.ignore)
+                             if is_module_quantized(m)]
+                for _, m in quantized:
+                    compress_module(m)
+                quant_error.measure(quantized, tensors)  # against the source weights (AWQ's scaling included)
+                return {k: v.to("cpu").contiguous() for k, v in root.state_dict().items()}
+        except BaseException:
+            if self._writer is not None:
+                self._writer.abort()
+                self._writer = None
+            raise
+
+    def commit(self, index: int) -> Boundary | None:
+        """After layer `index`'s shard is durable: make the next layer's inputs durable; name them."""
+        if index < 0:
+            return None
+        writer, self._writer = self._writer, None
+        self._drop_inputs()
+        if writer is None:  # the last layer: nothing follows it
+            self._spare = None
+            return None
+        name = layout.boundary_name(index + 1)
+        dest = os.path.join(self.output, name)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        self._inputs, digest, size = writer.commit(dest)
+        return Boundary(feeds=index + 1, file=name, digest=digest, nbytes=size)
+
+    def quantize_non_layer(self, tensors: dict) -> dict:
+        if self._plain.non_layer_targets:
+            raise NotImplementedError(f"calibrated exports quantize decoder layers only; ignore "
+                                      f"{self._plain.non_layer_targets} (e.g. keep lm_head in [export] ignore)")
+        return self._plain.quantize_non_layer(self._offset_norms_round_trip(tensors))
+
+    def _offset_norms_round_trip(self, tensors: dict) -> dict:
+        """oneshot converts every offset norm of the model ("(1 + weight)": Gemma, Qwen3-Next) to a standard one
+        for calibration and back (norm_calibration_context), which rounds the weights; the final norm, outside
+        the layers, goes through it too (measured on Gemma: 121 of 128 weights change by up to 0.0039)."""
+        out = dict(tensors)
+        for name, meta in self._model.named_modules():
+            if not _is_registered(type(meta).__name__, NormCalibrationModule):
+                continue
+            own = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+            module = _materialise(meta, own, torch.device("cpu"), name)
+            root = _rooted(name, module)
+            root.config = self.config
+            with torch.no_grad(), norm_calibration_context(root):
+                pass
+            out.update({f"{name}.{k}": v for k, v in root.get_submodule(name).state_dict().items()})
+        return out
+
+    def serialize(self, tensors: dict) -> tuple[dict, dict[str, str]]:
+        return self._plain.serialize(tensors)
+
+    def describe(self) -> str:
+        return f"{self._plain.describe()}, calibrated ({self.method})"
+
+    def write_config(self, source_config_json: str, dest_dir: str) -> str:
+        return self._plain.write_config(source_config_json, dest_dir)
+
+    # ---- one layer's calibration ---------------------------------------------------------------------------
+    def _calibrate(self, index: int, layer: nn.Module, root: nn.Module) -> None:
+        inputs = self._inputs
+        with contextlib.ExitStack() as outer:
+            if not torch.accelerator.is_available():
+                outer.enter_context(_no_pinning())
+            session = outer.enter_context(create_session())
+            # oneshot.apply_recipe_modifiers: these contexts wrap initialize + the pipeline; finalize comes after
+            with norm_calibration_context(root), moe_calibration_context():
+                session.initialize(model=root, recipe=recipe(self.method, self.scheme, self.ignore,
+                                                             self._awq_mappings, self._awq_offload), start=-1)
+                LifecycleCallbacks.calibration_start()
+                # the sequential pipeline: calibration_forward_context + DisableQuantization around every pass
+                with torch.no_grad(), eval_context(root), DisableQuantization(root):
+                    self._stage("forward")
+                    for j in range(len(inputs)):
+                        session.state.current_batch_idx = j
+                        self._forward(layer, index, inputs.get(j))
+                    self._stage("calibrate")
+                    LifecycleCallbacks.sequential_epoch_end(list(layer.modules()))
+                    self._stage("propagate")
+                    self._writer = self._next_writer(index, inputs)
+                    with HooksMixin.disable_hooks():
+                        for j in range(len(inputs)):
+                            out = self._forward(layer, index, inputs.get(j))
+                            if self._writer is not None:
+                                self._writer.put(j, out)
+                    LifecycleCallbacks.calibration_end()
+            session.finalize()
+
+    def _forward(self, layer: nn.Module, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        args, kwargs = self._layer_args(index, hidden.shape[1], hidden.dtype)
+        # pinned host memory (GPU runs) copies asynchronously; the layer runs after it on the same stream
+        out = layer(hidden.to(self.device, non_blocking=True), *args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def _next_writer(self, index: int, inputs: Activations) -> BoundaryWriter | None:
+        if index + 1 >= self.num_layers:
+            return None
+        tmp = layout.state_path(self.output, layout.TMP, os.path.basename(layout.boundary_name(index + 1)) + ".tmp")
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        # the inputs are still held while the outputs are built: both count against the budget
+        spare, self._spare = self._spare, None
+        return BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=tmp,
+                              keep_in_ram=2 * inputs.nbytes <= self._ram_budget, buffer=spare, pin=self._pin)
+
+    def _drop_inputs(self) -> None:
+        if self._inputs is not None:
+            self._spare = self._inputs.close()
+            self._inputs = None
+
+    # ---- what the model feeds its decoder layers -----------------------------------------------------------
+    def _run_trunk(self, stop_at: int, **inputs) -> dict[int, tuple]:
+        """Run the model's own forward up to decoder layer `stop_at` (stubs record their inputs); eager attention
+        and no KV cache, as llm-compressor's calibration context forces."""
+        self._sink.clear()
+        self._stop_at[0] = stop_at
+        try:
+            with torch.no_grad():
+                self._trunk(**inputs)
+        except _Reached:
+            return dict(self._sink)
+        raise RuntimeError("the model's forward never reached its decoder layers")
+
+    def _layer_args(self, index: int, length: int, dtype: torch.dtype) -> tuple[tuple, dict]:
+        """The arguments (besides hidden states) the model passes layer `index` for a sample of `length` tokens:
+        causal mask, rotary embeddings, position ids... They depend on the length only, so samples (sorted by
+        length) share them; they are recomputed on the device when the length changes, as oneshot computes them
+        there once per sample."""
+        key = (index, length)
+        if self._args_key != key:
+            self._args = None
+            hidden = self.config.get_text_config().hidden_size
+            sink = self._run_trunk(index, inputs_embeds=torch.zeros(1, length, hidden, dtype=dtype, device=self.device),
+                                   attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device))
+            _, args, kwargs = sink[index]
+            self._args_key, self._args = key, (args, kwargs)
+        return self._args
+
+    def _first_inputs(self) -> Activations:
+        """Layer 0's inputs: every sample's embeddings, computed by the model's own forward on the device."""
+        c = self.job.calibration
+        ids = calibration_ids(c.dataset, c.samples, c.seq_len, self.job.source.path, self._calibration_sha256,
+                              self.config.get_text_config().vocab_size)
+        self._stage("forward")
+        names = [n for n, _ in self._trunk.named_parameters()]
+        full = {f"{self._trunk_name}.{n}" if self._trunk_name else n: n for n in names}
+        tensors = self.source.read(sorted(full))
+        try:
+            for key, value in tensors.items():
+                # the checkpoint's dtype, as oneshot loads it (accelerate would cast to the skeleton's otherwise)
+                set_module_tensor_to_device(self._trunk, full[key], self.device, value=value, dtype=value.dtype)
+            writer = None
+            for j, x in enumerate(ids):
+                sink = self._run_trunk(0, input_ids=x.to(self.device),
+                                       attention_mask=torch.ones_like(x, device=self.device))
+                hidden = sink[0][0]
+                if writer is None:
+                    shapes = [(1, int(s.shape[1]), *hidden.shape[2:]) for s in ids]
+                    size = sum(torch.Size(s).numel() for s in shapes) * hidden.dtype.itemsize
+                    fits = 2 * size <= self._ram_budget
+                    tmp = None if fits else layout.state_path(self.output, layout.TMP, "inputs-layer-00000.bin.tmp")
+                    writer = BoundaryWriter(0, shapes, hidden.dtype, tmp_path=tmp, keep_in_ram=fits, pin=self._pin)
+                writer.put(j, hidden)
+            acts, _, _ = writer.commit(None)
+            return acts
+        finally:
+            self._sink.clear()
+            for n in names:  # the embedding table is needed for layer 0's inputs only
+                set_module_tensor_to_device(self._trunk, n, "meta")
+
+
+class _Reached(Exception):
+    """Raised by the stub of the layer whose inputs were wanted: the rest of the forward is not needed."""
+
+
+class _LayerStub(nn.Module):
+    """Stands in for decoder layer `index` in the model's own forward: records what the model passes it and hands
+    the hidden states on unchanged (the real layers run one at a time, in Calibrator._calibrate)."""
+
+    def __init__(self, layer: nn.Module, index: int, sink: dict, stop_at: list[int]):
+        super().__init__()
+        self.__dict__["_layer"] = layer  # not a submodule: its (meta) parameters are not the trunk's
+        self.index, self.sink, self.stop_at = index, sink, stop_at
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_layer"], name)  # e.g. attention_type, read by the model's forward
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.sink[self.index] = (hidden_states, args, kwargs)
+        if self.index >= self.stop_at[0]:
+            raise _Reached()
+        return hidden_states
+
+
+def _calibration_skeleton(config) -> nn.Module:
+    """The model with parameters on meta but real buffers (rotary frequencies...), eager attention, no KV cache."""
+    config = copy.deepcopy(config)
+    config.use_cache = False
+    text = config.get_text_config()
+    text.use_cache = False
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, attn_implementation="eager")
+    _linearize_meta_experts(model)
+    model.eval()
+    return model
+
+
+def _buffers_to(module: nn.Module, device: torch.device) -> None:
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and not buf.is_meta and buf.device != device:
+                sub._buffers[name] = buf.to(device)
+
+
+@contextlib.contextmanager
+def _no_pinning():
+    # llm-compressor 0.14.0.1's AWQ pins its cached activations before each grid search, which raises
+    # "Cannot access accelerator device when none is available" on a machine without one (measured). Pinning
+    # only speeds up host->device copies and never changes a value, so without an accelerator it is skipped.
+    with patch_attr(IntermediatesCache, "_pin_intermediate", classmethod(lambda cls, value: None)):
+        yield

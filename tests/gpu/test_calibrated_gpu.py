@@ -1,0 +1,66 @@
+"""On a GPU: calibrated exports on cuda (GPTQ, NVFP4 with GPTQ, AWQ) equal oneshot's sequential pipeline on cuda,
+tensor for tensor and config.json; a kill mid-layer and a re-run give the uninterrupted bytes.
+
+AWQ's equality with oneshot is checked here because llm-compressor 0.14.0.1's AWQ pins memory, which needs an
+accelerator (on CPU both sides skip the pinning: tests/scenarios/test_calibrated_resume.py).
+"""
+import json
+
+import pytest
+import torch
+
+from tests.models import assert_same_tensors, load_tensors
+from tests.ref_calib import oneshot_calibrated, text_rows, token_rows, write_jsonl
+from tests.scenarios import cli
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+N, SEQ = 20, 40
+
+CASES = [
+    ("llama", "W4A16", "gptq", "ids"),
+    ("qwen3", "W8A8", "gptq", "text"),
+    ("qwen3", "NVFP4", "gptq", "ids"),
+    ("llama", "FP8", "rtn", "ids"),
+    ("llama", "W4A16", "awq", "ids"),
+    ("qwen3", "W4A16_ASYM", "awq", "text"),
+    ("qwen3moe", "W4A16", "gptq", "ids"),
+]
+
+
+@pytest.mark.parametrize("kind,scheme,method,data", CASES, ids=["-".join(c) for c in CASES])
+def test_cuda_calibrated_export_equals_oneshot(kind, scheme, method, data, tiny_models, tmp_path):
+    """`supervisor run` with device=cuda equals oneshot run on cuda (its layers onloaded to the GPU)."""
+    source = tiny_models(kind)
+    samples = text_rows(N) if data == "text" else token_rows(N)
+    dataset = write_jsonl(tmp_path / "calib.jsonl", samples)
+    out = tmp_path / "out"
+    job = cli.write_job(tmp_path / "job.toml", source, out, scheme, device="cuda", method=method, torch_threads=1,
+                        calibration={"dataset": dataset, "samples": N, "seq_len": SEQ})
+    events = cli.events(cli.run("run", job, "--json"))
+    started = [e for e in events if e["type"] == "WorkerStarted"]
+    assert started and started[0]["device"] == "cuda:0" and events[-1]["type"] == "Finished"
+    assert max(e["peak_gpu"] for e in events if e["type"] == "LayerWritten") > 0
+    ref = oneshot_calibrated(source, scheme, method, samples, SEQ, str(tmp_path / "ref"), fix_masks=kind == "qwen3moe")
+    assert_same_tensors(load_tensors(ref), load_tensors(str(out)))
+    with open(f"{ref}/config.json") as a, open(out / "config.json") as b:
+        assert json.load(b) == json.load(a)
+
+
+def test_cuda_kill_and_rerun_is_byte_identical(tiny_models, tmp_path):
+    """GPTQ on cuda, the worker SIGKILLed while calibrating layer 2 (no retries), then `run` again (activations on
+    disk this time): the same bytes as an uninterrupted run."""
+    source = tiny_models("llama", layers=4, hidden=256, seed=3)
+    dataset = write_jsonl(tmp_path / "calib.jsonl", token_rows(N, seed=5))
+
+    def job(name, **resources):
+        return cli.write_job(tmp_path / f"{name}.toml", source, tmp_path / name, "W4A16", device="cuda",
+                             method="gptq", torch_threads=1,
+                             calibration={"dataset": dataset, "samples": N, "seq_len": SEQ}, **resources)
+
+    cli.run("run", job("whole"), "--json")
+    fault = {"SUPERVISOR_TEST_FAULT": json.dumps({"point": "calibrate", "action": "sigkill", "index": 2,
+                                                  "once": str(tmp_path / "fired")})}
+    assert cli.run("run", job("killed", max_attempts=1), "--json", env=fault, check=False).returncode == 1
+    assert cli.events(cli.run("run", job("killed", activation_ram_gb=1e-6), "--json"))[0]["resumed"] == 2
+    assert cli.output_bytes(tmp_path / "killed") == cli.output_bytes(tmp_path / "whole")

@@ -1,0 +1,85 @@
+"""On GPUs: a live PEFT model dispatched over one or two GPUs exported without a checkpoint (the studio path).
+
+The reference is PEFT + transformers on the CPU: the same base weights and adapter, merge_and_unload() on CPU,
+save_pretrained, exported with the same job. The child merges on the CPU (child/adapter.py), so the export must be
+bit-identical to it; whether PEFT's merge on a GPU would be is measured by bench/lora_merge_fidelity.py
+(docs/fidelity.md). Peak GPU memory in the child is one layer's work, not the model.
+"""
+import copy
+
+import pytest
+import torch
+
+from shared.job import parse_job
+from supervisor import Supervisor, events as ev
+from tests.ref_studio import lora_model
+from tests.scenarios.cli import output_bytes
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _model():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
+                      num_key_value_heads=4, vocab_size=32000)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+
+
+def _export(job_dict, **kwargs):
+    with Supervisor(parse_job(job_dict), **kwargs) as run:
+        seen = list(run.events())
+        run.wait()
+    return seen
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_live_lora_model_exports_without_a_checkpoint(gpus, tmp_path):
+    """A PEFT model dispatched over `gpus` GPUs is released into the shared pool and exported on cuda:0 from it, the
+    LoRA merged per layer: bytes equal the CPU merge-then-export, the child's peak GPU memory is a layer's work, the
+    model is off the GPUs meanwhile and comes back with the same logits."""
+    from accelerate import dispatch_model
+
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
+    cpu_live = lora_model(_model(), r=16, lora_alpha=32, use_rslora=True)
+    reference = copy.deepcopy(cpu_live).merge_and_unload()  # PEFT's merge on CPU: the reference
+    reference.save_pretrained(tmp_path / "merged")
+    half = 4 if gpus == 2 else 8
+    last = gpus - 1
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": last, "lm_head": last,
+                  **{f"model.layers.{i}": 0 if i < half else 1 for i in range(8)}}
+    live = copy.deepcopy(cpu_live)
+    dispatch_model(live.base_model.model, device_map)
+    model_bytes = sum(p.numel() * p.element_size() for p in live.parameters())
+    layer_bytes = sum(p.numel() * p.element_size() for p in live.base_model.model.model.layers[0].parameters())
+    ids = torch.randint(0, 32000, (1, 16), device="cuda:0")
+    with torch.no_grad():
+        before = live(ids).logits.clone()
+
+    job = {"export": {"scheme": "FP8_DYNAMIC", "output": str(tmp_path / "out")}, "resources": {"device": "cuda:0"}}
+    allocated_during = []
+
+    seen = []
+    with Supervisor(parse_job(job), model=live) as run:
+        for e in run.events():
+            seen.append(e)
+            if isinstance(e, ev.LayerWritten) and not allocated_during:
+                allocated_during.append([torch.cuda.memory_allocated(d) for d in range(gpus)])
+        run.wait()
+    released = next(e for e in seen if isinstance(e, ev.MemoryReleased))
+    assert released.released and sum(released.freed.values()) >= 0.99 * model_bytes
+    assert max(allocated_during[0]) < 0.02 * model_bytes  # the live model is off both GPUs during the export
+    peaks = [e.peak_gpu for e in seen if isinstance(e, ev.LayerWritten) and e.index >= 0]
+    assert max(peaks) < 4 * layer_bytes < model_bytes, (max(peaks), layer_bytes, model_bytes)
+
+    assert {p.device for p in live.base_model.model.model.layers[0].parameters()} == {torch.device("cuda:0")}
+    assert {p.device for p in live.base_model.model.model.layers[7].parameters()} == {torch.device(f"cuda:{last}")}
+    assert not any(m.merged for m in live.modules() if hasattr(m, "merged"))
+    with torch.no_grad():
+        assert torch.equal(live(ids).logits, before)
+
+    _export({"source": {"path": str(tmp_path / "merged")}, "export": {**job["export"], "output": str(tmp_path / "ref")},
+             "resources": job["resources"]})
+    assert output_bytes(tmp_path / "out") == output_bytes(tmp_path / "ref")

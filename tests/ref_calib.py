@@ -1,0 +1,156 @@
+"""Calibration datasets for tests, and llm-compressor's whole-model `oneshot` with calibration data: the reference.
+
+`oneshot_calibrated` runs exactly the recipe the issue names (GPTQModifier | [AWQModifier, QuantizationModifier] |
+QuantizationModifier, targets Linear, the exporter's default ignore) on the same samples, in the test process, with
+torch's thread count pinned (GPTQ's arithmetic depends on it), and saves the compressed result. It never imports
+`supervisor` or `child`: the reference must come from the upstream tools alone.
+
+`traced_masks` works around an llm-compressor 0.14.0.1 tracer bug for models whose forward calls the mask function
+through a variable (`mask_function = create_causal_mask if ...`: Qwen3-MoE, Mistral, Mixtral, Phi-3, ...): the
+sequential pipeline's tracer then passes the mask function a config rebuilt from `to_dict()`, which loses
+`_attn_implementation`, so the mask comes out None and the eager attention it forces runs without a causal mask.
+Wrapping the mask function under another name makes the tracer trace through it with the live config, and the
+layers get the causal mask the model's own forward gives them (docs/fidelity.md has the measured difference).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import warnings
+
+import torch
+
+from shared.job import DEFAULT_IGNORE
+
+
+def make_tiny_gemma(path: str, *, seed: int = 0) -> str:
+    """A tiny random Gemma (offset norms: "(1 + weight)", which llm-compressor converts for calibration)."""
+    from transformers import AutoModelForCausalLM, GemmaConfig
+
+    from tests.models import _save_tokenizer
+
+    cfg = GemmaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, vocab_size=256, max_position_embeddings=256,
+                      bos_token_id=3, eos_token_id=2, pad_token_id=1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    _save_tokenizer(path)
+    return path
+
+
+def token_rows(n: int, *, low: int = 24, high: int = 64, vocab: int = 256, seed: int = 0) -> list[list[int]]:
+    """n random token-id rows of mixed lengths in [low, high), with several equal lengths (the unstable sort)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = 48 if i % 3 == 0 else int(torch.randint(low, high, (1,), generator=g))
+        rows.append(torch.randint(4, vocab, (length,), generator=g).tolist())
+    return rows
+
+
+def text_rows(n: int, *, seed: int = 1) -> list[str]:
+    """n texts of mixed lengths in the tiny models' word-level vocabulary ("t47 t83 ..."), some too long.
+
+    Only the words t40..t99: the tiny tokenizer's special tokens t1/t2/t3 are matched inside words ("t105" ->
+    "t1" + "05"), and its "<unk>" shares id 0 with "t0", so which of the two it keeps varies from process to process
+    (a Rust HashMap): a word that needs the unknown token fails at random ("Missing [UNK] token")."""
+    return [" ".join(f"t{40 + i % 60}" for i in row) for row in token_rows(n, low=20, high=80, seed=seed)]
+
+
+def write_jsonl(path, samples: list) -> str:
+    with open(path, "w") as f:
+        for s in samples:
+            f.write(json.dumps({"text": s} if isinstance(s, str) else {"input_ids": s}) + "\n")
+    return str(path)
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@contextlib.contextmanager
+def traced_masks(model):
+    """See the module docstring: the causal mask reaches the layers in the sequential pipeline."""
+    module = sys.modules[type(model).__module__]
+    originals = {name: getattr(module, name) for name in ("create_causal_mask", "create_sliding_window_causal_mask")
+                 if hasattr(module, name)}
+
+    def wrap(fn):
+        def mask_traced_through(*args, **kwargs):  # a name the tracer's ignore list does not hold
+            return fn(*args, **kwargs)
+        return mask_traced_through
+
+    try:
+        for name, fn in originals.items():
+            setattr(module, name, wrap(fn))
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(module, name, fn)
+
+
+@contextlib.contextmanager
+def _cpu_awq():
+    # llm-compressor 0.14.0.1's AWQ pins cached activations, which fails without an accelerator; pinning never
+    # changes a value, so on CPU the reference skips it (as the exporter does).
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    if torch.accelerator.is_available():
+        yield
+        return
+    saved = IntermediatesCache.__dict__["_pin_intermediate"]
+    IntermediatesCache._pin_intermediate = classmethod(lambda cls, value: None)
+    try:
+        yield
+    finally:
+        IntermediatesCache._pin_intermediate = saved
+
+
+def oneshot_calibrated(model_dir: str, scheme: str, method: str, samples: list, seq_len: int, out_dir: str, *,
+                       num_threads: int = 1, fix_masks: bool = False) -> str:
+    """oneshot on `samples` (token-id rows or texts, all of them, in file order) and save it compressed."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ignore = list(DEFAULT_IGNORE)
+    if method == "gptq":
+        recipe = GPTQModifier(targets="Linear", scheme=scheme, ignore=ignore)
+    elif method == "awq":
+        recipe = [AWQModifier(), QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore)]
+    else:
+        recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore)
+    if all(isinstance(s, str) for s in samples):
+        data = {"text": list(samples)}  # oneshot tokenizes them itself
+    else:
+        data = {"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]}
+    # the model on CPU as oneshot users load it; the sequential pipeline onloads each layer to the GPU if any
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(threads(num_threads))
+        stack.enter_context(_cpu_awq())
+        if fix_masks:
+            stack.enter_context(traced_masks(model.model))
+        oneshot(model=model, processor=AutoTokenizer.from_pretrained(model_dir), dataset=Dataset.from_dict(data),
+                recipe=recipe, num_calibration_samples=len(samples), max_seq_length=seq_len,
+                shuffle_calibration_samples=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Attempting to save a model with offloaded modules")
+        model.save_pretrained(out_dir, save_compressed=True)
+    return out_dir

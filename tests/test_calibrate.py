@@ -1,0 +1,137 @@
+"""child/calibrate.py, child/boundary.py, child/samples.py: the calibrated engine layer by layer equals oneshot for
+the schemes the CLI suite does not run; boundary files round-trip and refuse corruption; oneshot's sample order."""
+import json
+import os
+
+import pytest
+import torch
+
+from tests.models import assert_same_tensors, load_tensors
+from tests.ref_calib import make_tiny_gemma, oneshot_calibrated, threads, token_rows, write_jsonl
+
+N, SEQ = 20, 40  # more than 16 samples: torch's unstable argsort permutes equal lengths
+
+
+def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0):
+    """Drive the Calibrator as the worker does (begin, quantize, shard, commit) without a child process."""
+    from child.calibrate import Calibrator
+    from child.source import Checkpoint
+    from child.writer import write_shard
+    from shared import layout
+    from shared.job import parse_job
+    from shared.messages import NON_LAYER
+    from supervisor import finalize
+
+    job = parse_job({"source": {"path": source}, "export": {"scheme": scheme, "output": str(out), "method": method},
+                     "calibration": {"dataset": dataset, "samples": N, "seq_len": SEQ},
+                     "resources": {"activation_ram_gb": ram_gb}})
+    tmp = os.path.join(out, ".export", "tmp")
+    os.makedirs(tmp)
+    src = Checkpoint(source)
+    cal = Calibrator(job, source, "cpu", output=str(out), source=src)
+    boundary = None
+    for i in [*range(cal.num_layers), NON_LAYER]:
+        cal.begin(i, boundary)
+        names = src.non_layer_names(cal.layer_prefix) if i == NON_LAYER else src.layer_names(cal.layer_prefix, i)
+        tensors = src.read(names)
+        shard = cal.quantize_non_layer(tensors) if i == NON_LAYER else cal.quantize_layer(i, tensors)
+        write_shard(shard, str(out), tmp, layout.shard_name(i))
+        boundary = cal.commit(i) or boundary
+    cal.write_config(os.path.join(source, "config.json"), str(out))
+    finalize.write_index(str(out), finalize.shard_files(cal.num_layers))  # a folder transformers can load
+    finalize.copy_side_files(source, str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ids_dataset(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("calib") / "ids.jsonl", token_rows(N))
+
+
+def _logits(folder):
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(4, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)(ids).logits
+
+
+@pytest.mark.parametrize("kind,scheme,method", [
+    ("qwen3", "W4A16_ASYM", "gptq"),
+    ("llama", "W8A16", "gptq"),
+    ("qwen3", "W8A8", "gptq"),
+    ("llama", "NVFP4", "rtn"),
+    ("qwen3", "FP8", "rtn"),
+    ("gemma", "W4A16", "awq"),  # offset norms: converted for calibration, smoothed, converted back (final norm too)
+])
+def test_calibrator_equals_oneshot(kind, scheme, method, tiny_models, ids_dataset, tmp_path, tmp_path_factory):
+    """Layer by layer (one thread on both sides), every tensor and config.json equal oneshot's sequential pipeline,
+    and transformers loads the result and gives oneshot's logits."""
+    source = make_tiny_gemma(str(tmp_path_factory.mktemp("gemma"))) if kind == "gemma" else tiny_models(kind)
+    rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
+    with threads(1):
+        ref = oneshot_calibrated(source, scheme, method, rows, SEQ, str(tmp_path / "ref"))
+        # activation_ram_gb tiny: the activations go through boundary files on disk, sample by sample
+        ours = _export_in_process(source, scheme, method, ids_dataset, tmp_path / "ours",
+                                  ram_gb=1e-6 if scheme == "W8A16" else 0.0)
+    assert_same_tensors(load_tensors(ref), load_tensors(str(ours)))
+    with open(os.path.join(ref, "config.json")) as a, open(ours / "config.json") as b:
+        assert json.load(a) == json.load(b)
+    assert torch.equal(_logits(str(ours)), _logits(ref))
+
+
+def test_sample_order_is_oneshots_dataloader_order(tmp_path, tiny_models):
+    """calibration_ids yields the rows in exactly the order (and truncation) of oneshot's calibration dataloader."""
+    from datasets import Dataset
+    from llmcompressor.args import DatasetArguments
+    from llmcompressor.datasets import get_calibration_dataloader
+    from transformers import AutoTokenizer
+
+    from child.samples import calibration_ids
+
+    rows = token_rows(40, low=10, high=30)  # many equal lengths, longer than seq_len 20 too
+    path = write_jsonl(tmp_path / "ids.jsonl", rows)
+    ours = calibration_ids(path, 40, 20, tiny_models("llama"))
+    args = DatasetArguments(dataset=Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}),
+                            num_calibration_samples=40, max_seq_length=20, shuffle_calibration_samples=False)
+    theirs = [b["input_ids"] for b in get_calibration_dataloader(args, AutoTokenizer.from_pretrained(tiny_models("llama")))]
+    assert [t.tolist() for t in ours] == [t.tolist() for t in theirs]
+    # the rule is not a stable longest-first sort: equal lengths come out permuted (so only the library's code fits)
+    stable = sorted(rows, key=len, reverse=True)
+    assert [t.tolist() for t in ours] != [[r[:20]] for r in stable]
+
+
+def test_boundary_round_trip_in_ram_and_on_disk(tmp_path):
+    """A boundary written sample by sample reads back equal, from RAM and from disk; a flipped byte is refused."""
+    from child.boundary import Activations, BoundaryCorrupt, BoundaryWriter
+
+    shapes = [(1, 7, 16), (1, 5, 16), (1, 5, 16)]
+    samples = [torch.randn(s, dtype=torch.bfloat16) for s in shapes]
+    for keep_in_ram in (True, False):
+        dest = tmp_path / f"b{keep_in_ram}.bin"
+        w = BoundaryWriter(3, shapes, torch.bfloat16, tmp_path=str(tmp_path / "tmp.bin"), keep_in_ram=keep_in_ram)
+        for j, s in enumerate(samples):
+            w.put(j, s)
+        acts, sha, size = w.commit(str(dest))
+        assert acts.in_ram is keep_in_ram and os.path.getsize(dest) == size
+        for loaded in (acts, Activations.load(str(dest), sha, 3, in_ram=True), Activations.load(str(dest), sha, 3, in_ram=False)):
+            assert all(torch.equal(loaded.get(j), s) for j, s in enumerate(samples))
+    data = bytearray(dest.read_bytes())
+    data[-3] ^= 1
+    dest.write_bytes(bytes(data))
+    with pytest.raises(BoundaryCorrupt):
+        Activations.load(str(dest), sha, 3, in_ram=False)
+
+
+def test_scheme_lists_match_the_libraries():
+    """shared.schemes (no heavy imports) agrees with compressed-tensors' presets and llm-compressor's own rules."""
+    from compressed_tensors.quantization import QuantizationStrategy, preset_name_to_scheme
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    from shared import schemes
+
+    for name in schemes.SUPPORTED:
+        needs = QuantizationModifier(targets="Linear", scheme=name).requires_calibration_data
+        assert needs == (name in schemes.CALIBRATED), name
+        per_tensor = preset_name_to_scheme(name, ["Linear"]).weights.strategy == QuantizationStrategy.TENSOR
+        assert per_tensor == (name in schemes.PER_TENSOR_WEIGHTS), name
