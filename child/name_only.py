@@ -35,6 +35,7 @@ class NameOnlyQuantizer:
 
     previews = True
     checks_loading = True  # it reports "not checked" when transformers cannot build the architecture
+    reads_to_device = True  # the read-ahead's copy to the GPU overlaps the previous layer's work
 
     def __init__(self, config_dir: str, scheme: str, ignore: list[str], names: list[str], device: str = "cpu",
                  why: str = "transformers does not know this architecture"):
@@ -64,6 +65,13 @@ class NameOnlyQuantizer:
 
     def serialize(self, tensors: dict) -> tuple[dict, dict[str, str]]:
         return tensors, {"format": "pt"}
+
+    def begin(self, index: int, boundary) -> None:
+        """Data-free: no state crosses layers."""
+
+    def commit(self, index: int):
+        """Data-free: nothing beyond the shard."""
+        return None
 
     def write_config(self, source_config_json: str, dest_dir: str) -> str:
         """The source config.json with model_free_ptq's quantization_config (its own update_config writes it)."""

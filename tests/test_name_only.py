@@ -44,7 +44,7 @@ def test_layers_found_by_names_and_embeddings_dense_by_default(moe_models):
     with only lm_head ignored quantizes them)."""
     model = moe_models("unknown")
     job = parse_job({"source": {"path": model}, "export": {"scheme": "W4A16", "output": "o"}})
-    backend = make_backend(job, model, "cpu", list(load_tensors(model)))
+    backend = make_backend(job, model, "cpu")
     assert isinstance(backend, NameOnlyQuantizer)
     assert (backend.layer_prefix, backend.num_layers) == ("backbone.blocks.", 2)
     assert backend.ignore == effective_ignore(job, by_names=True) and len(backend.ignore) > len(DEFAULT_IGNORE)
@@ -64,13 +64,14 @@ def test_remote_code_not_allowed_goes_by_names(moe_models, tmp_path):
     cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_mystery.MysteryForCausalLM"}
     json.dump(cfg, open(f"{model}/config.json", "w"))
     job = parse_job({"source": {"path": model}, "export": {"scheme": "W4A16", "output": "o"}})
-    backend = make_backend(job, model, "cpu", list(load_tensors(model)))
+    backend = make_backend(job, model, "cpu")
     assert isinstance(backend, NameOnlyQuantizer) and "allow_remote_code" in backend.describe()
     known = moe_models("qwen3moe")
     cfg = json.load(open(f"{known}/config.json"))
     shutil.copytree(known, tmp_path / "k")
     json.dump(dict(cfg, auto_map={"AutoModelForCausalLM": "x.Y"}), open(tmp_path / "k" / "config.json", "w"))
-    backend = make_backend(job, str(tmp_path / "k"), "cpu", list(load_tensors(known)))
+    job = parse_job({"source": {"path": str(tmp_path / "k")}, "export": {"scheme": "W4A16", "output": "o"}})
+    backend = make_backend(job, str(tmp_path / "k"), "cpu")
     assert isinstance(backend, LayerQuantizer)
 
 
