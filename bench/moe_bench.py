@@ -18,6 +18,7 @@ peak RSS and GPU flat (last MoE layer within 5% of the first).
 
     python bench/moe_bench.py                        # FP8_DYNAMIC on cuda, /tmp/moe-bench
     python bench/moe_bench.py --scheme W4A16
+    python bench/moe_bench.py --measure-error false     # without the per-module error measurement
     python bench/moe_bench.py --device cpu --hidden 1024 --moe-intermediate 256 --experts 8 --heads 8 \\
         --q-lora 256 --kv-lora 128 --intermediate 2048 --vocab 4096      # a dry run of the script itself
 """
@@ -107,7 +108,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=129280)
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the outputs")
-    ap.add_argument("--no-measure-error", action="store_true")
+    ap.add_argument("--measure-error", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
+                    help="[export] measure_error = true|false (default: the job default, on a GPU only)")
     args = ap.parse_args()
     args.torch_device = "cuda" if args.device.startswith("cuda") else "cpu"
     os.makedirs(args.work, exist_ok=True)
