@@ -129,6 +129,7 @@ class Exporter:
         self.source = open_source(job, hello.pool)
         # a live model has no checkpoint folder: the supervisor wrote its config.json beside the pool
         self.config_dir = hello.pool.config_dir if hello.pool is not None else job.source.path
+        self._trust_remote_code = job.source is not None and job.source.allow_remote_code
         self.backend = make_backend(job, self.config_dir, hello.device, output=hello.output, source=self.source,
                                     stage=self._stage, calibration_sha256=hello.calibration_sha256)
         self.prefix = self.backend.layer_prefix
@@ -244,7 +245,7 @@ class Exporter:
             parent_alive()
 
         described = describe(self.source, self.backend, os.path.join(self.config_dir, "config.json"),
-                             self.job.source.allow_remote_code, on_part)
+                             self._trust_remote_code, on_part)
         self.beat.set(None, "idle")
         return described
 
@@ -255,7 +256,7 @@ class Exporter:
         if not self.backend.checks_loading:
             report = LoadReport(checked=False, reason="the loader check covers compressed-tensors outputs")
         else:
-            report = check_folder(msg.folder, self.job.source.allow_remote_code)
+            report = check_folder(msg.folder, self._trust_remote_code)
         self.beat.set(None, "idle")
         return LoadChecked(load=report)
 

@@ -137,7 +137,7 @@ class Merged:
     def layer_names(self, prefix: str, index: int) -> list[str]:
         return self.inner.layer_names(prefix, index)
 
-    def non_layer_names(self, prefix: str, num_layers: int) -> list[str]:
+    def non_layer_names(self, prefix: str, num_layers: int | None = None) -> list[str]:
         return self.inner.non_layer_names(prefix, num_layers)
 
     def meta(self, names: list[str]) -> dict:

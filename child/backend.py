@@ -99,7 +99,7 @@ def make_backend(job: Job, config_dir: str, device: str, *, output: str = "", so
                               device=device, tensor_names=names)
     if job.export.format != "compressed-tensors":
         raise ValueError(f"unknown export format {job.export.format!r}")
-    allow = job.source.allow_remote_code
+    allow = job.source is not None and job.source.allow_remote_code  # a live model (no [source]) runs no code
     why = unknown_architecture(config_dir, allow)
     if is_calibrated(job):
         if why is not None:

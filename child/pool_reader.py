@@ -41,10 +41,10 @@ class PoolSource:
         p = f"{prefix}{index}."
         return sorted(k for k in self._entries if k.startswith(p))
 
-    def non_layer_names(self, prefix: str, num_layers: int) -> list[str]:
+    def non_layer_names(self, prefix: str, num_layers: int | None = None) -> list[str]:
         def outside(name: str) -> bool:
             index = layer_of(name, prefix)
-            return index is None or index >= num_layers
+            return index is None or (num_layers is not None and index >= num_layers)
         return sorted(k for k in self._entries if outside(k))
 
     def read(self, names: list[str]) -> dict:

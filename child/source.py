@@ -38,9 +38,9 @@ class Source(Protocol):
     def layer_names(self, prefix: str, index: int) -> list[str]:
         """Names of layer `index`'s tensors (full checkpoint names, sorted)."""
 
-    def non_layer_names(self, prefix: str, num_layers: int) -> list[str]:
+    def non_layer_names(self, prefix: str, num_layers: int | None = None) -> list[str]:
         """Names of every tensor outside decoder layers 0..num_layers-1, sorted (layers past the count, such as
-        DeepSeek's multi-token-prediction layer, belong here)."""
+        DeepSeek's multi-token-prediction layer, belong here; None: outside every layer)."""
 
     def read(self, names: list[str]) -> dict:
         """name -> CPU tensor for `names`; callable from a prefetch thread."""
@@ -99,10 +99,10 @@ class Checkpoint:
         p = f"{prefix}{index}."
         return sorted(k for k in self.weight_map if k.startswith(p))
 
-    def non_layer_names(self, prefix: str, num_layers: int) -> list[str]:
+    def non_layer_names(self, prefix: str, num_layers: int | None = None) -> list[str]:
         def outside(name: str) -> bool:
             index = layer_of(name, prefix)
-            return index is None or index >= num_layers
+            return index is None or (num_layers is not None and index >= num_layers)
         return sorted(k for k in self.weight_map if outside(k))
 
     def meta(self, names: list[str]) -> dict:

@@ -85,7 +85,7 @@ def verify(output: str, load_check: bool = True) -> dict[str, str]:
         job = st.header.job
         if load_check and not problems and job.get("export", {}).get("format", "compressed-tensors") == \
                 "compressed-tensors":
-            report = load_report(output, job.get("source", {}).get("allow_remote_code", False))
+            report = load_report(output, (job.get("source") or {}).get("allow_remote_code", False))
             problem = load_problems(report)
             if problem:
                 problems[LOADER] = problem
