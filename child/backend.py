@@ -68,7 +68,9 @@ class Backend(Protocol):
 
 # The modules each format's backend imports: the warm parent (child.zygote) imports them once, before forking.
 _MODULES: dict[str, tuple[str, ...]] = {
-    "compressed-tensors": ("child.quantize", "child.calibrate", "child.name_only", "child.loadcheck"),
+    # child.calibrate is left out: one of its imports initialised CUDA on the H200 machine (2026-11-30), which
+    # would make forked workers unusable there; a calibrated export runs one worker, which imports it itself.
+    "compressed-tensors": ("child.quantize", "child.name_only", "child.loadcheck"),
     "torchao": ("child.torchao_backend",),
 }
 

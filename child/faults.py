@@ -7,7 +7,7 @@ reach it. The value is one fault object or a list of them::
     [{"point": "read", "action": "hang", "index": 0, "once": "/tmp/m0"},
      {"point": "start", "action": "garbage", "once": "/tmp/m1", "after": "/tmp/m0"}]
 
-point:  start | read | quantize | write_tmp | after_rename | boundary | config | any
+point:  start | read | quantize | write_tmp | after_rename | boundary | config | any | zygote (action "unforkable")
         calibrated methods also: forward | calibrate | propagate (stages inside quantize), and boundary fires
         after the next layer's inputs were made durable, before the supervisor hears of the layer
 action: sigkill | sigsegv | exit | raise | repeats | memoryerror | hang | stall | garbage | truncated | oversized |
@@ -63,6 +63,12 @@ def _armed(s: dict, point: str, index: int | None) -> bool:
     if s.get("after") and not os.path.exists(s["after"]):
         return False
     return not (s.get("once") and os.path.exists(s["once"]))
+
+
+def asks(point: str, action: str) -> bool:
+    """Whether an armed fault asks for `action` at `point` (for behaviours that are not a failure, like the warm
+    parent's "unforkable": it reports its imports touched CUDA, so the supervisor spawns workers instead)."""
+    return any(s.get("action") == action and _armed(s, point, None) for s in _specs)
 
 
 def hit(point: str, index: int | None = None, writer=None) -> None:

@@ -138,8 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         preload(args.format)
         import torch
 
-        if torch.cuda.is_initialized():
-            raise RuntimeError("CUDA was initialised while importing; workers could not be forked safely")
+        from child import faults
+
+        faults.load()
+        forkable = not torch.cuda.is_initialized() and not getattr(torch.cuda, "_is_in_bad_fork", lambda: False)() \
+            and not faults.asks("zygote", "unforkable")
+        if not forkable:
+            # some import touched CUDA on this machine: a forked worker could not use the GPU. Say so; the
+            # supervisor then spawns fresh interpreters instead (slower to start, as safe).
+            print("zygote: CUDA was initialised while importing; workers will be spawned, not forked",
+                  file=sys.stderr, flush=True)
         import gc
 
         # Move the ~0.5M objects the imports made out of the collector's reach: a worker's per-layer
@@ -150,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         _send(sock, {"failed": f"{type(exc).__name__}: {exc}"})
         return 1
-    _send(sock, {"ready": True, "pid": os.getpid(), "seconds": round(time.perf_counter() - t, 3)})
+    _send(sock, {"ready": True, "pid": os.getpid(), "seconds": round(time.perf_counter() - t, 3),
+                 "forkable": forkable})
     return serve(sock, args.parent_pid)
 
 

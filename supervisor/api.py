@@ -39,7 +39,7 @@ from supervisor.errors import (Cancelled, DeviceError, ExportFailed, InputError,
 from supervisor.lock import Lock, probe
 from supervisor.source import SourceInfo, inspect
 from supervisor.scheduler import Scheduler, Slot, for_good
-from supervisor.worker import CancelledWait, Worker, WorkerLost
+from supervisor.worker import CancelledWait, Worker, WorkerLost, spawn
 from supervisor.zygote import Zygote, ZygoteLost
 
 ENOSPC = 28
@@ -521,7 +521,8 @@ class Supervisor:
         except CancelledWait:
             raise Cancelled("export cancelled; run the same job again to resume") from None
         self._zygote = z
-        self._emit(ev.PoolStarted(pid=z.proc.pid, seconds=round(time.monotonic() - t, 3), imports=z.seconds))
+        self._emit(ev.PoolStarted(pid=z.proc.pid, seconds=round(time.monotonic() - t, 3), imports=z.seconds,
+                                  forking=z.forkable))
 
     def _fork(self, env: dict, fds: tuple[int, int], out_fds: tuple[int, int]):
         """Fork a worker from the zygote; a zygote that died is started again once (on the spawner thread)."""
@@ -532,6 +533,10 @@ class Supervisor:
                     if old is not None:
                         old.close()
                     self._start_zygote()
+                if not self._zygote.forkable:
+                    # the imports touched CUDA on this machine: a fork would not be safe; spawn instead
+                    pass_fds = tuple(self._pool_spec.fds) if self._pool_spec is not None else ()
+                    return self._spawner.submit(spawn, env, fds, out_fds, pass_fds).result()
                 return self._zygote.fork([], env, fds, out_fds)
             except ZygoteLost as exc:
                 raise WorkerLost(exc.reason, exc.log_tail) from None

@@ -37,6 +37,7 @@ class PoolStarted(Event):
     pid: int
     seconds: float  # from spawn to ready
     imports: float = 0.0  # of which importing torch, transformers and the backend's libraries
+    forking: bool = True  # False: the imports touched CUDA here, so workers are spawned fresh instead of forked
 
 
 class WorkerStarted(Event):

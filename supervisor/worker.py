@@ -57,6 +57,17 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def spawn(env: dict[str, str] | None, fds: tuple[int, int], out_fds: tuple[int, int],
+          pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """A fresh interpreter running the child (it imports everything itself) on pipes `fds` (its read and write
+    ends), with stdout/stderr on `out_fds`. Its parent-death signal fires when the calling *thread* ends: call
+    it from a thread that outlives the worker."""
+    cmd = [sys.executable, "-P",  # -P: a 'child' folder in the cwd must not shadow our package
+           "-m", "child", "--read-fd", str(fds[0]), "--write-fd", str(fds[1]), "--parent-pid", str(os.getpid())]
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out_fds[0], stderr=out_fds[1],
+                            pass_fds=(*fds, *pass_fds), close_fds=True, env=env)
+
+
 class Worker:
     """`fork(env, (read_fd, write_fd), (stdout_fd, stderr_fd))` starts the child from a warm parent (supervisor.zygote); without
     it the child is spawned with a fresh interpreter (python -P -m child), which re-imports everything."""
@@ -99,11 +110,7 @@ class Worker:
             if self.fork is not None:
                 self.proc = self.fork(self.env, (p2c_r, c2p_w), (out_w, err_w))
             else:
-                cmd = [sys.executable, "-P",  # -P: a 'child' folder in the cwd must not shadow our package
-                       "-m", "child", "--read-fd", str(p2c_r), "--write-fd", str(c2p_w),
-                       "--parent-pid", str(os.getpid())]
-                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
-                                             pass_fds=(p2c_r, c2p_w, *self.pass_fds), close_fds=True, env=self.env)
+                self.proc = spawn(self.env, (p2c_r, c2p_w), (out_w, err_w), self.pass_fds)
         except BaseException:
             os.close(out_r)
             os.close(err_r)

@@ -94,6 +94,7 @@ class Zygote:
         self._pump: LogPump | None = None
         self.proc: subprocess.Popen | None = None
         self.seconds = 0.0  # its import time, reported by itself
+        self.forkable = True  # False: the imports touched CUDA, so workers must be spawned, not forked
         self._sock: socket.socket | None = None
         self._replies: queue.Queue = queue.Queue()
         self._children: dict[int, Forked] = {}
@@ -149,6 +150,7 @@ class Zygote:
                 continue
             if "ready" in msg:
                 self.seconds = msg.get("seconds", 0.0)
+                self.forkable = msg.get("forkable", True)
                 return
             if "failed" in msg:
                 self.close()

@@ -123,3 +123,15 @@ def test_shard_digest_is_the_files_xxh3(one_worker):
     for r in shards:
         with open(os.path.join(one_worker["out"], r["file"]), "rb") as f:
             assert r["digest"] == "xxh3-128:" + xxhash.xxh3_128(f.read()).hexdigest(), r["file"]
+
+
+def test_workers_are_spawned_when_the_warm_parent_cannot_fork_them(model, one_worker, tmp_path):
+    """A warm parent whose imports touched CUDA (test fault "unforkable") says so; the workers are then spawned
+    as fresh interpreters, a SIGKILLed one is replaced the same way, and the bytes are one worker's."""
+    job = cli.write_job(tmp_path / "job.toml", model, tmp_path / "out", SCHEME, workers=1)
+    env = faultkit.fault_env([{"point": "zygote", "action": "unforkable"},
+                              {"point": "quantize", "action": "sigkill", "index": 2, "once": str(tmp_path / "k")}])
+    ev = cli.events(cli.run("run", job, "--json", env=env))
+    assert [e["forking"] for e in _of(ev, "PoolStarted")] == [False]
+    assert len(_of(ev, "WorkerStarted")) == 2 and [r["index"] for r in _of(ev, "Retrying")] == [2]
+    assert cli.output_bytes(tmp_path / "out") == one_worker["bytes"]
