@@ -118,6 +118,18 @@ def serve(sock: socket.socket, parent_pid: int) -> int:
         _reap(sock)
 
 
+def _restore_triton_detection() -> None:
+    os.environ.pop("TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION", None)
+    try:
+        import torch._inductor.config as inductor_config
+        from torch.utils import _triton
+
+        inductor_config.triton_disable_device_detection = False
+        _triton.has_triton.cache_clear()
+    except (ImportError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m child.zygote")
     ap.add_argument("--sock-fd", type=int, required=True)
@@ -131,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=args.sock_fd)
     # torch's availability checks (run by imports such as llm-compressor's) then use NVML and leave CUDA alone
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    # torch.utils._triton.has_triton() reads the GPU's properties, which initialises CUDA; torchao's modules call
+    # it at import (transformers imports torchao when it is installed): measured on an H200 machine, that made
+    # every import touch CUDA. With device detection off during the imports it answers False without touching
+    # the GPU; it is turned back on (and its cached answer dropped) before any worker is forked.
+    os.environ["TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION"] = "1"
     t = time.perf_counter()
     try:
         from child.backend import preload
@@ -138,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         preload(args.format)
         import torch
 
+        _restore_triton_detection()
         from child import faults
 
         faults.load()
