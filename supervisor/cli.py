@@ -25,7 +25,7 @@ scheme = "FP8_DYNAMIC"            # compressed-tensors preset name
 output = "exports/my-llama-fp8"   # relative paths are relative to the job file
 ignore = ["lm_head"]              # optional; default: lm_head and MoE routers
 [resources]
-device = "auto"                   # cuda when present, else cpu
+device = "auto"                   # every visible GPU (a worker each), else the CPU
 """
 
 

@@ -44,12 +44,12 @@ def make_model(path: str, layers: int = 8, hidden: int = 256, vocab: int = 512, 
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(path)
     GenerationConfig(bos_token_id=3, eos_token_id=2, pad_token_id=1).save_pretrained(path)
-    vocab_map = {f"t{i}": i for i in range(vocab)}
-    vocab_map["<unk>"] = 0
+    # special tokens under names no word contains ("t1" would be matched inside "t105"), each id used once
+    vocab_map = {"<unk>": 0, "<pad>": 1, "</s>": 2, "<s>": 3} | {f"t{i}": i for i in range(4, vocab)}
     tok = Tokenizer(models.WordLevel(vocab=vocab_map, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="t1", eos_token="t2",
-                            bos_token="t3").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>",
+                            bos_token="<s>").save_pretrained(path)
     return path
 
 

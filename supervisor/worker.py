@@ -48,7 +48,7 @@ class CancelledWait(Exception):
     """The caller's cancel flag was set while waiting for the child."""
 
 
-def _describe_exit(code: int) -> str:
+def describe_exit(code: int) -> str:
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -171,7 +171,7 @@ class Worker:
                 # Drain anything it wrote before dying, then report the death.
                 if self._reader.readable(0):
                     continue
-                raise WorkerLost(f"worker (pid {self.proc.pid}) {_describe_exit(self.proc.returncode)}",
+                raise WorkerLost(f"worker (pid {self.proc.pid}) {describe_exit(self.proc.returncode)}",
                                  self.log_tail())
             if time.monotonic() - last > self.heartbeat_timeout:
                 raise WorkerLost(f"worker (pid {self.proc.pid}) sent no heartbeat for {self.heartbeat_timeout:.0f}s "
@@ -197,7 +197,7 @@ class Worker:
 
     def _exit_text(self) -> str:
         code = self.proc.poll() if self.proc else None
-        return _describe_exit(code) if code is not None else "still running"
+        return describe_exit(code) if code is not None else "still running"
 
     def log_tail(self) -> str:
         """This child's log from its last traceback (with its chained causes) or fatal-error dump to the end;

@@ -26,6 +26,7 @@ import time
 from typing import Callable
 
 from supervisor.logpump import LogPump, OnLine
+from supervisor.worker import CancelledWait, describe_exit
 
 MAX_MSG = 1 << 20
 
@@ -136,7 +137,6 @@ class Zygote:
         while True:
             if cancelled():
                 self.close()
-                from supervisor.worker import CancelledWait
                 raise CancelledWait()
             try:
                 msg = self._replies.get(timeout=0.2)
@@ -176,7 +176,7 @@ class Zygote:
                 self._replies.put(msg)
         # The zygote is gone: its workers die with it (their parent-death signal), so settle them as killed.
         code = self.proc.wait() if self.proc is not None else -9
-        self._lost = f"exited ({_describe(code)})"
+        self._lost = describe_exit(code)
         with self._state:
             children, self._children = list(self._children.values()), {}
         for child in children:
@@ -242,11 +242,3 @@ class Zygote:
         except OSError:
             return ""
 
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"code {code}"

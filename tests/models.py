@@ -68,12 +68,12 @@ def _save_tokenizer(path: str) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    vocab["<unk>"] = 0
+    # special tokens under names no word contains ("t1" would be matched inside "t105"), each id used once
+    vocab = {"<unk>": 0, "<pad>": 1, "</s>": 2, "<s>": 3} | {f"t{i}": i for i in range(4, VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", pad_token="t1", eos_token="t2", bos_token="t3"
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>", bos_token="<s>"
     )
     fast.save_pretrained(path)
 

@@ -58,9 +58,9 @@ def token_rows(n: int, *, low: int = 24, high: int = 64, vocab: int = 256, seed:
 def text_rows(n: int, *, seed: int = 1) -> list[str]:
     """n texts of mixed lengths in the tiny models' word-level vocabulary ("t47 t83 ..."), some too long.
 
-    Only the words t40..t99: the tiny tokenizer's special tokens t1/t2/t3 are matched inside words ("t105" ->
-    "t1" + "05"), and its "<unk>" shares id 0 with "t0", so which of the two it keeps varies from process to process
-    (a Rust HashMap): a word that needs the unknown token fails at random ("Missing [UNK] token")."""
+    Only the words t40..t99, each one token. (The tiny tokenizer once had special tokens t1/t2/t3, matched inside
+    words such as "t105", and an "<unk>" that shared id 0 with "t0", so a word needing the unknown token failed at
+    random; tests/models.py now names them <pad>, </s>, <s>, but these texts stay safe either way.)"""
     return [" ".join(f"t{40 + i % 60}" for i in row) for row in token_rows(n, low=20, high=80, seed=seed)]
 
 
