@@ -105,8 +105,10 @@ class Calibrator:
             layers[i] = _LayerStub(self._layers[i], i, self._sink, self._stop_at)
         _buffers_to(self._trunk, self.device)  # rotary frequencies etc.; parameters stay on meta
         # the non-layer shard and config.json: the data-free quantizer, configured by the recipe's quantizer
+        # (its name map also turns the checkpoint's tensor names into the model's for each layer)
         self._plain = LayerQuantizer(config_dir, self.scheme, self.ignore, device=device,
-                                     modifier=recipe(self.method, self.scheme, self.ignore)[-1])
+                                     modifier=recipe(self.method, self.scheme, self.ignore)[-1],
+                                     tensor_names=source.all_names() if source is not None else None)
         self._inputs: Activations | None = None  # the activations entering the next layer to export
         self._writer: BoundaryWriter | None = None  # the activations leaving the layer in progress
         self._spare: torch.Tensor | None = None  # the RAM of the last released inputs, reused by the next outputs
@@ -138,7 +140,19 @@ class Calibrator:
             raise RuntimeError(f"layer {index}: begin() did not prepare its inputs")
         path = f"{self.layer_prefix}{index}"
         prefix = path + "."
-        layer = _materialise(self._layers[index], {k[len(prefix):]: v for k, v in tensors.items()}, self.device, path)
+        # checkpoint names -> the model's (Mixtral's block_sparse_moe.experts.N.w1 is mlp.experts.N.gate_proj in
+        # transformers' model; GPT-OSS stores its experts fused), as the data-free quantizer maps them
+        mapped = {k: self._plain._names.to_model(k) for k in tensors}
+        foreign = [k for k, m in mapped.items() if not m.key.startswith(prefix)]
+        if foreign:
+            raise ValueError(f"tensors outside {path}: {foreign[:5]}")
+        direct = {m.key[len(prefix):]: tensors[k] for k, m in mapped.items() if m.fused is None}
+        fused: dict[str, dict] = {}
+        for k, m in mapped.items():
+            if m.fused is not None:
+                fused.setdefault(m.fused, {})[m.key[len(m.fused) + 1:]] = tensors[k]
+        experts = {p[len(prefix):]: (self._plain._raw_experts[p], params) for p, params in fused.items()}
+        layer = _materialise(self._layers[index], direct, self.device, path, experts, self.config)
         root = _rooted(path, layer)
         root.config = self.config  # norm_calibration_context reads model.config
         try:
@@ -149,8 +163,9 @@ class Calibrator:
                              if is_module_quantized(m)]
                 for _, m in quantized:
                     compress_module(m)
-                quant_error.measure(quantized, tensors)  # against the source weights (AWQ's scaling included)
-                return {k: v.to("cpu").contiguous() for k, v in root.state_dict().items()}
+                # against the source weights (AWQ's scaling included), under the model's names
+                quant_error.measure(quantized, {m.key: tensors[k] for k, m in mapped.items() if m.fused is None})
+                return _back_to_checkpoint_names(root.state_dict(), mapped)
         except BaseException:
             if self._writer is not None:
                 self._writer.abort()
@@ -340,6 +355,23 @@ class _LayerStub(nn.Module):
         if self.index >= self.stop_at[0]:
             raise _Reached()
         return hidden_states
+
+
+def _back_to_checkpoint_names(state: dict, mapped: dict) -> dict:
+    """The calibrated layer's tensors (every one: AWQ also rescales norms) under the checkpoint's names: a tensor
+    the checkpoint holds keeps its name, a quantized module's tensors take its checkpoint module name, and fused
+    experts are written per expert under their linearized names (as the data-free quantizer writes them)."""
+    to_ckpt = {m.key: k for k, m in mapped.items() if m.fused is None}
+    modules = {m.rsplit(".", 1)[0]: k.rsplit(".", 1)[0] for m, k in to_ckpt.items() if m.endswith(".weight")}
+    out = {}
+    for key, value in state.items():
+        if key in to_ckpt:
+            name = to_ckpt[key]
+        else:
+            module, param = key.rsplit(".", 1)
+            name = f"{modules.get(module, module)}.{param}"
+        out[name] = value.to("cpu").contiguous()
+    return out
 
 
 def _calibration_skeleton(config) -> nn.Module:
