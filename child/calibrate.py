@@ -81,7 +81,10 @@ class Calibrator:
     # the next layer waits on the host: on the GPU, one layer and its calibration state at a time (peak GPU
     # memory as oneshot's); a calibrated layer's forward passes dwarf the copy it would hide
     reads_to_device = False
-    previews = False  # a calibrated layer needs its inputs: `supervisor plan` lists no parts for it
+    # meta tensors in, meta tensors out through the data-free quantizer of the same scheme: calibration changes
+    # values, never which tensors a layer writes or their shapes, so `supervisor plan` and the loader check
+    # before the first layer see the calibrated output's layout
+    previews = True
     checks_loading = True  # its output is compressed-tensors: transformers' loader check applies at the end
 
     def __init__(self, job: Job, config_dir: str, device: str, *, output: str, source,
@@ -136,6 +139,8 @@ class Calibrator:
                                "and no boundary was named for it")
 
     def quantize_layer(self, index: int, tensors: dict) -> dict:
+        if any(t.is_meta for t in tensors.values()):
+            return self._plain.quantize_layer(index, tensors)  # a preview (see `previews`)
         if self._inputs is None or self._inputs.feeds != index:
             raise RuntimeError(f"layer {index}: begin() did not prepare its inputs")
         path = f"{self.layer_prefix}{index}"
@@ -191,6 +196,8 @@ class Calibrator:
         if self._plain.non_layer_targets:
             raise NotImplementedError(f"calibrated exports quantize decoder layers only; ignore "
                                       f"{self._plain.non_layer_targets} (e.g. keep lm_head in [export] ignore)")
+        if any(t.is_meta for t in tensors.values()):
+            return self._plain.quantize_non_layer(tensors)  # a preview: the norms' round trip changes no shape
         return self._plain.quantize_non_layer(self._offset_norms_round_trip(tensors))
 
     def _offset_norms_round_trip(self, tensors: dict) -> dict:

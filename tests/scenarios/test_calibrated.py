@@ -79,3 +79,16 @@ def test_cli_calibrated_mixtral_keeps_the_checkpoints_expert_names(tmp_path, log
     assert_same_tensors(to_checkpoint_names("mixtral", load_tensors(ref)), ours)
     with open(f"{ref}/config.json") as a, open(out / "config.json") as b:
         assert json.load(b) == json.load(a)
+
+
+def test_calibrated_nvfp4_moe_is_refused_before_the_first_layer(tiny_models, tmp_path):
+    """A calibrated export is previewed like a data-free one (same layout): NVFP4 on MoE experts, which transformers
+    5.17 would load wrong, is refused before any layer is calibrated: exit 2, one line, no output folder left."""
+    dataset = write_jsonl(tmp_path / "calib.jsonl", token_rows(N))
+    out = tmp_path / "out"
+    job = cli.write_job(tmp_path / "job.toml", tiny_models("qwen3moe"), out, "NVFP4", method="gptq", torch_threads=1,
+                        calibration={"dataset": dataset, "samples": N, "seq_len": SEQ})
+    proc = cli.run("run", job, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: NVFP4 export of")
+    assert "would not load in transformers" in proc.stderr and not out.exists()
