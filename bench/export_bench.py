@@ -170,7 +170,7 @@ def run_supervisor(args, src: str, out: str, work: str, workers: int, env: dict 
     for e in layers:
         for k, v in e.get("stages", {}).items():
             stages[k] = stages.get(k, 0.0) + v / len(layers)
-    return {"wall": wall, "startup": first, "imports": pool.get("imports", 0.0), "events": events, "stages": stages,
+    return {"wall": wall, "startup": first, "imports": pool.get("imports", 0.0), "forking": pool.get("forking"), "events": events, "stages": stages,
             "per_layer": sum(e["seconds"] for e in layers) / max(len(layers), 1),
             "workers": len({e["worker"] for e in events if e["type"] == "WorkerStarted"}),
             "peak_gpu": max((e["peak_gpu"] for e in written), default=0), "tree": tree, "rc": proc.returncode,
@@ -319,7 +319,8 @@ def main() -> None:
     print()
     print(f"written: {out_bytes / 1e9:.2f} GB; write floor {out_bytes / 1e9 / floor:.2f} s in all, "
           f"{out_bytes / 1e9 / floor / (args.layers + 1):.3f} s per part")
-    print(f"supervisor: imports {sup['imports']:.1f} s in the warm parent; {sup['workers']} worker(s)")
+    print(f"supervisor: imports {sup['imports']:.1f} s in the warm parent; {sup['workers']} worker(s), "
+          f"{'forked from it' if sup['forking'] else 'spawned fresh (the imports touched CUDA)'}")
     for name, r in rows:
         if r.get("stages"):
             print(f"{name}: mean seconds per layer by stage: "

@@ -130,6 +130,69 @@ def _restore_triton_detection() -> None:
         pass
 
 
+class _NoNvml(Exception):
+    pass
+
+
+def _nvml_capability(torch, device=None) -> tuple[int, int]:
+    """A GPU's compute capability as NVML reports it: the answer torch.cuda.get_device_capability gives, without
+    initialising CUDA. The device index is torch's (CUDA_VISIBLE_DEVICES applied, ids or UUIDs)."""
+    from ctypes import CDLL, byref, c_int, c_void_p
+
+    if device is None:
+        index = 0  # the current device of a process that has not chosen one
+    elif isinstance(device, int):
+        index = device
+    else:
+        device = torch.device(device)
+        index = 0 if device.index is None else device.index
+    try:
+        physical = torch.cuda._get_nvml_device_index(index)
+        nvml = CDLL("libnvidia-ml.so.1")
+        handle, major, minor = c_void_p(), c_int(), c_int()
+        if nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetHandleByIndex_v2(physical, byref(handle)) != 0 or \
+                nvml.nvmlDeviceGetCudaComputeCapability(handle, byref(major), byref(minor)) != 0:
+            raise _NoNvml
+    except (OSError, RuntimeError, ValueError, AttributeError, _NoNvml):
+        raise _NoNvml from None
+    return major.value, minor.value
+
+
+class _capability_from_nvml:
+    """While the backend's libraries import, answer torch.cuda.get_device_capability from NVML.
+
+    torchao's modules ask for the GPU's capability at import (`is_sm_at_least_100()` in
+    torchao/prototype/mx_formats/kernels.py, reached through transformers' torchao integration); torch answers
+    from the device's properties, which initialises CUDA, and a process that initialised CUDA cannot fork workers
+    that use it (measured on an H200 machine: every import of child.quantize left CUDA initialised). NVML gives
+    the same numbers without a CUDA context. Where NVML cannot answer, torch's own function runs (and the zygote
+    then reports that it cannot fork). Restored as soon as the imports are done.
+    """
+
+    def __init__(self, torch) -> None:
+        self.torch = torch
+        self.original = None
+
+    def __enter__(self):
+        cuda, original = self.torch.cuda, self.torch.cuda.get_device_capability
+        if cuda.is_initialized() or not os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"):
+            return self
+
+        def get_device_capability(device=None):
+            try:
+                return _nvml_capability(self.torch, device)
+            except _NoNvml:
+                return original(device)
+
+        self.original = original
+        cuda.get_device_capability = get_device_capability
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.original is not None:
+            self.torch.cuda.get_device_capability = self.original
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m child.zygote")
     ap.add_argument("--sock-fd", type=int, required=True)
@@ -150,11 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION"] = "1"
     t = time.perf_counter()
     try:
-        from child.backend import preload
-
-        preload(args.format)
         import torch
 
+        from child.backend import preload
+
+        with _capability_from_nvml(torch):
+            preload(args.format)
         _restore_triton_detection()
         from child import faults
 

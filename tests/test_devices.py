@@ -206,3 +206,33 @@ def test_cpu_worker_slots_follow_cores_and_memory(monkeypatch):
     assert devices.worker_slots(["cpu"], 0, 1 << 30) == ["cpu"] * 2  # 9 GiB holds two workers of 4 GiB
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert devices.worker_slots(["cpu"], 0, 1 << 30) == ["cpu"]
+
+
+def test_warm_parent_answers_gpu_capability_from_nvml_only_while_importing(monkeypatch):
+    """child.zygote: while the backend's libraries import, torch.cuda.get_device_capability answers from NVML (no
+    CUDA context; torchao asks at import), falls back to torch's own function where NVML cannot answer, and is
+    torch's own function again afterwards."""
+    import torch
+
+    from child import zygote
+
+    original = torch.cuda.get_device_capability
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    asked = []
+
+    def nvml(_torch, device=None):
+        asked.append(device)
+        if device == 1:
+            raise zygote._NoNvml
+        return (9, 0)
+
+    monkeypatch.setattr(zygote, "_nvml_capability", nvml)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: ("torch", device))
+    torch_own = torch.cuda.get_device_capability
+    with zygote._capability_from_nvml(torch):
+        assert torch.cuda.get_device_capability() == (9, 0)
+        assert torch.cuda.get_device_capability(1) == ("torch", 1)  # NVML could not answer: torch's own
+    assert asked == [None, 1]
+    assert torch.cuda.get_device_capability is torch_own
+    monkeypatch.undo()
+    assert torch.cuda.get_device_capability is original

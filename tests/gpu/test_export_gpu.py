@@ -22,6 +22,9 @@ def test_cuda_export_equals_oneshot(scheme, tiny_models, oneshot_ref, tmp_path):
     assert done[-1]["type"] == "Finished"
     started = [e for e in done if e["type"] == "WorkerStarted"]
     assert started[0]["device"] == "cuda:0" and started[0]["gpu_total"] > 0
+    # the warm parent's imports (torchao's capability checks included) left CUDA alone, so workers are forked
+    pool = next(e for e in done if e["type"] == "PoolStarted")
+    assert pool["forking"], pool
     assert_same_tensors(load_tensors(ref), load_tensors(str(tmp_path / "out")))
     with open(f"{ref}/config.json") as a, open(tmp_path / "out" / "config.json") as b:
         assert json.load(a) == json.load(b)

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "W4A16", "NVFP4A16"])
 def test_cuda_export_journals_gpu_memory_and_errors(scheme, tiny_models, tmp_path):
     """Every layer records its peak GPU memory and, per quantized module, the error measured on the GPU, equal to
-    oneshot + fake-quantize (on CPU) within 1e-4 relative; the report plots GPU memory."""
+    oneshot + fake-quantize on cuda within 1e-4 relative; the report plots GPU memory."""
     path = tiny_models("llama")
     job = cli.write_job(tmp_path / "job.toml", path, tmp_path / "out", scheme, device="cuda")
     cli.run("run", job)
@@ -24,7 +24,7 @@ def test_cuda_export_journals_gpu_memory_and_errors(scheme, tiny_models, tmp_pat
     assert layers and all(p["peak_gpu"] > 0 for p in layers)
     from child.quantize import DEFAULT_IGNORE
 
-    expected = oneshot_errors(path, scheme, list(DEFAULT_IGNORE))
+    expected = oneshot_errors(path, scheme, list(DEFAULT_IGNORE), device="cuda")
     got = {name: err for p in report["parts"] for name, err in p["quant_error"].items()}
     assert set(got) == set(expected)
     for name, err in expected.items():
