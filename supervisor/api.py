@@ -115,7 +115,7 @@ def prepare(job: Job, model=None) -> Plan:
     probe(output)
     devs = devices.resolve_devices(job.resources.device)
     calib = calibration.check(job, source, devs[0]) if is_calibrated(job) else None
-    fp, parts = journal.fingerprint(job, source.stats, calib.fingerprint if calib else None, extra)
+    fp, parts = journal.fingerprint(job, source.stats, calib.fingerprint if calib else None, extra, devs[0])
     state = journal.check_owner(output, fp, parts)
     _check_writable(output)
     if job.export.format == "torchao":

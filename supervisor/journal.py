@@ -85,11 +85,15 @@ def _versions(packages: tuple[str, ...] = _FINGERPRINT_PACKAGES) -> dict[str, st
 
 
 def fingerprint(job: Job, source_stats: list[tuple[str, int, int]], calibration: dict | None = None,
-                extra: dict | None = None) -> tuple[str, dict]:
+                extra: dict | None = None, device: str = "cpu") -> tuple[str, dict]:
     """A hash of everything that decides the output's bytes; also returns the parts, for messages.
     `calibration`: the data-dependent parts of a calibrated job (supervisor.calibration); data-free jobs have
     none, so their fingerprints are what they were before calibration existed. `extra`: what else the source is
-    made of (an adapter's file hashes, a live model's structure)."""
+    made of (an adapter's file hashes, a live model's structure). `device`: the resolved device the layers are
+    quantized on; its kind decides bytes too (on cuda compressed-tensors quantizes with a Triton kernel that divides
+    by the scale in float32, on the CPU in the weight's bf16: FP8 and INT values can differ by one step), so an
+    export started on a GPU is never resumed on the CPU or the other way round. CPU jobs leave it out (their
+    fingerprints stay what they were)."""
     parts = {
         "source_files": [list(s) for s in source_stats],
         "scheme": job.export.scheme,
@@ -103,6 +107,8 @@ def fingerprint(job: Job, source_stats: list[tuple[str, int, int]], calibration:
         parts["versions"] = _versions(_FINGERPRINT_PACKAGES + ("torchao",))
     if calibration is not None:
         parts["calibration"] = calibration
+    elif not device.startswith("cpu"):
+        parts["device"] = device.split(":")[0]  # calibrated jobs hold it in their calibration part already
     if extra:
         parts["source_extra"] = extra
     blob = json.dumps(parts, sort_keys=True).encode()

@@ -179,3 +179,21 @@ def test_fingerprint_holds_torchao_version_and_table_only_for_torchao_jobs():
     assert fp_a != fp_b
     _, ct = fingerprint(_job("FP8_DYNAMIC", fmt="compressed-tensors"), stats)
     assert "torchao" not in ct and "torchao" not in ct["versions"]
+
+
+def test_fingerprint_holds_the_device_kind_of_gpu_jobs():
+    """A data-free export quantized on cuda is not resumed on the CPU (the arithmetic differs: Triton's float32
+    division against torch's bf16 one), nor the other way round; CPU fingerprints are what they were; every GPU
+    of a kind is the same kind."""
+    from supervisor.journal import fingerprint
+
+    stats = [("model.safetensors", 10, 1)]
+    for job in (_job("FP8_DYNAMIC", fmt="compressed-tensors"), _job("Float8WeightOnly", {"granularity": "PerRow"})):
+        cpu, parts = fingerprint(job, stats)
+        assert "device" not in parts and fingerprint(job, stats, device="cpu")[0] == cpu
+        gpu0, parts = fingerprint(job, stats, device="cuda:0")
+        assert parts["device"] == "cuda" and gpu0 != cpu
+        assert fingerprint(job, stats, device="cuda:1")[0] == gpu0
+    # calibrated jobs hold the device in their calibration part; it is not added twice
+    _, parts = fingerprint(_job("FP8_DYNAMIC", fmt="compressed-tensors"), stats, {"device": "cuda"}, device="cuda:0")
+    assert "device" not in parts and parts["calibration"] == {"device": "cuda"}
