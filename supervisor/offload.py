@@ -37,7 +37,6 @@ import torch
 from torch import nn
 
 from supervisor.errors import OffloadError  # noqa: F401 - re-exported; the hierarchy lives in errors.py
-from supervisor.hostpool import ALIGN as _ALIGN
 from supervisor.hostpool import PinnedPool  # noqa: F401 - re-exported: callers keep one across releases
 
 # Device types whose memory release() frees. Tests on CPU-only machines swap in {"cpu"} so the whole

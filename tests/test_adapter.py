@@ -6,7 +6,6 @@ then layer 0 quantized with FP8_DYNAMIC and W4A16); one cell runs the real CLI a
 """
 from __future__ import annotations
 
-import json
 import os
 
 import pytest

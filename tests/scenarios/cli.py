@@ -55,3 +55,32 @@ def output_bytes(folder) -> dict[str, str]:
         with open(p, "rb") as f:
             out[name] = hashlib.sha256(f.read()).hexdigest()
     return out
+
+
+def tree(root) -> dict[str, tuple]:
+    """Every path under root with its mode, size, mtime and (files) sha256: what "changes nothing on disk" compares."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(d, name)
+            st = os.lstat(p)
+            digest = ""
+            if os.path.isfile(p):
+                with open(p, "rb") as f:
+                    digest = hashlib.sha256(f.read()).hexdigest()
+            out[os.path.relpath(p, root)] = (st.st_mode, st.st_size, st.st_mtime_ns, digest)
+    return out
+
+
+def assert_refused(job, expected: str, root, *, cwd=None) -> None:
+    """`supervisor run job` refuses it as bad input: exit 2, one stderr line "error: ..." holding `expected`, no
+    traceback, and nothing under root changed."""
+    before = tree(root)
+    proc = subprocess.run([sys.executable, "-m", "supervisor.cli", "run", str(job)], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert tree(root) == before

@@ -1,14 +1,13 @@
 """Bad job files and bad sources: exit code 2, a one-line error, no traceback, nothing created or changed."""
-import hashlib
 import json
 import os
 import struct
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
+
+from tests.scenarios import cli
 
 GOOD_JOB = """
 [source]
@@ -30,20 +29,6 @@ def _fake_checkpoint(path, layers=2, config_layers=None):
     for i in range(layers):
         tensors[f"model.layers.{i}.mlp.down_proj.weight"] = np.zeros((4, 4), np.float32)
     save_file(tensors, os.path.join(path, "model.safetensors"))
-
-
-def _snapshot(root):
-    out = {}
-    for d, dirs, files in os.walk(root):
-        for name in dirs + files:
-            p = os.path.join(d, name)
-            st = os.lstat(p)
-            digest = ""
-            if os.path.isfile(p):
-                with open(p, "rb") as f:
-                    digest = hashlib.sha256(f.read()).hexdigest()
-            out[os.path.relpath(p, root)] = (st.st_mode, st.st_size, st.st_mtime_ns, digest)
-    return out
 
 
 def _lying_header(src):
@@ -138,15 +123,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, job_text, 
         job.write_text(GOOD_JOB if job_text is None else job_text)
     if mutate:
         mutate(str(tmp_path))
-    before = _snapshot(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "supervisor.cli", "run", str(job)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
-    assert "Traceback" not in proc.stderr + proc.stdout
-    assert _snapshot(tmp_path) == before
+    cli.assert_refused(job, expected, tmp_path, cwd=tmp_path)
 
 
 def test_remote_code_passes_validation_either_way(tmp_path):
@@ -157,10 +134,10 @@ def test_remote_code_passes_validation_either_way(tmp_path):
 
     _fake_checkpoint(tmp_path / "src")
     _remote_code(str(tmp_path / "src"))
-    before = _snapshot(tmp_path)
+    before = cli.tree(tmp_path)
     job = {"source": {"path": str(tmp_path / "src")}, "export": {"scheme": "W4A16", "output": str(tmp_path / "out")},
            "resources": {"device": "cpu"}}
     assert prepare(parse_job(job)).source.num_layers == 2
     job["source"]["allow_remote_code"] = True
     assert prepare(parse_job(job)).source.num_layers == 2
-    assert _snapshot(tmp_path) == before
+    assert cli.tree(tmp_path) == before

@@ -4,12 +4,11 @@ Runs `python -m supervisor.cli run` on a structurally valid fake checkpoint (no 
 before any child starts)."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.scenarios.test_bad_input import _fake_checkpoint, _snapshot
+from tests.scenarios import cli
+from tests.scenarios.test_bad_input import _fake_checkpoint
 
 GOOD = """
 [source]
@@ -110,15 +109,7 @@ def test_bad_calibration_input_exits_2_with_one_line_and_writes_nothing(tmp_path
     (tmp_path / "job.toml").write_text(job_text)
     if mutate:
         mutate(str(tmp_path))
-    before = _snapshot(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "supervisor.cli", "run", str(tmp_path / "job.toml")], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
-    assert "Traceback" not in proc.stderr + proc.stdout
-    assert _snapshot(tmp_path) == before
+    cli.assert_refused(tmp_path / "job.toml", expected, tmp_path, cwd=tmp_path)
 
 
 def test_good_calibration_input_passes_validation(tmp_path):
@@ -128,9 +119,9 @@ def test_good_calibration_input_passes_validation(tmp_path):
 
     _checkpoint(str(tmp_path))
     _dataset(_lines(*ROWS))(str(tmp_path))
-    before = _snapshot(tmp_path)
+    before = cli.tree(tmp_path)
     job = parse_toml(GOOD.replace('"src"', f'"{tmp_path}/src"').replace('"out"', f'"{tmp_path}/out"')
                      .replace('"calib.jsonl"', f'"{tmp_path}/calib.jsonl"'))
     plan = prepare(job)
     assert plan.calibration is not None and len(plan.calibration.sha256) == 64
-    assert _snapshot(tmp_path) == before
+    assert cli.tree(tmp_path) == before
