@@ -32,7 +32,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from export_bench import IGNORE, SUPERVISOR, build, compare, disk_write_speed, timed, warm  # noqa: E402
+from export_bench import IGNORE, SUPERVISOR, add_shape_args, build, compare, disk_write_speed, timed, warm  # noqa: E402
 
 ONESHOT = r"""
 import json, sys, time
@@ -132,10 +132,7 @@ def run_oneshot(args, src: str, data: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--intermediate", type=int, default=14336)
-    ap.add_argument("--vocab", type=int, default=128256)
+    add_shape_args(ap)
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--scheme", default="W4A16")

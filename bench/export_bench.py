@@ -257,12 +257,17 @@ def output_bytes(folder: str) -> int:
     return sum(os.path.getsize(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=32)
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """--layers/--hidden/--intermediate/--vocab of the random Llama the benches build (default: Llama-3-8B)."""
+    ap.add_argument("--layers", type=int, default=32, help="decoder layers (32 = Llama-3-8B shape)")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--vocab", type=int, default=128256)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(ap)
     ap.add_argument("--scheme", default="FP8_DYNAMIC")
     ap.add_argument("--device", default="cuda", help="the job's resources.device: cuda (every GPU), cuda:N, cpu")
     ap.add_argument("--workers", default="0", help="resources.workers for the supervisor runs: one run per value "

@@ -9,7 +9,6 @@ a changed adapter is never mixed with shards of the old one. Owns validation onl
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 
@@ -18,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 from shared import durable
 from shared.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, not_mergeable_key, split_key, unsupported
 from supervisor.errors import SourceError
+from supervisor.source import read_json_object
 
 
 def pattern_key(patterns, module: str) -> str:
@@ -54,18 +54,9 @@ def inspect_adapter(folder: str, base_folder: str, base_files: list[str]) -> dic
 
 
 def _read_config(folder: str) -> dict:
-    path = os.path.join(folder, ADAPTER_CONFIG)
-    if not os.path.isfile(path):
-        raise SourceError(f"[source] adapter {folder!r} has no {ADAPTER_CONFIG}; save the adapter with PEFT's "
-                          "save_pretrained")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise SourceError(f"[source] adapter {ADAPTER_CONFIG} cannot be read: {exc}") from exc
-    if not isinstance(config, dict):
-        raise SourceError(f"[source] adapter {ADAPTER_CONFIG} is not a JSON object")
-    return config
+    return read_json_object(os.path.join(folder, ADAPTER_CONFIG), f"[source] adapter {ADAPTER_CONFIG}",
+                            f"[source] adapter {folder!r} has no {ADAPTER_CONFIG}; save the adapter with PEFT's "
+                            "save_pretrained")
 
 
 def _adapter_shapes(folder: str) -> dict[str, list[int]]:

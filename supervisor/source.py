@@ -55,17 +55,23 @@ def inspect(path: str) -> SourceInfo:
 
 
 def _read_config(folder: str) -> dict:
-    cfg_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise SourceError(f"source {folder!r} has no config.json; point [source] path at a Hugging Face checkpoint")
+    return read_json_object(os.path.join(folder, "config.json"), "source config.json",
+                            f"source {folder!r} has no config.json; point [source] path at a Hugging Face checkpoint")
+
+
+def read_json_object(path: str, what: str, missing: str) -> dict:
+    """The JSON object in path; SourceError(missing) if there is no such file, else "{what} cannot be read / is not
+    a JSON object"."""
+    if not os.path.isfile(path):
+        raise SourceError(missing)
     try:
-        with open(cfg_path) as f:
-            config = json.load(f)
+        with open(path) as f:
+            data = json.load(f)
     except (OSError, ValueError) as exc:
-        raise SourceError(f"source config.json cannot be read: {exc}") from exc
-    if not isinstance(config, dict):
-        raise SourceError("source config.json is not a JSON object")
-    return config
+        raise SourceError(f"{what} cannot be read: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SourceError(f"{what} is not a JSON object")
+    return data
 
 
 def _weight_files(folder: str, shown: str) -> list[str]:

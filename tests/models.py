@@ -86,9 +86,17 @@ def make_tiny_model(
     hidden must be a multiple of 128 for W4A16/NVFP4 (see the module docstring); tied=True ties lm_head to
     the input embeddings, so the checkpoint holds no lm_head tensor.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
-    config = _config(kind, layers, hidden, tied)
+    save_random_model(_config(kind, layers, hidden, tied), path, seed)
+    GenerationConfig(bos_token_id=3, eos_token_id=2, pad_token_id=1).save_pretrained(path)
+    return path
+
+
+def save_random_model(config, path: str, seed: int = 0) -> None:
+    """A random bf16 model of `config` (norms perturbed) saved to path with the tiny tokenizer beside it."""
+    from transformers import AutoModelForCausalLM
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -98,9 +106,7 @@ def make_tiny_model(
                 if "norm" in name:
                     p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
-    GenerationConfig(bos_token_id=3, eos_token_id=2, pad_token_id=1).save_pretrained(path)
     _save_tokenizer(path)
-    return path
 
 
 def oneshot_reference(model_dir: str, scheme: str, ignore: list[str], out_dir: str) -> str:

@@ -26,22 +26,14 @@ from shared.job import DEFAULT_IGNORE
 
 def make_tiny_gemma(path: str, *, seed: int = 0) -> str:
     """A tiny random Gemma (offset norms: "(1 + weight)", which llm-compressor converts for calibration)."""
-    from transformers import AutoModelForCausalLM, GemmaConfig
+    from transformers import GemmaConfig
 
-    from tests.models import _save_tokenizer
+    from tests.models import save_random_model
 
     cfg = GemmaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=32, vocab_size=256, max_position_embeddings=256,
                       bos_token_id=3, eos_token_id=2, pad_token_id=1)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
-    _save_tokenizer(path)
+    save_random_model(cfg, path, seed)
     return path
 
 
