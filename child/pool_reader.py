@@ -19,16 +19,17 @@ import mmap
 import torch
 
 from child.adapter import LoraPair
+from child.source import NamedTensors
 from shared.durable import tensor_digest
 from shared.messages import Pool, PoolTensor
-from shared.tensor_names import layer_of
 
 
-class PoolSource:
+class PoolSource(NamedTensors):
     def __init__(self, pool: Pool):
         self._maps = [mmap.mmap(fd, size, access=mmap.ACCESS_COPY) for fd, size in zip(pool.fds, pool.sizes)]
         self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self._entries = {t.name: t for t in pool.tensors}
+        self._names = self._entries.keys()
         self._loras = {lora.weight: lora for lora in pool.loras}
 
     def _tensor(self, e: PoolTensor) -> torch.Tensor:
@@ -37,28 +38,12 @@ class PoolSource:
         # offsets come from data_ptr() differences, so they are multiples of the dtype's size
         return torch.empty(0, dtype=dtype).set_(storage, e.offset // dtype.itemsize, e.shape, e.stride)
 
-    def layer_names(self, prefix: str, index: int) -> list[str]:
-        p = f"{prefix}{index}."
-        return sorted(k for k in self._entries if k.startswith(p))
-
-    def non_layer_names(self, prefix: str, num_layers: int | None = None) -> list[str]:
-        def outside(name: str) -> bool:
-            index = layer_of(name, prefix)
-            return index is None or (num_layers is not None and index >= num_layers)
-        return sorted(k for k in self._entries if outside(k))
-
     def read(self, names: list[str]) -> dict:
         return {n: self._tensor(self._entries[n]) for n in names}
 
     def meta(self, names: list[str]) -> dict:
         return {n: torch.empty(self._entries[n].shape, dtype=getattr(torch, self._entries[n].dtype), device="meta")
                 for n in names}
-
-    def all_names(self) -> list[str]:
-        return sorted(self._entries)
-
-    def nbytes(self, tensors: dict) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def pairs(self, weight_names: list[str]) -> dict[str, LoraPair]:
         """The live PEFT model's unmerged LoRA pairs of these weights (its own tensors and scaling)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from collections.abc import Collection
 from typing import Protocol
 
 from safetensors import safe_open
@@ -80,7 +81,30 @@ def open_source(job, pool=None) -> Source:
     return disk
 
 
-class Checkpoint:
+class NamedTensors:
+    """What a Source derives from the names of its tensors (`_names`: any collection of every tensor name); reading
+    the tensors is each Source's own."""
+
+    _names: Collection[str]
+
+    def layer_names(self, prefix: str, index: int) -> list[str]:
+        p = f"{prefix}{index}."
+        return sorted(k for k in self._names if k.startswith(p))
+
+    def non_layer_names(self, prefix: str, num_layers: int | None = None) -> list[str]:
+        def outside(name: str) -> bool:
+            index = layer_of(name, prefix)
+            return index is None or (num_layers is not None and index >= num_layers)
+        return sorted(k for k in self._names if outside(k))
+
+    def all_names(self) -> list[str]:
+        return sorted(self._names)
+
+    def nbytes(self, tensors: dict) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class Checkpoint(NamedTensors):
     def __init__(self, folder: str):
         self.folder = folder
         self.weight_map: dict[str, str] = {}  # tensor name -> file name
@@ -95,15 +119,7 @@ class Checkpoint:
                         for k in f.keys():
                             self.weight_map[k] = fn
 
-    def layer_names(self, prefix: str, index: int) -> list[str]:
-        p = f"{prefix}{index}."
-        return sorted(k for k in self.weight_map if k.startswith(p))
-
-    def non_layer_names(self, prefix: str, num_layers: int | None = None) -> list[str]:
-        def outside(name: str) -> bool:
-            index = layer_of(name, prefix)
-            return index is None or (num_layers is not None and index >= num_layers)
-        return sorted(k for k in self.weight_map if outside(k))
+        self._names = self.weight_map.keys()
 
     def meta(self, names: list[str]) -> dict:
         import torch
@@ -133,12 +149,6 @@ class Checkpoint:
                 for k in keys:
                     out[k] = f.get_tensor(k)
         return out
-
-    def nbytes(self, tensors) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors.values())
-
-    def all_names(self) -> list[str]:
-        return sorted(self.weight_map)
 
     def digest(self, names: list[str]) -> str:
         return ""  # the fingerprint holds the files' sizes and mtimes
