@@ -171,3 +171,12 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise AssertionError(f"{len(problems)} tensor mismatches:\n  {shown}{more}")
+
+
+def loaded_logits(folder: str, ids: torch.Tensor) -> torch.Tensor:
+    """The logits for ids of the model in folder, loaded by transformers as a user would (bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    with torch.no_grad():
+        return model(ids).logits

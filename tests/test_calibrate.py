@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from tests.models import assert_same_tensors, load_tensors
+from tests.models import assert_same_tensors, load_tensors, loaded_logits
 from tests.ref_calib import make_tiny_gemma, oneshot_calibrated, threads, token_rows, write_jsonl
 
 N, SEQ = 20, 40  # more than 16 samples: torch's unstable argsort permutes equal lengths
@@ -49,11 +49,7 @@ def ids_dataset(tmp_path_factory):
 
 
 def _logits(folder):
-    from transformers import AutoModelForCausalLM
-
-    ids = torch.randint(4, 256, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)(ids).logits
+    return loaded_logits(folder, torch.randint(4, 256, (2, 12), generator=torch.Generator().manual_seed(0)))
 
 
 @pytest.mark.parametrize("kind,scheme,method", [

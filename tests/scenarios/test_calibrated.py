@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.models import assert_same_tensors, load_tensors
+from tests.models import assert_same_tensors, load_tensors, loaded_logits
 from tests.ref_calib import oneshot_calibrated, text_rows, token_rows, write_jsonl
 from tests.scenarios import cli
 
@@ -27,14 +27,6 @@ CASES = [
 @pytest.fixture(scope="module")
 def logits_input():
     return torch.randint(4, 256, (2, 12), generator=torch.Generator().manual_seed(0))
-
-
-def _logits(folder, ids):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
-    with torch.no_grad():
-        return model(ids).logits
 
 
 @pytest.mark.parametrize("kind,scheme,method,data", CASES, ids=["-".join(c) for c in CASES])
@@ -54,7 +46,7 @@ def test_cli_calibrated_export_equals_oneshot(kind, scheme, method, data, tiny_m
     assert_same_tensors(load_tensors(ref), load_tensors(str(out)))
     with open(f"{ref}/config.json") as a, open(out / "config.json") as b:
         assert json.load(b) == json.load(a)
-    assert torch.equal(_logits(str(out), logits_input), _logits(ref, logits_input))
+    assert torch.equal(loaded_logits(str(out), logits_input), loaded_logits(ref, logits_input))
     assert not list((out / ".export" / "boundary").iterdir())  # no calibration state left once finished
 
 

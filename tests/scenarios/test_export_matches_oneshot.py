@@ -5,21 +5,13 @@ import pytest
 import torch
 
 from shared.schemes import DATA_FREE
-from tests.models import assert_same_tensors, load_tensors
+from tests.models import assert_same_tensors, load_tensors, loaded_logits
 from tests.scenarios import cli
 
 
 @pytest.fixture(scope="module")
 def logits_input():
     return torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
-
-
-def _logits(folder, ids):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
-    with torch.no_grad():
-        return model(ids).logits
 
 
 @pytest.mark.parametrize("scheme", DATA_FREE)
@@ -41,7 +33,7 @@ def test_cli_export_equals_oneshot(kind, scheme, tiny_models, oneshot_ref, tmp_p
         got_cfg = json.load(f)
     assert got_cfg["quantization_config"] == ref_cfg["quantization_config"]
     assert got_cfg == ref_cfg
-    assert torch.equal(_logits(str(out), logits_input), _logits(str(ref), logits_input))
+    assert torch.equal(loaded_logits(str(out), logits_input), loaded_logits(str(ref), logits_input))
 
 
 def test_cli_moe_export_equals_oneshot(tiny_models, oneshot_ref, tmp_path, logits_input):
@@ -52,4 +44,4 @@ def test_cli_moe_export_equals_oneshot(tiny_models, oneshot_ref, tmp_path, logit
     assert_same_tensors(load_tensors(str(ref)), load_tensors(str(out)))
     with open(f"{ref}/config.json") as a, open(out / "config.json") as b:
         assert json.load(a) == json.load(b)
-    assert torch.equal(_logits(str(out), logits_input), _logits(str(ref), logits_input))
+    assert torch.equal(loaded_logits(str(out), logits_input), loaded_logits(str(ref), logits_input))
