@@ -19,7 +19,7 @@ from typing import Protocol
 
 from safetensors import safe_open
 
-from shared.tensor_names import layer_of
+from shared import tensor_names
 
 INDEX = "model.safetensors.index.json"
 # safetensors dtype names -> torch attribute names
@@ -88,14 +88,10 @@ class NamedTensors:
     _names: Collection[str]
 
     def layer_names(self, prefix: str, index: int) -> list[str]:
-        p = f"{prefix}{index}."
-        return sorted(k for k in self._names if k.startswith(p))
+        return tensor_names.layer_names(self._names, prefix, index)
 
     def non_layer_names(self, prefix: str, num_layers: int | None = None) -> list[str]:
-        def outside(name: str) -> bool:
-            index = layer_of(name, prefix)
-            return index is None or (num_layers is not None and index >= num_layers)
-        return sorted(k for k in self._names if outside(k))
+        return tensor_names.non_layer_names(self._names, prefix, num_layers)
 
     def all_names(self) -> list[str]:
         return sorted(self._names)

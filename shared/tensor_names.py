@@ -12,6 +12,7 @@ that does not (an export by tensor names) uses it as is. Pure string logic: no t
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 _FIRST_INDEX = re.compile(r"^(?P<prefix>(?:[^.]+\.)*?)(?P<index>\d+)\.")
 _LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
@@ -58,3 +59,18 @@ def layer_of(name: str, prefix: str) -> int | None:
         return None
     head = name[len(prefix):].split(".", 1)[0]
     return int(head) if head.isdigit() else None
+
+
+def layer_names(names: Iterable[str], prefix: str, index: int) -> list[str]:
+    """The names of decoder layer `index`'s tensors, sorted."""
+    p = f"{prefix}{index}."
+    return sorted(n for n in names if n.startswith(p))
+
+
+def non_layer_names(names: Iterable[str], prefix: str, num_layers: int | None = None) -> list[str]:
+    """The names outside decoder layers 0..num_layers-1, sorted: layers past the count (DeepSeek's multi-token
+    prediction layer) belong here; num_layers None: outside every layer."""
+    def outside(name: str) -> bool:
+        index = layer_of(name, prefix)
+        return index is None or (num_layers is not None and index >= num_layers)
+    return sorted(n for n in names if outside(n))

@@ -440,7 +440,8 @@ class Supervisor:
             return None
         from supervisor import live
 
-        names = live.part_names(self.plan.source.tensor_names, self.plan.source.layer_prefix, index)
+        src = self.plan.source
+        names = live.part_names(src.tensor_names, src.layer_prefix, index, src.num_layers)
         return None if live.part_digest(self._live, names) == rec.source_digest else "the live model changed"
 
     def _make_scheduler(self) -> Scheduler:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from shared import tensor_names
 from shared.durable import tensor_digest
 from shared.lora import unsupported
 from shared.messages import NON_LAYER, Pool, PoolLora, PoolTensor
@@ -216,14 +217,12 @@ def _entry(name: str, t: torch.Tensor, pool) -> PoolTensor:
                       stride=list(t.stride()))
 
 
-def part_names(names: list[str], prefix: str, index: int) -> list[str]:
-    """The checkpoint names of part `index` (NON_LAYER: everything outside the decoder layers), as the child reads."""
+def part_names(names: list[str], prefix: str, index: int, num_layers: int) -> list[str]:
+    """The checkpoint names of part `index` (NON_LAYER: everything outside decoder layers 0..num_layers-1), by the
+    rule the child reads them with (shared/tensor_names.py)."""
     if index == NON_LAYER:
-        import re
-
-        rx = re.compile(re.escape(prefix) + r"\d+\.")
-        return [n for n in names if not rx.match(n)]
-    return [n for n in names if n.startswith(f"{prefix}{index}.")]
+        return tensor_names.non_layer_names(names, prefix, num_layers)
+    return tensor_names.layer_names(names, prefix, index)
 
 
 def part_digest(saved: Saved, names: list[str]) -> str:

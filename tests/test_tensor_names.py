@@ -80,3 +80,24 @@ def test_layers_past_the_config_count_go_with_the_non_layer_part(tmp_path):
     assert (info.layer_prefix, info.num_layers) == ("model.layers.", 2)
     assert Checkpoint(str(tmp_path)).non_layer_names("model.layers.", 2) == ["model.layers.2.w.weight",
                                                                               "model.norm.weight"]
+
+
+def test_the_supervisor_names_a_live_models_parts_as_the_child_reads_them():
+    """A live model's part digests are compared by name lists the supervisor builds: a layer past the config's
+    count (DeepSeek's multi-token-prediction layer) belongs to the non-layer part on both sides."""
+    from child.source import NamedTensors
+    from shared.messages import NON_LAYER
+    from supervisor.live import part_names
+
+    names = sorted(["model.embed_tokens.weight", "model.layers.0.mlp.weight", "model.layers.1.mlp.weight",
+                    "model.layers.2.eh_proj.weight", "model.norm.weight", "lm_head.weight"])
+
+    class Child(NamedTensors):
+        _names = names
+
+    child = Child()
+    assert part_names(names, "model.layers.", NON_LAYER, 2) == child.non_layer_names("model.layers.", 2) == [
+        "lm_head.weight", "model.embed_tokens.weight", "model.layers.2.eh_proj.weight", "model.norm.weight"]
+    for i in (0, 1):
+        assert part_names(names, "model.layers.", i, 2) == child.layer_names("model.layers.", i) == [
+            f"model.layers.{i}.mlp.weight"]
