@@ -125,7 +125,7 @@ class Exporter:
         if job.resources.torch_threads:
             import torch
             torch.set_num_threads(job.resources.torch_threads)
-        self.job, self.output, self.device, self.beat = job, hello.output, hello.device, beat
+        self.output, self.device, self.beat = hello.output, hello.device, beat
         self._index: int | None = None
         self._writer: Writer | None = None
         measure = job.export.measure_error

@@ -27,11 +27,6 @@ PER_TENSOR_WEIGHTS: tuple[str, ...] = ("FP8",)
 
 SUPPORTED = DATA_FREE + CALIBRATED
 
-# How weights are rounded: round-to-nearest (data-free unless the scheme has static activations), or a
-# calibrated method that needs data (llm-compressor's GPTQModifier / AWQModifier).
-METHODS: tuple[str, ...] = ("rtn", "gptq", "awq")
-
-
 def closest(name: str) -> str | None:
     """The supported scheme name nearest to `name`, for a 'did you mean' hint."""
     upper = name.upper()

@@ -403,7 +403,7 @@ class Supervisor:
         self._clear_tmp()
         todo = [p for p in parts if p not in done]
         self._emit(ev.Started(output=out, total=len(parts), todo=len(todo), resumed=len(done), redo=sorted(redo)))
-        if not todo and st.finalized is not None and not redo and not journal.verify_files(out, _not_in(st.finalized.files, done)):
+        if not todo and st.finalized is not None and not redo and not journal.verify_files(out, journal.not_shards(st.finalized.files, done)):
             return ev.Finished(output=out, parts=len(parts), nbytes=sum(r.nbytes for r in done.values()),
                                seconds=0.0, already_complete=True)
         self._preflight()
@@ -471,7 +471,7 @@ class Supervisor:
             else:
                 redo.append(idx)
         if self.plan.calibration is not None:
-            start, self._boundary = journal.calibrated_resume(self.plan.output, st, n)
+            start, self._boundary = journal.calibrated_resume(self.plan.output, st, n, done)
             redo = sorted(set(redo) | {i for i in done if i >= start})
             done = {i: r for i, r in done.items() if i < start}  # NON_LAYER (-1) stays when good
             journal.prune_boundaries(self.plan.output, self._boundary)
@@ -512,8 +512,8 @@ class Supervisor:
         if self.plan.devices == ["cpu"]:
             env = devices.child_env("cpu", env)
         log = layout.state_path(self.plan.output, layout.LOGS, "zygote.log")
-        z = Zygote(env, log, self.job.export.format, self.job.resources.startup_timeout,
-                   pass_fds=tuple(self._pool_spec.fds) if self._pool_spec is not None else (), on_log=self._on_log)
+        z = Zygote(env, log, self.job.export.format, self.job.resources.startup_timeout, pass_fds=self._pool_fds,
+                   on_log=self._on_log)
         t = time.monotonic()
         try:
             self._spawner.submit(z.start, self._cancel.is_set).result()
@@ -524,6 +524,11 @@ class Supervisor:
         self._zygote = z
         self._emit(ev.PoolStarted(pid=z.proc.pid, seconds=round(time.monotonic() - t, 3), imports=z.seconds,
                                   forking=z.forkable))
+
+    @property
+    def _pool_fds(self) -> tuple[int, ...]:
+        """A live model's pool memfds, inherited by the zygote (so by every worker it forks) or a spawned worker."""
+        return tuple(self._pool_spec.fds) if self._pool_spec is not None else ()
 
     def _fork(self, env: dict, fds: tuple[int, int], out_fds: tuple[int, int]):
         """Fork a worker from the zygote; a zygote that died is started again once (on the spawner thread)."""
@@ -536,8 +541,7 @@ class Supervisor:
                     self._start_zygote()
                 if not self._zygote.forkable:
                     # the imports touched CUDA on this machine: a fork would not be safe; spawn instead
-                    pass_fds = tuple(self._pool_spec.fds) if self._pool_spec is not None else ()
-                    return self._spawner.submit(spawn, env, fds, out_fds, pass_fds).result()
+                    return self._spawner.submit(spawn, env, fds, out_fds, self._pool_fds).result()
                 return self._zygote.fork([], env, fds, out_fds)
             except ZygoteLost as exc:
                 raise WorkerLost(exc.reason, exc.log_tail) from None
@@ -684,12 +688,6 @@ class Supervisor:
         files = finalize.output_files(out, {r.file: r.digest for r in done.values()})
         self._journal.append(journal.Finalized(files=files))
         finalize.write_done(out, files)
-
-
-def _not_in(files: dict[str, str], shards: dict[int, journal.Shard]) -> dict[str, str]:
-    """The finalized files that are not shards (those were just verified against their own records)."""
-    hashed = {r.file for r in shards.values()}
-    return {fn: sha for fn, sha in files.items() if fn not in hashed}
 
 
 class _Progress:

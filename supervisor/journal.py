@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Container
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Union
@@ -212,6 +213,12 @@ def check_owner(output: str, fp: str, parts: dict) -> State:
     return st
 
 
+def not_shards(files: dict[str, str], shards: dict[int, Shard]) -> dict[str, str]:
+    """The finalized files that are not these shards (those are verified against their own records)."""
+    hashed = {r.file for r in shards.values()}
+    return {fn: sha for fn, sha in files.items() if fn not in hashed}
+
+
 def verify_shard(output: str, rec: Shard, *, rehash: bool = False) -> str | None:
     """None if the shard on disk matches its record, else why not. Without `rehash`, a file whose inode, mtime
     and size are the journaled ones is trusted without reading it."""
@@ -237,15 +244,16 @@ def restat(output: str, rec: Shard) -> Shard:
     return msgspec.structs.replace(rec, ino=st.st_ino, mtime_ns=st.st_mtime_ns)
 
 
-def calibrated_resume(output: str, st: State, num_layers: int) -> tuple[int, Boundary | None]:
+def calibrated_resume(output: str, st: State, num_layers: int, good: Container[int]) -> tuple[int, Boundary | None]:
     """Where a calibrated export continues: (first layer to export, the journaled boundary feeding it).
 
     Layers run in order and each needs the previous one's outputs, so resume continues after the longest run of
-    good shards 0..k-1 whose last record names a boundary that is on disk with its digest (re-hashed here: the
-    boundary is small next to the export, and a damaged one would silently change every later layer). A boundary
-    that fails its hash is never trusted: only the newest one is kept, so the inputs are recomputed from layer 0."""
+    good shards 0..k-1 (`good`: the journaled parts the caller found intact and from the same source) whose last
+    record names a boundary that is on disk with its digest (re-hashed here: the boundary is small next to the
+    export, and a damaged one would silently change every later layer). A boundary that fails its hash is never
+    trusted: only the newest one is kept, so the inputs are recomputed from layer 0."""
     k = 0
-    while k < num_layers and k in st.shards and verify_shard(output, st.shards[k]) is None:
+    while k < num_layers and k in good:
         k += 1
     if k == 0 or k == num_layers:
         return k, None

@@ -576,7 +576,7 @@ def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
 def _rebuild(data: torch.Tensor, member: _Member) -> torch.Tensor:
     """A tensor over `data` (a uint8 view) with the member's dtype, offset, size and stride."""
     dtype = member.tensor.dtype
-    start = data.storage_offset() // dtype.itemsize + member.offset  # data starts on an _ALIGN boundary
+    start = data.storage_offset() // dtype.itemsize + member.offset  # data starts on a hostpool.ALIGN boundary
     view = torch.empty(0, dtype=dtype, device=data.device)
     return view.set_(data.untyped_storage(), start, member.size, member.stride)
 

@@ -74,12 +74,11 @@ class Worker:
 
     def __init__(self, hello: Hello, log_path: str, env: dict[str, str] | None = None, *,
                  startup_timeout: float, heartbeat_timeout: float, fork: Callable | None = None,
-                 pass_fds: tuple[int, ...] = (), on_log: OnLine | None = None):
+                 on_log: OnLine | None = None):
         self.hello = hello
         self.fork = fork
         self.on_log = on_log  # (stream, text, pid) per line the child prints; called from the pump thread
         self._pump: LogPump | None = None
-        self.pass_fds = pass_fds  # inherited as they are by a spawned child (a live model's pool memfds)
         self.log_path = log_path
         self.env = env
         self.startup_timeout = startup_timeout
@@ -110,7 +109,7 @@ class Worker:
             if self.fork is not None:
                 self.proc = self.fork(self.env, (p2c_r, c2p_w), (out_w, err_w))
             else:
-                self.proc = spawn(self.env, (p2c_r, c2p_w), (out_w, err_w), self.pass_fds)
+                self.proc = spawn(self.env, (p2c_r, c2p_w), (out_w, err_w))
         except BaseException:
             os.close(out_r)
             os.close(err_r)
