@@ -56,7 +56,8 @@ from transformers import AutoModelForCausalLM
 
 from child import quant_error
 from child.boundary import Activations, BoundaryWriter
-from child.quantize import LayerQuantizer, _find_layers, _linearize_meta_experts, _load_config, _materialise, _rooted
+from child.naming import find_decoder_layers
+from child.quantize import LayerQuantizer, _linearize_meta_experts, _load_config, _materialise, _rooted
 from child.samples import calibration_ids
 from shared import layout
 from shared.job import Job, effective_ignore
@@ -95,7 +96,7 @@ class Calibrator:
         self._calibration_sha256 = calibration_sha256
         self.config = _load_config(config_dir)
         self._model = _calibration_skeleton(self.config)
-        self.layer_prefix, layers = _find_layers(self._model, self.config)
+        self.layer_prefix, layers = find_decoder_layers(self._model, self.config)
         self.num_layers = len(layers)
         self._layers = list(layers)  # the real (meta) layers; the ModuleList gets stubs below
         self._awq_mappings = get_layer_mappings_from_model(self._model) if self.method == "awq" else None
@@ -144,21 +145,8 @@ class Calibrator:
         if self._inputs is None or self._inputs.feeds != index:
             raise RuntimeError(f"layer {index}: begin() did not prepare its inputs")
         path = f"{self.layer_prefix}{index}"
-        prefix = path + "."
-        # checkpoint names -> the model's (Mixtral's block_sparse_moe.experts.N.w1 is mlp.experts.N.gate_proj in
-        # transformers' model; GPT-OSS stores its experts fused), as the data-free quantizer maps them
-        mapped = {k: self._plain._names.to_model(k) for k in tensors}
-        foreign = [k for k, m in mapped.items() if not m.key.startswith(prefix)]
-        if foreign:
-            raise ValueError(f"tensors outside {path}: {foreign[:5]}")
-        direct = {m.key[len(prefix):]: tensors[k] for k, m in mapped.items() if m.fused is None}
-        fused: dict[str, dict] = {}
-        for k, m in mapped.items():
-            if m.fused is not None:
-                fused.setdefault(m.fused, {})[m.key[len(m.fused) + 1:]] = tensors[k]
-        experts = {p[len(prefix):]: (self._plain._raw_experts[p], params) for p, params in fused.items()}
-        layer = _materialise(self._layers[index], direct, self.device, path, experts, self.config)
-        root = _rooted(path, layer)
+        # loaded as the data-free quantizer loads a layer (checkpoint names mapped to the model's)
+        mapped, layer, root = self._plain.materialise(path, self._layers[index], tensors, self.device)
         root.config = self.config  # norm_calibration_context reads model.config
         try:
             self._calibrate(index, layer, root)

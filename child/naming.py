@@ -121,3 +121,17 @@ def _expert_key(conv, key: str) -> str | None:
         param = tail.rsplit(".", 1)[-1]
         return f"{experts}.{m.group(1)}.{projections[j]}.{param}"
     return None
+
+
+def find_decoder_layers(model: nn.Module, config) -> tuple[str, nn.ModuleList]:
+    """(prefix "model.layers.", the ModuleList) of the decoder layers of `model` (a meta skeleton): the ModuleList
+    as long as config's num_hidden_layers, one named "...layers" first. Shared by the backends (here because
+    child/quantize.py pulls in llm-compressor, which a torchao worker does not import)."""
+    n = config.get_text_config().num_hidden_layers
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n and name]
+    found.sort(key=lambda nm: not nm[0].endswith("layers"))
+    if not found:
+        raise NotImplementedError(f"cannot find the decoder layers of {type(model).__name__}: no ModuleList of {n} "
+                                  "layers")
+    name, layers = found[0]
+    return name + ".", layers

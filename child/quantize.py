@@ -66,7 +66,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from child import quant_error
-from child.naming import NameMap
+from child.naming import NameMap, find_decoder_layers
 from shared.job import DEFAULT_IGNORE as _JOB_DEFAULT_IGNORE
 
 __all__ = [
@@ -103,7 +103,7 @@ class LayerQuantizer:
         self.tensor_names = tensor_names  # the checkpoint's tensor names: config.json's ignore list is written in them
         self.config = _load_config(config_dir, trust_remote_code)
         self._skeleton, self._names, self._raw_experts = _meta_skeleton(self.config, trust_remote_code)
-        prefix, layers = _find_layers(self._skeleton, self.config)
+        prefix, layers = find_decoder_layers(self._skeleton, self.config)
         self.layer_prefix: str = prefix
         self.num_layers: int = len(layers)
         self._layers = layers
@@ -157,19 +157,17 @@ class LayerQuantizer:
         """Targeted modules outside the decoder layers (lm_head unless ignored)."""
         return sorted(self._non_layer_targets)
 
-    def _quantize_subtree(
-        self, path: str, meta_module: nn.Module, tensors: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """Quantize the module at `path` from checkpoint tensors; the output keeps the checkpoint's names.
-
-        Meta tensors in, meta tensors out (shapes and dtypes only): what `supervisor plan` and the pre-export loader
-        check use to know the output without reading a weight."""
+    def materialise(self, path: str, meta_module: nn.Module, tensors: dict[str, torch.Tensor],
+                    device: torch.device) -> tuple[dict, nn.Module, nn.Module]:
+        """(checkpoint name -> the model's name, the module at `path` loaded from checkpoint `tensors` on device, that
+        module under empty parents named as in the model). Names map from the checkpoint's to the model's (Mixtral's
+        block_sparse_moe.experts.N.w1 is mlp.experts.N.gate_proj in transformers' model; GPT-OSS stores its experts
+        fused); the calibrated quantizer loads its layers the same way."""
         prefix = path + "."
         mapped = {k: self._names.to_model(k) for k in tensors}
         foreign = [k for k, m in mapped.items() if not m.key.startswith(prefix)]
         if foreign:
             raise ValueError(f"tensors outside {path}: {foreign[:5]}")
-        device = torch.device("meta") if any(t.is_meta for t in tensors.values()) else self.device
         direct = {m.key[len(prefix):]: tensors[k] for k, m in mapped.items() if m.fused is None}
         fused: dict[str, dict[str, torch.Tensor]] = {}
         for k, m in mapped.items():
@@ -177,7 +175,17 @@ class LayerQuantizer:
                 fused.setdefault(m.fused, {})[m.key[len(m.fused) + 1:]] = tensors[k]
         experts = {p[len(prefix):]: (self._raw_experts[p], params) for p, params in fused.items()}
         module = _materialise(meta_module, direct, device, path, experts, self.config)
-        root = _rooted(path, module)
+        return mapped, module, _rooted(path, module)
+
+    def _quantize_subtree(
+        self, path: str, meta_module: nn.Module, tensors: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Quantize the module at `path` from checkpoint tensors; the output keeps the checkpoint's names.
+
+        Meta tensors in, meta tensors out (shapes and dtypes only): what `supervisor plan` and the pre-export loader
+        check use to know the output without reading a weight."""
+        device = torch.device("meta") if any(t.is_meta for t in tensors.values()) else self.device
+        mapped, module, root = self.materialise(path, meta_module, tensors, device)
         with torch.no_grad():
             probes = self._probes if device.type == "meta" else None
             weights = _source_weights(root, tensors, mapped) if probes is None else {}
@@ -282,20 +290,6 @@ def _linearize_meta_experts(model: nn.Module) -> dict[str, nn.Module]:
         model.set_submodule(name, linear)
         raw[name] = experts
     return raw
-
-
-def _find_layers(model: nn.Module, config: PretrainedConfig) -> tuple[str, nn.ModuleList]:
-    n = config.get_text_config().num_hidden_layers
-    found = [
-        (name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n and name
-    ]
-    found.sort(key=lambda nm: not nm[0].endswith("layers"))
-    if not found:
-        raise NotImplementedError(
-            f"cannot find the decoder layers of {type(model).__name__}: no ModuleList of {n} layers"
-        )
-    name, layers = found[0]
-    return name + ".", layers
 
 
 def _materialise(
@@ -505,7 +499,7 @@ def _compressed_qconfig(modifier: QuantizationMixin, config: PretrainedConfig, t
     if tensor_names is not None:
         # what from_pretrained records on oneshot's model; compressed-tensors writes the ignore list through it
         model._weight_conversions = names.used(tensor_names)
-    prefix, _ = _find_layers(model, config)
+    prefix, _ = find_decoder_layers(model, config)
     unties = any(_non_layer_targets(model, prefix, modifier.resolved_targets, modifier.ignore).values())
     apply_quantization_config(model, modifier.resolved_config, show_progress=False)
     qcfg = ModelCompressor.from_pretrained_model(model).quantization_config

@@ -42,6 +42,7 @@ from torchao.quantization import quantize_
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, TorchAoConfig
 from transformers.quantizers.quantizers_utils import should_convert_module
 
+from child.naming import find_decoder_layers
 from shared import torchao_schemes
 
 
@@ -61,7 +62,7 @@ class TorchaoBackend:
         _check_device(scheme, self.device)
         model_config = _load_config(config_dir)
         self._skeleton = _meta_skeleton(model_config)
-        prefix, layers = _find_layers(self._skeleton, model_config)
+        prefix, layers = find_decoder_layers(self._skeleton, model_config)
         self.layer_prefix: str = prefix
         self.num_layers: int = len(layers)
         linears = {n: m for n, m in self._skeleton.named_modules() if isinstance(m, nn.Linear)}
@@ -216,15 +217,3 @@ def _meta_skeleton(config: PretrainedConfig) -> nn.Module:
     """The whole model on the meta device: module names, Linear shapes, and the names it holds."""
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-
-
-def _find_layers(model: nn.Module, config: PretrainedConfig) -> tuple[str, nn.ModuleList]:
-    # the same rule as child/quantize.py (which cannot be imported here: it pulls in llm-compressor)
-    n = config.get_text_config().num_hidden_layers
-    found = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n and name]
-    found.sort(key=lambda nm: not nm[0].endswith("layers"))
-    if not found:
-        raise NotImplementedError(f"cannot find the decoder layers of {type(model).__name__}: no ModuleList of {n} "
-                                  "layers")
-    name, layers = found[0]
-    return name + ".", layers
