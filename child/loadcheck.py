@@ -18,11 +18,11 @@ Owns the check and its explanations; it never writes a file.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import struct
 import sys
+
+from safetensors import safe_open
 
 from child.source import SAFETENSORS_DTYPES
 from shared.load_verdict import problems
@@ -34,12 +34,10 @@ def header_tensors(folder: str) -> dict[str, tuple[str, list[int]]]:
     for fn in sorted(os.listdir(folder)):
         if not fn.endswith(".safetensors"):
             continue
-        with open(os.path.join(folder, fn), "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        for name, info in header.items():
-            if name != "__metadata__":
-                out[name] = (info["dtype"], list(info["shape"]))
+        with safe_open(os.path.join(folder, fn), "pt") as f:
+            for name in f.keys():
+                part = f.get_slice(name)
+                out[name] = (part.get_dtype(), list(part.get_shape()))
     return out
 
 
