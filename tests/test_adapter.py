@@ -18,7 +18,7 @@ from shared.job import parse_job
 from supervisor.adapter import inspect_adapter
 from supervisor.api import prepare
 from supervisor.errors import SourceError
-from tests.models import assert_same_tensors
+from tests.models import assert_same_tensors, load_tensors, oneshot_reference
 from tests.ref_studio import edit_adapter, make_adapter, merged_checkpoint
 from tests.scenarios import cli
 
@@ -48,8 +48,9 @@ def adapters(tiny_models, tmp_path_factory):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_merged_per_layer_equals_peft_merge(kind, variant, adapters):
-    """Every part's merged tensors, and layer 0 quantized (FP8_DYNAMIC, W4A16), equal PEFT's merged checkpoint."""
+def test_merged_per_layer_equals_peft_merge(kind, variant, adapters, tmp_path):
+    """Every part's merged tensors equal PEFT's merged checkpoint, and layer 0 quantized (FP8_DYNAMIC, W4A16) equals
+    oneshot's quantization of that checkpoint."""
     base, adapter, merged = adapters(kind, variant)
     job = parse_job({"source": {"path": base, "adapter": adapter}, "export": {"scheme": "W4A16", "output": "x"}})
     ours, ref = open_source(job), Checkpoint(merged)
@@ -62,10 +63,11 @@ def test_merged_per_layer_equals_peft_merge(kind, variant, adapters):
         base_tensors = Checkpoint(base).read(names)
         changed += sum(not torch.equal(base_tensors[n], got[n]) for n in names)
     assert changed == 14, "every targeted Linear of both layers must differ from the base"
+    names = ours.layer_names(prefix, 0)
     for scheme in ("FP8_DYNAMIC", "W4A16"):
-        q = LayerQuantizer(base, scheme, DEFAULT_IGNORE)
-        names = ours.layer_names(prefix, 0)
-        assert_same_tensors(q.quantize_layer(0, ref.read(names)), q.quantize_layer(0, ours.read(names)))
+        want = load_tensors(oneshot_reference(merged, scheme, list(DEFAULT_IGNORE), str(tmp_path / scheme)),
+                            prefix="model.layers.0.")
+        assert_same_tensors(want, LayerQuantizer(base, scheme, DEFAULT_IGNORE).quantize_layer(0, ours.read(names)))
 
 
 def test_reads_only_the_layers_slice(adapters):

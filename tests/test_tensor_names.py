@@ -12,6 +12,7 @@ from shared.job import DEFAULT_IGNORE
 from shared.load_verdict import problems
 from supervisor.source import inspect
 from tests.models import assert_same_tensors, load_tensors
+from tests.ref_moe import loading_info
 from tests.test_moe_families import export_in_process
 
 
@@ -48,6 +49,8 @@ def test_transformer_h_layers_equal_oneshot_and_load(kind, moe_models, moe_onesh
     assert (tmp_path / "out" / "config.json").read_text() == open(f"{ref}/config.json").read()
     report = check_folder(str(tmp_path / "out"))
     assert report.checked and problems(report) is None, problems(report)
+    _, info = loading_info(str(tmp_path / "out"))  # and transformers' real loader, weights read
+    assert not any(info.values()), info
 
 
 def test_falcon_layers_found_but_refused_as_compressed_tensors_writes_it_dense(moe_models, moe_oneshot):
