@@ -82,7 +82,9 @@ class Plan:
     device: str  # the first of `devices`
     devices: list[str]  # every device the workers use ("cpu" or "cuda:N", the supervisor's numbering)
     calibration: calibration.Calibration | None = None  # calibrated jobs: the validated data, for the child
-    live: bool = False  # the source is the live model handed to Supervisor (its pool), not a folder
+    # the source is the live model handed to Supervisor (its pool), not a folder: its names, as the fingerprint
+    # saw them (supervisor.live.Saved; tensors are looked up again by path after the release moves them)
+    live: object | None = None
     fresh: bool = False  # the output folder did not exist or was empty: a refused run leaves it that way
 
 
@@ -108,8 +110,9 @@ def prepare(job: Job, model=None) -> Plan:
     from supervisor import devices
 
     output = os.path.abspath(job.export.output)
+    saved = None
     if job.source is None:
-        source, extra = _live_source(model, output)
+        source, extra, saved = _live_source(model, output)
     else:
         source, extra = _disk_source(job, output)
     probe(output)
@@ -123,7 +126,7 @@ def prepare(job: Job, model=None) -> Plan:
 
         torchao_job.check(job, source, devs[0])
     fresh = not os.path.exists(output) or not os.listdir(output)
-    return Plan(job, output, source, fp, state, devs[0], devs, calib, live=job.source is None, fresh=fresh)
+    return Plan(job, output, source, fp, state, devs[0], devs, calib, live=saved, fresh=fresh)
 
 
 def _disk_source(job: Job, output: str) -> tuple[SourceInfo, dict | None]:
@@ -141,14 +144,15 @@ def _disk_source(job: Job, output: str) -> tuple[SourceInfo, dict | None]:
     return source, extra
 
 
-def _live_source(model, output: str) -> tuple[SourceInfo, dict]:
+def _live_source(model, output: str) -> tuple[SourceInfo, dict, object]:
     if model is None:
         raise JobError("the job has no [source]: set [source] path to a checkpoint folder (only the Python API "
                        "exports a live model without one: Supervisor(job, model=...))")
     from supervisor import live
 
     # named and checked now; the tensors themselves are looked at again after the release (they move)
-    return live.describe(live.saved_state(model), layout.state_path(output, live.CONFIG_DIR))
+    saved = live.saved_state(model)
+    return (*live.describe(saved, layout.state_path(output, live.CONFIG_DIR)), saved)
 
 
 class Supervisor:
@@ -339,10 +343,8 @@ class Supervisor:
             return
         from supervisor import offload
 
-        if self.plan.live:
-            from supervisor import live
-
-            self._live = live.saved_state(self.model)  # names first: after the release all tensors share a chunk
+        if self.plan.live is not None:
+            self._live = self.plan.live  # named before the release: after it all tensors share a chunk
             if self._pool is None:
                 self._pool, self._own_pool = offload.PinnedPool(), True
             result = offload.release(self.model, buffers=self._pool, share_host=True)

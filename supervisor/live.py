@@ -48,13 +48,13 @@ class Saved:
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
         """checkpoint name -> the model's own tensor, looked up now (after a release: its view in the pool)."""
-        return {name: self._lookup(path) for name, path in self.paths.items()}
+        return {name: self.lookup(path) for name, path in self.paths.items()}
 
     def pair(self, weight: str) -> tuple[torch.Tensor, torch.Tensor, float]:
         a, b, scaling = self.loras[weight]
-        return self._lookup(a), self._lookup(b), scaling
+        return self.lookup(a), self.lookup(b), scaling
 
-    def _lookup(self, path: str) -> torch.Tensor:
+    def lookup(self, path: str) -> torch.Tensor:
         if path in self.offloaded:
             return self.offloaded[path]
         module, _, attr = path.rpartition(".")
@@ -227,8 +227,7 @@ def part_names(names: list[str], prefix: str, index: int, num_layers: int) -> li
 
 def part_digest(saved: Saved, names: list[str]) -> str:
     """The digest the child computes for these names (child/pool_reader.py): same tensors, same bytes."""
-    tensors = saved.tensors
-    items = [(n, tensors[n]) for n in names]
+    items = [(n, saved.lookup(saved.paths[n])) for n in names]  # this part's tensors only, not the whole map
     for n in names:
         if n in saved.loras:
             a, b, _ = saved.pair(n)
