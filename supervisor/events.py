@@ -81,10 +81,11 @@ class Progress(Event):
 
 
 class Retrying(Event):
-    index: int | None  # the part about to be retried; None: config.json at finalize
+    index: int | None  # the part about to be retried; None: a request about the whole export (`what` names it)
     attempt: int  # the attempt about to start
     reason: str
     delay: float
+    what: str = ""  # what is retried, in words: "layer 3", "config.json", "the loader check"
 
 
 class ModelRestored(Event):

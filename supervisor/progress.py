@@ -71,7 +71,7 @@ class Display:
                 p.update(task, completed=e.done, rate=rate, eta=eta, rss=_mb(e.worker_rss) if e.worker_rss else "-",
                          stage=stage)
             case ev.Retrying():
-                p.console.print(f"[yellow]retrying {_part(e.index)} (attempt {e.attempt}) in {e.delay:.1f}s: "
+                p.console.print(f"[yellow]retrying {e.what or _part(e.index)} (attempt {e.attempt}) in {e.delay:.1f}s: "
                                 f"{e.reason}")
             case ev.ModelRestored():
                 p.console.print(f"restored the live model in {e.seconds:.2f}s")

@@ -43,9 +43,7 @@ def for_good(failed: Failed, what: str) -> SupervisorError:
                         index=failed.index, traceback=failed.traceback)
 
 
-def part_name(index: int | None) -> str:
-    if index is None:
-        return "config.json"
+def part_name(index: int) -> str:
     return "the non-layer shard" if index == NON_LAYER else f"layer {index}"
 
 
@@ -204,7 +202,7 @@ class Scheduler:
         """Send msg (about part `index`, None: the whole export, `what` names it) to the slot's worker, started if
         needed. Returns (reply, worker) on success, (None, None) after a retryable failure (announced, backed off);
         raises when the failure is final: out of attempts, a full disk, or one the child says would repeat."""
-        what = what or part_name(index)
+        what = what or part_name(index)  # a request about the whole export (index None) names itself
         try:
             w = self._worker(slot)
             if index is not None:
@@ -237,7 +235,7 @@ class Scheduler:
             raise ExportFailed(f"{what} failed {self.max_attempts} times; last error: {reason}", index=index,
                                traceback=trace)
         delay = min(self.retry_delay * 2 ** (attempt - 1), MAX_BACKOFF)
-        self.emit(ev.Retrying(index=index, attempt=attempt + 1, reason=reason, delay=delay))
+        self.emit(ev.Retrying(index=index, attempt=attempt + 1, reason=reason, delay=delay, what=what))
         if self._wait(delay):
             raise Cancelled("export cancelled; run the same job again to resume")
         return None, None

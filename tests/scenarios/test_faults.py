@@ -110,6 +110,8 @@ def test_fault_is_noticed_retried_and_output_is_identical(cell, runs):
     retry = res["retry"]
     assert retry is not None, "no Retrying event after the fault"
     assert retry["index"] == res["plan"].expect[cell], retry
+    assert retry["what"] == ("config.json" if retry["index"] is None else
+                             "the non-layer shard" if retry["index"] == -1 else f"layer {retry['index']}"), retry
     assert REASON[cell.action] in retry["reason"], retry["reason"]
     assert res["notice_s"] <= faultkit.notice_bound(cell.action), res["notice_s"]
     assert r.bytes == ref["bytes"]
