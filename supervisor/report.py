@@ -109,13 +109,25 @@ def summary(report: Report) -> str:
     return f"{report.output}: {i['scheme']} from {i['source']}; {i['done']} journaled, {state}{left}"
 
 
+def _part_rows(report: Report) -> tuple[list[str], list[list[str]], list[str]]:
+    """(header, one row per journaled part, the totals row): the table both the terminal and the page show."""
+    return (["part", *(c.title for c in COLUMNS), "worst module"],
+            [[label(r.index), *(cell(c, c.value(r)) for c in COLUMNS), _worst(r)] for r in report.parts],
+            ["total", *_totals(report), ""])
+
+
+def _module_rows(report: Report) -> list[list[str]]:
+    """(part, module, rel. error) per quantized module of each journaled part."""
+    return [[label(r.index), short_name(n, r.index), f"{e:.6f}"]
+            for r in report.parts for n, e in r.quant_error.items()]
+
+
 def table(report: Report) -> Table:
     """One row per journaled part and a totals row. No figure is ever cut: each column is at least as wide as its
     widest cell, so a narrow terminal wraps the headers and folds the module names instead."""
-    rows = [[label(r.index), *(cell(c, c.value(r)) for c in COLUMNS), _worst(r)] for r in report.parts]
-    foot = ["total", *_totals(report), ""]
+    head, rows, foot = _part_rows(report)
     t = Table(show_footer=bool(rows), box=box.SIMPLE_HEAD)
-    for i, title in enumerate(["part", *(c.title for c in COLUMNS), "worst module"]):
+    for i, title in enumerate(head):
         last = i == len(COLUMNS) + 1
         width = None if last else max(len(w) for w in [x[i] for x in rows + [foot]] + title.split())
         t.add_column(title, footer=foot[i], justify="left" if i == 0 or last else "right", min_width=width,
@@ -130,9 +142,8 @@ def modules_table(report: Report) -> Table:
               box=box.SIMPLE_HEAD)
     for name in ("part", "module", "rel. error"):
         t.add_column(name, justify="right" if name == "rel. error" else "left")
-    for r in report.parts:
-        for name, err in r.quant_error.items():
-            t.add_row(label(r.index), short_name(name, r.index), f"{err:.6f}")
+    for row in _module_rows(report):
+        t.add_row(*row)
     return t
 
 
@@ -170,14 +181,10 @@ def write_html(report: Report, path: str) -> list[str]:
     page = _PAGE.format(
         title=html.escape(f"export report: {os.path.basename(report.output)}"),
         summary=html.escape(summary(report)),
-        table=_html_table(["part", *(c.title for c in COLUMNS), "worst module"],
-                          [[label(r.index), *(cell(c, c.value(r)) for c in COLUMNS), _worst(r)] for r in report.parts],
-                          ["total", *_totals(report), ""]),
+        table=_html_table(*_part_rows(report)),
         figures=figures or "<p>nothing journaled yet</p>",
         not_plotted=html.escape(", ".join(not_plotted) + " (all zero or not recorded)") if not_plotted else "",
-        modules=_html_table(["part", "module", "rel. error"],
-                            [[label(r.index), short_name(n, r.index), f"{e:.6f}"]
-                             for r in report.parts for n, e in r.quant_error.items()]))
+        modules=_html_table(["part", "module", "rel. error"], _module_rows(report)))
     durable.write_bytes(path, page.encode())
     return [c.title for c in columns]
 
