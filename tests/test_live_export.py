@@ -1,7 +1,9 @@
 """A live model exported without a checkpoint (job without [source]) equals the export of its save_pretrained.
 
-References come from transformers and PEFT alone (tests/ref_studio.py): `live.save_pretrained(tmp)` (PEFT:
-`merge_and_unload()` first, on a copy) exported as a plain checkpoint. The live model is checked afterwards for
+The reference's model comes from transformers and PEFT alone (tests/ref_studio.py): `live.save_pretrained(tmp)`
+(PEFT: `merge_and_unload()` first, on a copy), exported as a plain checkpoint by the checkpoint path, whose output
+tests/scenarios/test_export_matches_oneshot.py holds equal to oneshot's. What these tests isolate is the live path
+(the pool, the names, the merge) against the checkpoint path. The live model is checked afterwards for
 the same objects, devices, values, hooks, hf_device_map, and (PEFT) unmerged, trainable adapters.
 """
 from __future__ import annotations

@@ -92,7 +92,8 @@ def _events(client, export_id, stop_at=None, on_event=None) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference(saved_export) -> dict:
-    """Bytes of exporting the studio's model after save_pretrained (+ its tokenizer): the independent reference."""
+    """Bytes of exporting the studio's model after save_pretrained (+ its tokenizer) from the checkpoint: the
+    reference for the live path (the checkpoint path is held equal to oneshot in test_export_matches_oneshot.py)."""
     return saved_export("llama", SCHEME)
 
 
