@@ -32,7 +32,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from export_bench import IGNORE, SUPERVISOR, add_shape_args, build, compare, disk_write_speed, timed, warm  # noqa: E402
+from export_bench import IGNORE, SUPERVISOR, add_shape_args, build, compare, disk_write_speed, timed, timeline, warm  # noqa: E402
 
 ONESHOT = r"""
 import json, sys, time
@@ -170,6 +170,8 @@ def main() -> None:
         with open(saved, "w") as f:
             json.dump({**{k: v for k, v in sup.items() if k != "tree"},
                        "tree": {"peak_rss": sup["tree"].peak_rss, "peak_gpu": sup["tree"].peak_gpu}}, f)
+    print(f"supervisor: wall {sup['wall']:.1f} s, start-up {sup['startup']:.1f} s, {sup['per_layer']:.2f} s per layer; "
+          + timeline(sup["events"], sup["wall"]), flush=True)
     rows = [("supervisor", sup)]
     one = None
     if "oneshot" not in skip:
@@ -212,6 +214,8 @@ def main() -> None:
         first = run_supervisor(args, src, data, "killed", env=env, check=False, max_attempts=1)
         second = run_supervisor(args, src, data, "killed")
         extra = first["wall"] + second["wall"] - sup["wall"]
+        print("killed run: " + timeline(first["events"], first["wall"]))
+        print("second run: " + timeline(second["events"], second["wall"]))
         print(f"kill at layer {k}, then a second `supervisor run`: {first['wall']:.1f} s + {second['wall']:.1f} s "
               f"(start-up {second['startup']:.1f} s) = +{extra:.1f} s beyond uninterrupted = "
               f"{extra / sup['per_layer']:.2f} layers (exit {first['rc']}, then {second['rc']})")

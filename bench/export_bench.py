@@ -177,6 +177,24 @@ def run_supervisor(args, src: str, out: str, work: str, workers: int, env: dict 
             "stderr": proc.stderr}
 
 
+def timeline(events: list[dict], wall: float) -> str:
+    """Where a `supervisor run --json` spent its wall clock: when the warm parent was ready, the first part
+    started, the last layer and the non-layer part were written, the run finished (event times), and what the
+    CLI process spent outside the run (its imports and planning before, its exit after)."""
+    def t(kind: str, **match) -> float | None:
+        return min((e["t"] for e in events if e["type"] == kind and all(e.get(k) == v for k, v in match.items())),
+                   default=None)
+
+    finished = t("Finished")
+    marks = [("pool ready", t("PoolStarted")), ("first part", t("LayerStarted")),
+             ("last layer written", max((e["t"] for e in events if e["type"] == "LayerWritten" and e["index"] >= 0),
+                                        default=None)),
+             ("non-layer part written", t("LayerWritten", index=-1)), ("finished", finished)]
+    text = ", ".join(f"{name} {v:.1f}" for name, v in marks if v is not None)
+    rest = f"; the CLI's own start and exit {wall - finished:.1f}" if finished is not None else ""
+    return f"timeline, s from the run's start: {text}{rest} (wall {wall:.1f})"
+
+
 def run_script(script: str, args, src: str, out: str, ignore: list[str]) -> dict:
     proc, wall, tree = timed([sys.executable, "-c", script, src, out, args.scheme, args.torch_device,
                               json.dumps(ignore)])
@@ -330,6 +348,8 @@ def main() -> None:
         if r.get("stages"):
             print(f"{name}: mean seconds per layer by stage: "
                   + ", ".join(f"{k} {v:.3f}" for k, v in r["stages"].items()))
+        if r.get("events"):
+            print(f"{name}: {timeline(r['events'], r['wall'])}")
     if one:
         print(f"ratio wall supervisor / oneshot: {sup['wall'] / one['wall']:.2f}")
         print("ours vs oneshot:", compare(os.path.join(args.workdir, "sup"), os.path.join(args.workdir, "oneshot")))

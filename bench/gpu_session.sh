@@ -34,7 +34,41 @@ print("capability (torch, after the imports):", torch.cuda.get_device_capability
 ' 2>&1 | grep "cuda initialised\|capability" > "$OUT/imports.txt"; cat "$OUT/imports.txt"
 }
 
+importtime() {  # where the warm parent's import time goes on this machine (cumulative, the largest)
+  env PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1 timeout 90 \
+    python3 -X importtime -c "import child.quantize" 2> "$OUT/importtime.raw" > /dev/null
+  awk -F'|' '/import time:/ {gsub(/ /, "", $2); print $2, $3}' "$OUT/importtime.raw" | sort -n -r | head -40 \
+    > "$OUT/importtime.txt"
+  timeout 60 python3 -c "import time; t = time.perf_counter(); import torch; print(f'import torch: {time.perf_counter() - t:.1f} s')" \
+    >> "$OUT/importtime.txt" 2>&1
+  head -12 "$OUT/importtime.txt"; tail -1 "$OUT/importtime.txt"
+}
+
 case "${1:-tests}" in
+s1)  # third session, call 1: import profile, report recheck (GPU 1), offload bench, then the 32-layer GPTQ bench (ours)
+  importtime
+  (CUDA_VISIBLE_DEVICES=1 t 200 report tests/gpu/test_report_gpu.py -k "FP8 or W4A16") &
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/offload_bench.py 2>&1 | quiet > "$OUT/offload.txt"
+  tail -12 "$OUT/offload.txt"
+  wait
+  CUDA_VISIBLE_DEVICES=0 timeout ${CALIB_SECONDS:-400} python3 bench/calib_bench.py --skip oneshot,kill,retry 2>&1 \
+    | quiet > "$OUT/calib_ours.txt"
+  tail -12 "$OUT/calib_ours.txt"
+  ;;
+s2)  # call 2, on the same warm machine: oneshot on the same checkpoint and data, then the kill at layer 20 + re-run
+  CUDA_VISIBLE_DEVICES=0 timeout ${CALIB_SECONDS:-560} python3 bench/calib_bench.py --keep --skip supervisor,retry \
+    2>&1 | quiet > "$OUT/calib_rest.txt"
+  tail -24 "$OUT/calib_rest.txt"
+  rm -rf /tmp/calib-bench
+  ;;
+s3)  # call 3: 8B FP8_DYNAMIC on one GPU (1 and 2 workers, oneshot, model_free_ptq, re-run, kill), then the MoE bench
+  CUDA_VISIBLE_DEVICES=0 timeout 270 python3 bench/export_bench.py --device cuda:0 --workers 0,2 \
+    --measure-error false 2>&1 | quiet > "$OUT/export_fp8_1gpu.txt"
+  tail -24 "$OUT/export_fp8_1gpu.txt"
+  rm -rf /tmp/export-bench
+  CUDA_VISIBLE_DEVICES=0 timeout ${MOE_SECONDS:-300} python3 bench/moe_bench.py 2>&1 | quiet > "$OUT/moe_bench.txt"
+  tail -20 "$OUT/moe_bench.txt"
+  ;;
 recheck)  # the GPU tests that failed in `final` on 2026-11-30, after their fixes
   (t 150 torchao tests/gpu/test_torchao_gpu.py -k "PerTensor or int4") &
   (t 150 report tests/gpu/test_report_gpu.py -k "FP8 or W4A16") &
