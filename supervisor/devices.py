@@ -86,15 +86,21 @@ def resolve_devices(spec: str) -> list[str]:
     return [f"cuda:{i}" for i in range(_cuda_count())]
 
 
+# Layers up to this size get at least two workers in all on GPUs: one worker's write and fsync then overlap the
+# other's read and quantization. Two workers' working sets (each ~3 layers and a CUDA context) stay under 8 GiB.
+OVERLAP_MAX_LAYER_BYTES = 1 << 30
+
+
 def worker_slots(devices: list[str], workers: int, layer_bytes: int) -> list[str]:
     """The device of each worker slot. `workers` > 0 is taken as asked (spread round-robin over `devices`);
-    0 means one per GPU, or on CPU as many as the cores and the free memory allow: a worker wants ~4 cores to
-    be worth its own process (torch's threads do the rest), and ~1 GiB of private memory plus three layers
-    (the one being quantized, its output, the next one read ahead)."""
+    0 means one per GPU and at least two in all when a layer is at most 1 GiB (measured on one H200, an 8B
+    FP8_DYNAMIC export: 43.9 s with one worker, 35.8 s with two), or on CPU as many as the cores and the free
+    memory allow: a worker wants ~4 cores to be worth its own process (torch's threads do the rest), and ~1 GiB
+    of private memory plus three layers (the one being quantized, its output, the next one read ahead)."""
     if workers > 0:
         return [devices[i % len(devices)] for i in range(workers)]
     if devices != ["cpu"]:
-        return list(devices)
+        return worker_slots(devices, max(len(devices), 2 if layer_bytes <= OVERLAP_MAX_LAYER_BYTES else 1), 0)
     import psutil
 
     by_cores = (os.cpu_count() or 1) // 4

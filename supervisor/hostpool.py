@@ -7,8 +7,7 @@
 
 Buffers are plain host memory registered with cudaHostRegister when CUDA is available: measured on an H200,
 registering existing memory costs 0.19 s per 4 GiB against 1.84 s for cudaHostAlloc, and copies into it run at
-55 GB/s (pageable: 9-16 GB/s). A new chunk's pages are faulted in by a multi-threaded fill before it is
-registered, so the driver pins memory that is already there. Each chunk is a memfd (anonymous shared memory, not /dev/shm: container /dev/shm
+55 GB/s (pageable: 9-16 GB/s). Each chunk is a memfd (anonymous shared memory, not /dev/shm: container /dev/shm
 is often 64 MB, and a memfd disappears with its last fd and mapping, so a crash leaves nothing behind), so the
 pool the release fills anyway is also what a child reads a live model from: the pool IS the host copy.
 A pool serves one released model at a time; keep it for the next cycle and call close() to give the memory back.
@@ -129,10 +128,6 @@ class PinnedPool:
         self._maps.append(mapping)
         pin = torch.cuda.is_available() if self._pin is None else self._pin
         if pin:
-            # Fault the pages in first, from torch's intra-op threads (a fill is split across them): pinning memory
-            # that is not there yet makes the driver allocate and zero every page on one thread, the bulk of a
-            # first release (measured on an H200: 5.9 s for 16 GB, of which ~0.8 s is the pinning itself).
-            chunk.zero_()
             # cudaHostRegisterPortable (1): pinned for every device's context, so one pool serves a multi-GPU map.
             torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), chunk.numel(), 1))
             self._registered.append(chunk.data_ptr())

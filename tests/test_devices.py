@@ -188,9 +188,14 @@ def test_resolve_devices_uses_every_visible_gpu_for_cuda_and_auto(monkeypatch, s
     assert devices.resolve_devices(spec) == expected
 
 
-def test_worker_slots_one_per_gpu_or_as_asked_round_robin():
-    """Default: one slot per GPU; an explicit count is spread round-robin over the devices."""
+def test_worker_slots_one_per_gpu_at_least_two_for_small_layers_or_as_asked_round_robin():
+    """Default: one slot per GPU, and two on a single GPU when a layer is at most 1 GiB; an explicit count is
+    spread round-robin over the devices."""
     assert devices.worker_slots(["cuda:0", "cuda:1"], 0, 1 << 30) == ["cuda:0", "cuda:1"]
+    # one GPU: a second worker overlaps the first's writes when layers are small, not when a layer is over 1 GiB
+    assert devices.worker_slots(["cuda:0"], 0, 1 << 30) == ["cuda:0", "cuda:0"]
+    assert devices.worker_slots(["cuda:0"], 0, (1 << 30) + 1) == ["cuda:0"]
+    assert devices.worker_slots(["cuda:0", "cuda:1"], 0, 8 << 30) == ["cuda:0", "cuda:1"]
     assert devices.worker_slots(["cuda:0", "cuda:1"], 3, 1 << 30) == ["cuda:0", "cuda:1", "cuda:0"]
     assert devices.worker_slots(["cpu"], 2, 1 << 30) == ["cpu", "cpu"]
 

@@ -44,7 +44,7 @@ def test_live_model_memory_is_free_for_the_child(tiny_models, tmp_path):
         before = model(ids).logits.clone()
     job = parse_job({"source": {"path": tiny_models("llama")},
                      "export": {"scheme": "FP8_DYNAMIC", "output": str(tmp_path / "out")},
-                     "resources": {"device": "cuda:0"}})
+                     "resources": {"device": "cuda:0", "workers": 1}})  # one child: its view of free memory
     # What a child sees without the release: the baseline to compare with.
     free_with_model = torch.cuda.mem_get_info(0)[0]
     with Supervisor(job, model=model) as run:

@@ -51,7 +51,8 @@ def test_cuda_nvfp4_moe_is_refused(moe_models, tmp_path):
 def test_cuda_moe_memory_flat(moe_models, tmp_path):
     """12 layers x 32 experts on cuda: the last layer's peak GPU memory and peak RSS within 5% of the first's."""
     model = moe_models("qwen3moe", layers=12, experts=32)
-    job = cli.write_job(tmp_path / "job.toml", model, tmp_path / "out", "W4A16", device="cuda")
+    # one worker: the check is that one process's memory stays flat from layer to layer
+    job = cli.write_job(tmp_path / "job.toml", model, tmp_path / "out", "W4A16", device="cuda", workers=1)
     events = cli.events(cli.run("run", job, "--json"))
     layers = sorted((e for e in events if e["type"] == "LayerWritten" and e["index"] >= 0), key=lambda e: e["index"])
     assert len(layers) == 12 and layers[0]["peak_gpu"] > 0
