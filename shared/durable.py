@@ -54,7 +54,7 @@ def write_bytes(dest: str, data: bytes, tmp_dir: str | None = None) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, dest)
     except BaseException:
-        _unlink_quietly(tmp)
+        unlink_quietly(tmp)
         raise
     fsync_dir(os.path.dirname(os.path.abspath(dest)))
 
@@ -92,7 +92,7 @@ def sha256_file(path: str) -> str:
     return hash_file(path, "sha256").split(":", 1)[1]
 
 
-def _unlink_quietly(path: str) -> None:
+def unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
