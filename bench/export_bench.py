@@ -315,6 +315,8 @@ def main() -> None:
     for n in counts[1:]:
         r = run_supervisor(args, src, os.path.join(args.workdir, f"sup{n}"), args.workdir, n)
         rows.append((f"supervisor ({r['workers']} worker{'s' if r['workers'] > 1 else ''})", r))
+        print(f"{n} workers' output vs the first run's:", compare(os.path.join(args.workdir, f"sup{n}"),
+                                                                 os.path.join(args.workdir, "sup")), flush=True)
         shutil.rmtree(os.path.join(args.workdir, f"sup{n}"))
     if sup["workers"] > 1 and "1w" not in skip and 1 not in counts:
         rows.append(("supervisor (1 worker)", run_supervisor(args, src, os.path.join(args.workdir, "sup1"),
