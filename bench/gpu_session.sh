@@ -56,12 +56,13 @@ s1)  # third session, call 1: import profile, report recheck (GPU 1), offload be
   tail -12 "$OUT/calib_ours.txt"
   ;;
 s2)  # call 2, on the same warm machine: oneshot on the same checkpoint and data, then the kill at layer 20 + re-run
+    # (all three do not fit in one 600 s call: add "kill" to --skip here and run it as a call of its own)
   CUDA_VISIBLE_DEVICES=0 timeout ${CALIB_SECONDS:-560} python3 bench/calib_bench.py --keep --skip supervisor,retry \
     2>&1 | quiet > "$OUT/calib_rest.txt"
   tail -24 "$OUT/calib_rest.txt"
-  rm -rf /tmp/calib-bench
   ;;
 s3)  # call 3: 8B FP8_DYNAMIC on one GPU (1 and 2 workers, oneshot, model_free_ptq, re-run, kill), then the MoE bench
+  rm -rf /tmp/calib-bench  # the disk holds the MoE checkpoint and one output at a time, not the GPTQ bench's too
   CUDA_VISIBLE_DEVICES=0 timeout 270 python3 bench/export_bench.py --device cuda:0 --workers 0,2 \
     --measure-error false 2>&1 | quiet > "$OUT/export_fp8_1gpu.txt"
   tail -24 "$OUT/export_fp8_1gpu.txt"
