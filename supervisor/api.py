@@ -662,7 +662,7 @@ class Supervisor:
         if self.plan.calibration is not None and reply.index >= 0:
             # journaled: the new boundary is the only one the next layer needs, so the one before it is spent
             spent, self._boundary = self._boundary, reply.boundary
-            if spent is not None:
+            if spent is not None and spent.file != getattr(reply.boundary, "file", None):
                 self._discard(os.path.join(self.plan.output, spent.file))
         w.layers_done += 1
         w.rss = reply.rss
