@@ -17,6 +17,7 @@ supervisor package.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -27,6 +28,8 @@ import sys
 import threading
 import time
 import traceback
+
+from shared import nvml
 
 PR_SET_PDEATHSIG = 1
 MAX_MSG = 1 << 20
@@ -130,15 +133,10 @@ def _restore_triton_detection() -> None:
         pass
 
 
-class _NoNvml(Exception):
-    pass
-
-
-def _nvml_capability(torch, device=None) -> tuple[int, int]:
+def _nvml_capability(torch, device=None) -> tuple[int, int] | None:
     """A GPU's compute capability as NVML reports it: the answer torch.cuda.get_device_capability gives, without
-    initialising CUDA. The device index is torch's (CUDA_VISIBLE_DEVICES applied, ids or UUIDs)."""
-    from ctypes import CDLL, byref, c_int, c_void_p
-
+    initialising CUDA; None where NVML cannot answer. The device index is torch's (CUDA_VISIBLE_DEVICES applied,
+    ids or UUIDs)."""
     if device is None:
         index = 0  # the current device of a process that has not chosen one
     elif isinstance(device, int):
@@ -148,17 +146,13 @@ def _nvml_capability(torch, device=None) -> tuple[int, int]:
         index = 0 if device.index is None else device.index
     try:
         physical = torch.cuda._get_nvml_device_index(index)
-        nvml = CDLL("libnvidia-ml.so.1")
-        handle, major, minor = c_void_p(), c_int(), c_int()
-        if nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetHandleByIndex_v2(physical, byref(handle)) != 0 or \
-                nvml.nvmlDeviceGetCudaComputeCapability(handle, byref(major), byref(minor)) != 0:
-            raise _NoNvml
-    except (OSError, RuntimeError, ValueError, AttributeError, _NoNvml):
-        raise _NoNvml from None
-    return major.value, minor.value
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    return nvml.cuda_capability(physical)
 
 
-class _capability_from_nvml:
+@contextlib.contextmanager
+def _capability_from_nvml(torch):
     """While the backend's libraries import, answer torch.cuda.get_device_capability from NVML.
 
     torchao's modules ask for the GPU's capability at import (`is_sm_at_least_100()` in
@@ -168,29 +162,21 @@ class _capability_from_nvml:
     the same numbers without a CUDA context. Where NVML cannot answer, torch's own function runs (and the zygote
     then reports that it cannot fork). Restored as soon as the imports are done.
     """
+    cuda = torch.cuda
+    if cuda.is_initialized() or not os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"):
+        yield
+        return
+    original = cuda.get_device_capability
 
-    def __init__(self, torch) -> None:
-        self.torch = torch
-        self.original = None
+    def get_device_capability(device=None):
+        answer = _nvml_capability(torch, device)
+        return original(device) if answer is None else answer
 
-    def __enter__(self):
-        cuda, original = self.torch.cuda, self.torch.cuda.get_device_capability
-        if cuda.is_initialized() or not os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"):
-            return self
-
-        def get_device_capability(device=None):
-            try:
-                return _nvml_capability(self.torch, device)
-            except _NoNvml:
-                return original(device)
-
-        self.original = original
-        cuda.get_device_capability = get_device_capability
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.original is not None:
-            self.torch.cuda.get_device_capability = self.original
+    cuda.get_device_capability = get_device_capability
+    try:
+        yield
+    finally:
+        cuda.get_device_capability = original
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+
+from shared.nvml import device_count as _nvml_count  # physical GPUs, -1 without NVML
 from supervisor.errors import DeviceError  # noqa: F401 - re-exported; the hierarchy lives in errors.py
 
 _CUDA_SPEC = re.compile(r"cuda(?::(\d+))?")
@@ -97,10 +99,10 @@ def worker_slots(devices: list[str], workers: int, layer_bytes: int) -> list[str
     FP8_DYNAMIC export: 43.9 s with one worker, 35.8 s with two), or on CPU as many as the cores and the free
     memory allow: a worker wants ~4 cores to be worth its own process (torch's threads do the rest), and ~1 GiB
     of private memory plus three layers (the one being quantized, its output, the next one read ahead)."""
+    if workers <= 0 and devices != ["cpu"]:
+        workers = max(len(devices), 2 if layer_bytes <= OVERLAP_MAX_LAYER_BYTES else 1)
     if workers > 0:
         return [devices[i % len(devices)] for i in range(workers)]
-    if devices != ["cpu"]:
-        return worker_slots(devices, max(len(devices), 2 if layer_bytes <= OVERLAP_MAX_LAYER_BYTES else 1), 0)
     import psutil
 
     by_cores = (os.cpu_count() or 1) // 4
@@ -145,20 +147,6 @@ def _cuda_count() -> int:
         return torch.cuda.device_count()
     visible = parse_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
     return physical if visible is None else min(len(visible), physical)
-
-
-def _nvml_count() -> int:
-    """Physical GPUs as NVML reports them (what torch's _raw_device_count_nvml does); -1 without NVML."""
-    import ctypes
-
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return -1
-    count = ctypes.c_int(-1)
-    if nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
-        return -1
-    return count.value
 
 
 def _gib(n: int) -> str:
