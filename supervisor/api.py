@@ -24,6 +24,7 @@ import time
 import traceback as tb
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -41,6 +42,9 @@ from supervisor.source import SourceInfo, inspect
 from supervisor.scheduler import Scheduler, Slot, for_good
 from supervisor.worker import CancelledWait, Worker, WorkerLost, spawn
 from supervisor.zygote import Zygote, ZygoteLost
+
+if TYPE_CHECKING:  # supervisor.live imports torch; a plan for a checkpoint never needs it
+    from supervisor.live import Saved
 
 ENOSPC = 28
 LOG_KEEP = 2000  # child log lines kept for a UI that connects late (recent_logs())
@@ -84,7 +88,7 @@ class Plan:
     calibration: calibration.Calibration | None = None  # calibrated jobs: the validated data, for the child
     # the source is the live model handed to Supervisor (its pool), not a folder: its names, as the fingerprint
     # saw them (supervisor.live.Saved; tensors are looked up again by path after the release moves them)
-    live: object | None = None
+    live: Saved | None = None
     fresh: bool = False  # the output folder did not exist or was empty: a refused run leaves it that way
 
 
@@ -144,7 +148,7 @@ def _disk_source(job: Job, output: str) -> tuple[SourceInfo, dict | None]:
     return source, extra
 
 
-def _live_source(model, output: str) -> tuple[SourceInfo, dict, object]:
+def _live_source(model, output: str) -> tuple[SourceInfo, dict, Saved]:
     if model is None:
         raise JobError("the job has no [source]: set [source] path to a checkpoint folder (only the Python API "
                        "exports a live model without one: Supervisor(job, model=...))")
@@ -662,7 +666,7 @@ class Supervisor:
         if self.plan.calibration is not None and reply.index >= 0:
             # journaled: the new boundary is the only one the next layer needs, so the one before it is spent
             spent, self._boundary = self._boundary, reply.boundary
-            if spent is not None and spent.file != getattr(reply.boundary, "file", None):
+            if spent is not None:  # it fed this layer; _check_boundary held the new one to the next layer's name
                 self._discard(os.path.join(self.plan.output, spent.file))
         w.layers_done += 1
         w.rss = reply.rss
