@@ -32,7 +32,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from export_bench import IGNORE, SUPERVISOR, add_shape_args, build, compare, disk_write_speed, timed, timeline, warm  # noqa: E402
+from export_bench import (IGNORE, SUPERVISOR, add_shape_args, build, compare, disk_write_speed,  # noqa: E402
+                          mean_stages, timed, timeline, warm)
 
 ONESHOT = r"""
 import json, sys, time
@@ -109,12 +110,8 @@ def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None
     events = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     layers = [e for e in events if e["type"] == "LayerWritten" and e["index"] >= 0]
     first = min((e["t"] for e in events if e["type"] == "LayerStarted"), default=0.0)
-    stages: dict[str, float] = {}
-    for e in layers:
-        for k, v in e.get("stages", {}).items():
-            stages[k] = stages.get(k, 0.0) + v / len(layers)
     return {"wall": wall, "startup": first, "events": events, "rc": proc.returncode, "stderr": proc.stderr,
-            "stages": stages,
+            "stages": mean_stages(layers),
             "per_layer": sum(e["seconds"] for e in layers) / max(len(layers), 1), "layers": layers,
             "peak_gpu": max((e["peak_gpu"] for e in layers), default=0), "tree": tree, "out": out}
 

@@ -166,15 +166,21 @@ def run_supervisor(args, src: str, out: str, work: str, workers: int, env: dict 
     layers = [e for e in written if e["index"] >= 0]
     first = min((e["t"] for e in events if e["type"] == "LayerStarted"), default=0.0)
     pool = next((e for e in events if e["type"] == "PoolStarted"), {})
-    stages: dict[str, float] = {}
-    for e in layers:
-        for k, v in e.get("stages", {}).items():
-            stages[k] = stages.get(k, 0.0) + v / len(layers)
-    return {"wall": wall, "startup": first, "imports": pool.get("imports", 0.0), "forking": pool.get("forking"), "events": events, "stages": stages,
+    return {"wall": wall, "startup": first, "imports": pool.get("imports", 0.0), "forking": pool.get("forking"),
+            "events": events, "stages": mean_stages(layers),
             "per_layer": sum(e["seconds"] for e in layers) / max(len(layers), 1),
             "workers": len({e["worker"] for e in events if e["type"] == "WorkerStarted"}),
             "peak_gpu": max((e["peak_gpu"] for e in written), default=0), "tree": tree, "rc": proc.returncode,
             "stderr": proc.stderr}
+
+
+def mean_stages(layers: list[dict]) -> dict[str, float]:
+    """Stage name -> mean seconds over these LayerWritten events."""
+    stages: dict[str, float] = {}
+    for e in layers:
+        for k, v in e.get("stages", {}).items():
+            stages[k] = stages.get(k, 0.0) + v / len(layers)
+    return stages
 
 
 def timeline(events: list[dict], wall: float) -> str:

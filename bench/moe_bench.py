@@ -156,11 +156,8 @@ def main() -> None:
         print("per layer (index, s, peak RSS GiB, peak GPU GiB): " + ", ".join(
             f"({e['index']}, {e['seconds']:.1f}, {e['peak_rss'] / 2**30:.2f}, {e['peak_gpu'] / 2**30:.2f})"
             for e in written))
-        stages: dict[str, float] = {}
-        for e in moe:
-            for k, v in e.get("stages", {}).items():
-                stages[k] = stages.get(k, 0.0) + v / len(moe)
-        print("supervisor, mean seconds per MoE layer by stage: " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
+        print("supervisor, mean seconds per MoE layer by stage: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in eb.mean_stages(moe).items()))
         print("supervisor: " + eb.timeline(sup["events"], sup["wall"]) + f"; imports {sup['imports']:.1f} s, workers "
               + ("forked" if sup["forking"] else "spawned"))
         print(f"oneshot: imports {one['startup']:.1f} s, load {one['load']:.1f} s, quantize {one['quantize']:.1f} s, "
