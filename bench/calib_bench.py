@@ -33,7 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from export_bench import (IGNORE, SUPERVISOR, add_shape_args, build, compare, disk_write_speed,  # noqa: E402
-                          mean_stages, timed, timeline, warm)
+                          mean_stages, private_runtime, stop_warm, timed, timeline, warm)
 
 ONESHOT = r"""
 import json, sys, time
@@ -110,7 +110,9 @@ def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None
     events = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     layers = [e for e in events if e["type"] == "LayerWritten" and e["index"] >= 0]
     first = min((e["t"] for e in events if e["type"] == "LayerStarted"), default=0.0)
+    pool = next((e for e in events if e["type"] == "PoolStarted"), {})
     return {"wall": wall, "startup": first, "events": events, "rc": proc.returncode, "stderr": proc.stderr,
+            "reused": pool.get("reused", False),
             "stages": mean_stages(layers),
             "per_layer": sum(e["seconds"] for e in layers) / max(len(layers), 1), "layers": layers,
             "peak_gpu": max((e["peak_gpu"] for e in layers), default=0), "tree": tree, "out": out}
@@ -139,6 +141,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "calib-bench"))
     ap.add_argument("--skip", default="", help="comma-separated: supervisor,oneshot,kill,retry")
     ap.add_argument("--keep", action="store_true", help="reuse the workdir's checkpoint, dataset and saved run")
+    ap.add_argument("--build-only", action="store_true", help="build the checkpoint and dataset, then stop")
     args = ap.parse_args()
     args.torch_device = "cpu" if args.device == "cpu" else "cuda:0"
     skip = set(filter(None, args.skip.split(",")))
@@ -153,7 +156,10 @@ def main() -> None:
         print(f"checkpoint: {args.layers} layers, {size / 1e9:.2f} GB bf16; calibration {args.samples} x "
               f"{args.seq_len} random ids; built in {time.perf_counter() - t:.1f} s")
         print(f"disk: {disk_write_speed(args.workdir):.2f} GB/s write+fsync in {args.workdir}")
+    if args.build_only:
+        return
     warm(src)
+    private_runtime(args.workdir)  # kept warm parents of this bench only; each tool's first run is cold
 
     gib = 2**30
     saved = os.path.join(args.workdir, "supervisor.json")
@@ -163,7 +169,7 @@ def main() -> None:
         sup["tree"] = _Tree(**sup["tree"])
         print(f"uninterrupted supervisor run: from {saved}")
     else:
-        sup = run_supervisor(args, src, data, "sup")
+        sup = run_supervisor(args, src, data, "sup", keep_warm=0)
         with open(saved, "w") as f:
             json.dump({**{k: v for k, v in sup.items() if k != "tree"},
                        "tree": {"peak_rss": sup["tree"].peak_rss, "peak_gpu": sup["tree"].peak_gpu}}, f)
@@ -202,21 +208,28 @@ def main() -> None:
     fault = {"point": "calibrate", "action": "sigkill", "index": k}
     if "retry" not in skip:
         env = {"SUPERVISOR_TEST_FAULT": json.dumps({**fault, "once": os.path.join(args.workdir, "retry.fired")})}
-        r = run_supervisor(args, src, data, "retry", env=env)
+        r = run_supervisor(args, src, data, "retry", env=env, keep_warm=0)
         extra = r["wall"] - sup["wall"]
         print(f"\nkill at layer {k}, retried in the same run: +{extra:.1f} s = {extra / sup['per_layer']:.2f} layers; "
               f"same bytes as uninterrupted: {compare(r['out'], sup['out'])}")
     if "kill" not in skip:
+        # The killed run starts cold (as the uninterrupted one did) and keeps its warm parent (the default,
+        # resources.keep_warm); the second run, started at once as a user re-running would, forks from it.
+        stop_warm()
+        shutil.rmtree(os.path.join(args.workdir, "killed"), ignore_errors=True)
         env = {"SUPERVISOR_TEST_FAULT": json.dumps({**fault, "once": os.path.join(args.workdir, "kill.fired")})}
-        first = run_supervisor(args, src, data, "killed", env=env, check=False, max_attempts=1)
-        second = run_supervisor(args, src, data, "killed")
+        first = run_supervisor(args, src, data, "killed", env=env, check=False, max_attempts=1, keep_warm=300)
+        second = run_supervisor(args, src, data, "killed", keep_warm=300)
         extra = first["wall"] + second["wall"] - sup["wall"]
         print("killed run: " + timeline(first["events"], first["wall"]))
         print("second run: " + timeline(second["events"], second["wall"]))
-        print(f"kill at layer {k}, then a second `supervisor run`: {first['wall']:.1f} s + {second['wall']:.1f} s "
-              f"(start-up {second['startup']:.1f} s) = +{extra:.1f} s beyond uninterrupted = "
-              f"{extra / sup['per_layer']:.2f} layers (exit {first['rc']}, then {second['rc']})")
+        print(f"kill at layer {k}, then a second `supervisor run` ("
+              f"{'forking from the warm parent the killed run kept' if second['reused'] else 'warm parent NOT reused'}"
+              f"): {first['wall']:.1f} s + {second['wall']:.1f} s (start-up {second['startup']:.1f} s) = "
+              f"+{extra:.1f} s beyond uninterrupted = {extra / sup['per_layer']:.2f} layers (exit {first['rc']}, "
+              f"then {second['rc']})")
         print("resumed output vs uninterrupted:", compare(second["out"], sup["out"]))
+    stop_warm()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ worker forked from a warm parent shares its pages, which RSS counts twice) and n
   supervisor-1w    the same with workers = 1 (only when the default would use more)
   oneshot          from_pretrained + oneshot(QuantizationModifier) + save_pretrained(save_compressed=True)
   model_free_ptq   llm-compressor's model_free_ptq, 1 worker, the same ignore list (embeddings named explicitly)
+  supervisor, warm parent kept   the first run again into a new folder, forking from the warm parent the first
+                   run kept (resources.keep_warm): what a re-run or a studio's next export costs. Every other
+                   supervisor run is cold (keep_warm = 0 or the first of its kind), in a runtime folder of the
+                   bench's own
 
 and prints one table: wall, start-up, work, per layer, peak GPU, peak tree RSS/PSS. Then it checks every tensor
 of the outputs for equality (torch.equal on the bits) and config.json's quantization_config, times a re-run of
@@ -146,18 +150,39 @@ def timed(cmd: list[str], env: dict | None = None) -> tuple[subprocess.Completed
 
 # ---- the tools --------------------------------------------------------------------------------------------
 def write_job(path: str, src: str, out: str, scheme: str, device: str, workers: int,
-              measure_error: bool | None = None) -> str:
+              measure_error: bool | None = None, keep_warm: float = 0) -> str:
     measure = "" if measure_error is None else f"measure_error = {str(measure_error).lower()}\n"
     with open(path, "w") as f:
         f.write(f'[source]\npath = "{src}"\n[export]\nscheme = "{scheme}"\noutput = "{out}"\n{measure}'
-                f'[resources]\ndevice = "{device}"\nworkers = {workers}\n')
+                f'[resources]\ndevice = "{device}"\nworkers = {workers}\nkeep_warm = {keep_warm}\n')
     return path
 
 
+def private_runtime(workdir: str) -> None:
+    """Kept warm parents of this bench live in a folder of its own (XDG_RUNTIME_DIR), so its first run is cold
+    whatever ran on the machine before; stop_warm() ends them."""
+    rt = os.path.join(workdir, "rt")
+    os.makedirs(rt, mode=0o700, exist_ok=True)
+    os.environ["XDG_RUNTIME_DIR"] = rt
+
+
+def stop_warm() -> None:
+    """Stop the warm parents this bench kept and wait until they are gone."""
+    subprocess.run([SUPERVISOR, "warm", "--stop"], capture_output=True, timeout=60)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        listed = subprocess.run([SUPERVISOR, "warm", "--json"], capture_output=True, text=True, timeout=60)
+        if '"pid"' not in listed.stdout:
+            return
+        time.sleep(0.2)
+
+
 def run_supervisor(args, src: str, out: str, work: str, workers: int, env: dict | None = None,
-                   check: bool = True) -> dict:
+                   check: bool = True, keep_warm: float = 0) -> dict:
+    """One `supervisor run`. keep_warm 0: its warm parent ends with it (a cold run: imports included); > 0: it
+    stays for the next run, or this run forks from one an earlier run kept ("reused")."""
     job = write_job(os.path.join(work, f"job-{os.path.basename(out)}.toml"), src, out, args.scheme,
-                    args.device, workers, measure_error=args.measure_error)
+                    args.device, workers, measure_error=args.measure_error, keep_warm=keep_warm)
     proc, wall, tree = timed([SUPERVISOR, "run", job, "--json"], env)
     if check and proc.returncode != 0:
         sys.exit(f"supervisor failed: {proc.stderr[-3000:]}")
@@ -167,6 +192,7 @@ def run_supervisor(args, src: str, out: str, work: str, workers: int, env: dict 
     first = min((e["t"] for e in events if e["type"] == "LayerStarted"), default=0.0)
     pool = next((e for e in events if e["type"] == "PoolStarted"), {})
     return {"wall": wall, "startup": first, "imports": pool.get("imports", 0.0), "forking": pool.get("forking"),
+            "reused": pool.get("reused", False),
             "events": events, "stages": mean_stages(layers),
             "per_layer": sum(e["seconds"] for e in layers) / max(len(layers), 1),
             "workers": len({e["worker"] for e in events if e["type"] == "WorkerStarted"}),
@@ -297,7 +323,7 @@ def main() -> None:
     ap.add_argument("--workers", default="0", help="resources.workers for the supervisor runs: one run per value "
                     "of a comma-separated list (0: the default, one per GPU); the first is the one compared")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "export-bench"))
-    ap.add_argument("--skip", default="", help="comma-separated tools to skip: oneshot,model_free_ptq,kill,1w")
+    ap.add_argument("--skip", default="", help="comma-separated tools to skip: oneshot,model_free_ptq,kill,1w,warm")
     ap.add_argument("--measure-error", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
                     help="[export] measure_error = true|false (default: the job default, on a GPU only)")
     args = ap.parse_args()
@@ -305,6 +331,7 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     shutil.rmtree(args.workdir, ignore_errors=True)
     os.makedirs(args.workdir)
+    private_runtime(args.workdir)
     src = os.path.join(args.workdir, "model")
     t = time.perf_counter()
     size = build(args, src)
@@ -316,7 +343,8 @@ def main() -> None:
     rows = []
     counts = [int(w) for w in args.workers.split(",")]
     args.workers = counts[0]
-    sup = run_supervisor(args, src, os.path.join(args.workdir, "sup"), args.workdir, counts[0])
+    # cold: the first run keeps its warm parent for the "warm parent kept" row below; the others end theirs
+    sup = run_supervisor(args, src, os.path.join(args.workdir, "sup"), args.workdir, counts[0], keep_warm=600)
     rows.append((f"supervisor ({sup['workers']} worker{'s' if sup['workers'] > 1 else ''})", sup))
     for n in counts[1:]:
         r = run_supervisor(args, src, os.path.join(args.workdir, f"sup{n}"), args.workdir, n)
@@ -335,6 +363,15 @@ def main() -> None:
     if "model_free_ptq" not in skip:
         mfp = run_script(MODEL_FREE, args, src, os.path.join(args.workdir, "mfp"), IGNORE + ["model.embed_tokens"])
         rows.append(("model_free_ptq", mfp))
+    if "warm" not in skip:
+        # a second export of the same environment (a re-run after a crash, a studio's next export): its workers
+        # fork from the warm parent the first run kept, so it imports nothing
+        r = run_supervisor(args, src, os.path.join(args.workdir, "sup-warm"), args.workdir, counts[0], keep_warm=600)
+        rows.append((f"supervisor ({r['workers']} worker{'s' if r['workers'] > 1 else ''}, warm parent "
+                     f"{'kept' if r['reused'] else 'NOT reused'})", r))
+        print("warm run's output vs the first run's:", compare(os.path.join(args.workdir, "sup-warm"),
+                                                              os.path.join(args.workdir, "sup")), flush=True)
+        shutil.rmtree(os.path.join(args.workdir, "sup-warm"))
 
     gib = 2**30
     print()
@@ -344,6 +381,14 @@ def main() -> None:
         work = r["wall"] - r["startup"]
         per_layer = f"{r['per_layer']:.3f}" if "per_layer" in r else "-"
         tree = r["tree"]
+        if r.get("reused"):
+            # its workers are the kept warm parent's children, not the CLI's: the tree sampler does not see
+            # them, so show what the workers reported themselves
+            wrote = [e for e in r["events"] if e["type"] == "LayerWritten"]
+            rss = max((e["peak_rss"] for e in wrote), default=0)
+            print(f"| {name} | {r['wall']:.1f} | {r['startup']:.1f} | {work:.1f} | {per_layer} | "
+                  f"{r['peak_gpu'] / gib:.2f} / - | {rss / gib:.2f} (worker) | - |")
+            continue
         print(f"| {name} | {r['wall']:.1f} | {r['startup']:.1f} | {work:.1f} | {per_layer} | "
               f"{r['peak_gpu'] / gib:.2f} / {tree.peak_gpu / gib:.2f} | {tree.peak_rss / gib:.2f} | "
               f"{tree.peak_pss / gib:.2f} |")
@@ -370,6 +415,7 @@ def main() -> None:
     print(f"re-run of the finished export: {wall_again:.2f} s (exit {again.returncode})")
     if "kill" not in skip and args.layers >= 4:
         kill_run(args, src)
+    stop_warm()
 
 
 def kill_run(args, src: str) -> None:

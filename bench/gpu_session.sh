@@ -45,6 +45,40 @@ importtime() {  # where the warm parent's import time goes on this machine (cumu
 }
 
 case "${1:-tests}" in
+s4a)  # fourth session, call 1: what changed since the last GPU tests, while the 32-layer GPTQ checkpoint is built
+  imports_check
+  export OMP_NUM_THREADS=10
+  (CUDA_VISIBLE_DEVICES=1 t 300 others tests/gpu/test_report_gpu.py tests/gpu/test_export_gpu.py \
+     -k "not memory_is_free"
+   CUDA_VISIBLE_DEVICES=1 t 120 moe tests/gpu/test_moe_gpu.py -k memory_flat) &
+  (CUDA_VISIBLE_DEVICES=0 t 300 calibrated tests/gpu/test_calibrated_gpu.py -k kill) &
+  (timeout 300 python3 bench/calib_bench.py --build-only 2>&1 | quiet > "$OUT/calib_build.txt") &
+  wait
+  unset OMP_NUM_THREADS
+  t 60 memfree tests/gpu/test_export_gpu.py -k memory_is_free
+  cat "$OUT/calib_build.txt"
+  ;;
+s4b)  # call 2: ours, uninterrupted, on the built checkpoint (cold: its warm parent ends with it)
+  CUDA_VISIBLE_DEVICES=0 timeout 560 python3 bench/calib_bench.py --keep --skip oneshot,kill,retry 2>&1 \
+    | quiet > "$OUT/calib_ours.txt"
+  tail -14 "$OUT/calib_ours.txt"
+  ;;
+s4c)  # call 3: oneshot on the same checkpoint and data
+  CUDA_VISIBLE_DEVICES=0 timeout 560 python3 bench/calib_bench.py --keep --skip supervisor,kill,retry 2>&1 \
+    | quiet > "$OUT/calib_oneshot.txt"
+  tail -14 "$OUT/calib_oneshot.txt"
+  ;;
+s4d)  # call 4: the worker killed at layer 20 with no retry left, then a second run forking from the kept parent
+  CUDA_VISIBLE_DEVICES=0 timeout 560 python3 bench/calib_bench.py --keep --skip supervisor,oneshot,retry 2>&1 \
+    | quiet > "$OUT/calib_kill.txt"
+  tail -8 "$OUT/calib_kill.txt"
+  ;;
+s4e)  # call 5: 8B FP8_DYNAMIC on one GPU: cold, oneshot, model_free_ptq, and a run forking from the kept parent
+  rm -rf /tmp/calib-bench
+  CUDA_VISIBLE_DEVICES=0 timeout 560 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --skip kill,1w 2>&1 | quiet > "$OUT/export_fp8_warm.txt"
+  tail -24 "$OUT/export_fp8_warm.txt"
+  ;;
 s1)  # third session, call 1: import profile, report recheck (GPU 1), offload bench, then the 32-layer GPTQ bench (ours)
   importtime
   (CUDA_VISIBLE_DEVICES=1 t 200 report tests/gpu/test_report_gpu.py -k "FP8 or W4A16") &

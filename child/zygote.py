@@ -1,4 +1,5 @@
-"""The warm parent: `python -P -m child.zygote --sock-fd S --parent-pid P --format F`.
+"""The warm parent: `python -P -m child.zygote --sock-fd S --parent-pid P --format F` (one run's), or
+`python -P -m child.zygote --listen PATH --idle SECONDS --format F` (kept warm between runs).
 
 Imports torch, transformers and the backend's libraries once (several seconds), never touches CUDA, then forks
 a worker whenever the supervisor asks, so a worker starts (or restarts after a crash) in well under a second:
@@ -13,6 +14,13 @@ a parent-death signal (the zygote's); a crashed worker's state never reaches the
 from the zygote, not from it. The zygote itself dies with the supervisor (parent-death signal) or when the
 socket closes; it must never run tensor work (OpenMP thread pools do not survive a fork) and never import the
 supervisor package.
+
+Kept warm (`resources.keep_warm`, supervisor/zygote.py): the zygote listens on a Unix socket in a folder only its
+user can open, in a session of its own (no parent-death signal: it outlives the run that started it) and serves
+one run at a time: each connection gets {"ready"} at once (no imports: they are done) and its own workers. When a
+connection closes (the run ended, or its supervisor was killed) the zygote SIGKILLs and reaps every worker it
+forked for it before it accepts the next, so no worker outlives its supervisor and none is shared between runs.
+After SECONDS without a connection it removes its socket and exits.
 """
 from __future__ import annotations
 
@@ -46,13 +54,16 @@ def _send(sock: socket.socket, msg: dict) -> None:
     sock.send(json.dumps(msg).encode())
 
 
-def _worker(sock: socket.socket, wake_r: int, wake_w: int, req: dict, fds: list[int], zygote_pid: int) -> None:
+def _worker(socks: list[socket.socket], wake_r: int, wake_w: int, req: dict, fds: list[int],
+            zygote_pid: int) -> None:
     """In the forked child: become a worker; never returns."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        sock.close()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for s in socks:
+            s.close()
         os.close(wake_r)
         os.close(wake_w)
         read_fd, write_fd, out_fd, err_fd = fds
@@ -62,6 +73,10 @@ def _worker(sock: socket.socket, wake_r: int, wake_w: int, req: dict, fds: list[
         os.close(err_fd)
         os.environ.clear()
         os.environ.update(req["env"])
+        if "umask" in req:  # the run's, not the run's that started a kept zygote
+            os.umask(req["umask"])
+        if "cwd" in req:
+            os.chdir(req["cwd"])
         from child.__main__ import main
 
         code = main(req["argv"] + ["--read-fd", str(read_fd), "--write-fd", str(write_fd),
@@ -78,7 +93,7 @@ def _worker(sock: socket.socket, wake_r: int, wake_w: int, req: dict, fds: list[
             os._exit(code)
 
 
-def _reap(sock: socket.socket) -> None:
+def _reap(sock: socket.socket | None, mine: set[int]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -86,39 +101,110 @@ def _reap(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
-        _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        if pid in mine:
+            mine.discard(pid)
+            if sock is not None:
+                try:
+                    _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+                except OSError:
+                    pass  # the run is gone; its workers are being killed
 
 
-def serve(sock: socket.socket, parent_pid: int) -> int:
+def _kill(pids: set[int]) -> None:
+    """SIGKILL and reap a closed connection's workers: none outlives the run it was forked for."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in pids:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    pids.clear()
+
+
+def serve(sock: socket.socket, parent_pid: int, wake: tuple[int, int], listener: socket.socket | None = None) -> int:
+    """Fork workers for one run until its socket closes; then kill those still alive. parent_pid 0: kept warm (no
+    parent to watch)."""
+    wake_r, wake_w = wake
+    me = os.getpid()
+    mine: set[int] = set()
+    socks = [sock] if listener is None else [sock, listener]
+    try:
+        while True:
+            ready, _, _ = select.select([sock, wake_r], [], [], 1.0)
+            if parent_pid and os.getppid() != parent_pid:
+                return 3  # the supervisor is gone
+            if wake_r in ready:
+                os.read(wake_r, 4096)
+                _reap(sock, mine)
+            if sock not in ready:
+                continue
+            try:
+                msg, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 4)
+            except OSError:
+                msg, fds = b"", []
+            if not msg:
+                return 0  # the supervisor closed the socket (or died): this run is over
+            req = json.loads(msg)["fork"]
+            sys.stdout.flush()
+            sys.stderr.flush()
+            if threading.active_count() > 1:
+                print(f"zygote: {threading.active_count()} threads alive at fork", file=sys.stderr, flush=True)
+            pid = os.fork()
+            if pid == 0:
+                _worker(socks, wake_r, wake_w, req, fds, me)
+            mine.add(pid)
+            for fd in fds:
+                os.close(fd)
+            try:
+                _send(sock, {"forked": pid})
+            except OSError:
+                return 0
+            _reap(sock, mine)
+    finally:
+        _kill(mine)
+
+
+def _wake_pipe() -> tuple[int, int]:
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # the wakeup fd does the work
     signal.set_wakeup_fd(wake_w)
-    me = os.getpid()
+    return wake_r, wake_w
+
+
+def _accept(listener: socket.socket, timeout: float, wake_r: int | None = None) -> socket.socket | None:
+    """The next run's connection, or None after `timeout` seconds without one (strays are reaped meanwhile)."""
+    deadline = time.monotonic() + timeout
     while True:
-        ready, _, _ = select.select([sock, wake_r], [], [], 1.0)
-        if os.getppid() != parent_pid:
-            return 3  # the supervisor is gone; our workers follow us (their parent-death signal)
-        if wake_r in ready:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        ready, _, _ = select.select([listener] + ([wake_r] if wake_r is not None else []), [], [], left)
+        if wake_r is not None and wake_r in ready:
             os.read(wake_r, 4096)
-            _reap(sock)
-        if sock not in ready:
-            continue
-        msg, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 4)
-        if not msg:
-            return 0  # the supervisor closed the socket: done
-        req = json.loads(msg)["fork"]
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if threading.active_count() > 1:
-            print(f"zygote: {threading.active_count()} threads alive at fork", file=sys.stderr, flush=True)
-        pid = os.fork()
-        if pid == 0:
-            _worker(sock, wake_r, wake_w, req, fds, me)
-        for fd in fds:
-            os.close(fd)
-        _send(sock, {"forked": pid})
-        _reap(sock)
+            _reap(None, set())
+        if listener in ready:
+            try:
+                conn, _ = listener.accept()
+                return conn
+            except OSError:
+                continue
+
+
+def _stop_listening(listener: socket.socket, path: str, info: str, bound: int) -> None:
+    """Remove our socket and info files (unless another zygote has bound the path since: `bound` is the inode
+    of the file our bind made), then close it."""
+    try:
+        if os.stat(path).st_ino == bound:
+            os.unlink(path)
+            os.unlink(info)
+    except OSError:
+        pass
+    listener.close()
 
 
 def _restore_triton_detection() -> None:
@@ -179,17 +265,8 @@ def _capability_from_nvml(torch):
         cuda.get_device_capability = original
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m child.zygote")
-    ap.add_argument("--sock-fd", type=int, required=True)
-    ap.add_argument("--parent-pid", type=int, required=True)
-    ap.add_argument("--format", default="compressed-tensors")
-    args = ap.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides how we stop, not the terminal
-    _set_parent_death_signal()
-    if os.getppid() != args.parent_pid:
-        return 3
-    sock = socket.socket(fileno=args.sock_fd)
+def _imports(fmt: str) -> tuple[float, bool]:
+    """Import the backend's libraries without initialising CUDA; returns (seconds, forkable)."""
     # torch's availability checks (run by imports such as llm-compressor's) then use NVML and leave CUDA alone
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     # torch.utils._triton.has_triton() reads the GPU's properties, which initialises CUDA; torchao's modules call
@@ -198,37 +275,108 @@ def main(argv: list[str] | None = None) -> int:
     # the GPU; it is turned back on (and its cached answer dropped) before any worker is forked.
     os.environ["TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION"] = "1"
     t = time.perf_counter()
+    import torch
+
+    from child.backend import preload
+
+    with _capability_from_nvml(torch):
+        preload(fmt)
+    _restore_triton_detection()
+    from child import faults
+
+    faults.load()
+    forkable = not torch.cuda.is_initialized() and not getattr(torch.cuda, "_is_in_bad_fork", lambda: False)() \
+        and not faults.asks("zygote", "unforkable")
+    if not forkable:
+        # some import touched CUDA on this machine: a forked worker could not use the GPU. Say so; the
+        # supervisor then spawns fresh interpreters instead (slower to start, as safe).
+        print("zygote: CUDA was initialised while importing; workers will be spawned, not forked",
+              file=sys.stderr, flush=True)
+    import gc
+
+    # Move the ~0.5M objects the imports made out of the collector's reach: a worker's per-layer
+    # gc.collect() then scans only what it made since (measured: 0.33 s -> 0.008 s a layer), and the
+    # collector does not write into (copy) the pages every forked worker shares with us.
+    gc.freeze()
+    return time.perf_counter() - t, forkable
+
+
+def _start(sock: socket.socket, fmt: str) -> tuple[float, bool] | None:
+    """The imports, reported on `sock` as {"ready"} or {"failed"}; None when they failed."""
     try:
-        import torch
-
-        from child.backend import preload
-
-        with _capability_from_nvml(torch):
-            preload(args.format)
-        _restore_triton_detection()
-        from child import faults
-
-        faults.load()
-        forkable = not torch.cuda.is_initialized() and not getattr(torch.cuda, "_is_in_bad_fork", lambda: False)() \
-            and not faults.asks("zygote", "unforkable")
-        if not forkable:
-            # some import touched CUDA on this machine: a forked worker could not use the GPU. Say so; the
-            # supervisor then spawns fresh interpreters instead (slower to start, as safe).
-            print("zygote: CUDA was initialised while importing; workers will be spawned, not forked",
-                  file=sys.stderr, flush=True)
-        import gc
-
-        # Move the ~0.5M objects the imports made out of the collector's reach: a worker's per-layer
-        # gc.collect() then scans only what it made since (measured: 0.33 s -> 0.008 s a layer), and the
-        # collector does not write into (copy) the pages every forked worker shares with us.
-        gc.freeze()
+        seconds, forkable = _imports(fmt)
     except BaseException as exc:  # noqa: BLE001 - reported to the supervisor, which fails the start clearly
         traceback.print_exc()
         _send(sock, {"failed": f"{type(exc).__name__}: {exc}"})
+        return None
+    _send(sock, {"ready": True, "pid": os.getpid(), "seconds": round(seconds, 3), "forkable": forkable,
+                 "reused": False})
+    return seconds, forkable
+
+
+def kept(path: str, idle: float, fmt: str) -> int:
+    """Kept warm: bind `path`, import, then serve one run (connection) at a time until `idle` seconds pass
+    without one."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `supervisor warm --stop`: clean up, kill workers
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        listener.bind(path)
+    except OSError:
+        return 0  # another zygote holds the path: the run that started us connects to that one
+    listener.listen(8)
+    bound = os.stat(path).st_ino
+    info = path[: -len(".sock")] + ".json"
+    try:
+        with open(info + ".tmp", "w") as f:  # what `supervisor warm` lists
+            json.dump({"pid": os.getpid(), "format": fmt, "idle": idle, "started": time.time(),
+                       "python": sys.executable}, f)
+        os.replace(info + ".tmp", info)
+        conn = _accept(listener, 60.0)  # the run that started us connects at once
+        if conn is None:
+            return 0
+        started = _start(conn, fmt)
+        if started is None:
+            return 1
+        seconds, forkable = started
+        wake = _wake_pipe()
+        runs = 1
+        while conn is not None:
+            serve(conn, 0, wake, listener)
+            conn.close()
+            conn = _accept(listener, idle, wake[0])
+            if conn is not None:
+                runs += 1
+                try:
+                    _send(conn, {"ready": True, "pid": os.getpid(), "seconds": round(seconds, 3),
+                                 "forkable": forkable, "reused": True, "runs": runs})
+                except OSError:
+                    conn.close()
+                    conn = _accept(listener, idle, wake[0])
+        return 0
+    finally:
+        _stop_listening(listener, path, info, bound)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m child.zygote")
+    ap.add_argument("--sock-fd", type=int)
+    ap.add_argument("--parent-pid", type=int, default=0)
+    ap.add_argument("--listen", help="kept warm: the Unix socket path to serve runs on")
+    ap.add_argument("--idle", type=float, default=300.0, help="kept warm: seconds without a run before exiting")
+    ap.add_argument("--format", default="compressed-tensors")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides how we stop, not the terminal
+    if args.listen:
+        return kept(args.listen, args.idle, args.format)
+    if args.sock_fd is None:
+        ap.error("--sock-fd or --listen is required")
+    _set_parent_death_signal()
+    if os.getppid() != args.parent_pid:
+        return 3
+    sock = socket.socket(fileno=args.sock_fd)
+    if _start(sock, args.format) is None:
         return 1
-    _send(sock, {"ready": True, "pid": os.getpid(), "seconds": round(time.perf_counter() - t, 3),
-                 "forkable": forkable})
-    return serve(sock, args.parent_pid)
+    return serve(sock, args.parent_pid, _wake_pipe())
 
 
 if __name__ == "__main__":

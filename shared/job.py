@@ -64,6 +64,10 @@ class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Host memory (GiB) the calibration activations of one layer (its inputs and outputs) may take; above it
     # they stay on disk under OUT/.export and are read back one sample at a time. 0: a quarter of the RAM.
     activation_ram_gb: float = 0.0
+    # Seconds the warm parent (imported libraries, no CUDA) stays after the run, so that the next run of the same
+    # environment (a re-run after a crash, the next export) forks its workers instead of importing again. 0: it
+    # ends with the run. Unset: $SUPERVISOR_KEEP_WARM, else 300.
+    keep_warm: float | None = None
 
 
 class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -159,6 +163,9 @@ def _check_values(job: Job) -> None:
         raise JobSyntaxError("[source] adapter is empty; set it to a PEFT LoRA adapter folder or remove the key")
     if not job.export.output.strip():
         raise JobSyntaxError("[export] output is empty; set it to the folder to export into")
+    if r.keep_warm is not None and r.keep_warm < 0:
+        raise JobSyntaxError("[resources] keep_warm must be 0 (the warm parent ends with the run) or a number of "
+                             "seconds")
     if r.activation_ram_gb < 0:
         raise JobSyntaxError("[resources] activation_ram_gb must be 0 (a quarter of the RAM) or positive")
     _check_calibration(job)

@@ -41,7 +41,7 @@ from supervisor.lock import Lock, probe
 from supervisor.source import SourceInfo, inspect
 from supervisor.scheduler import Scheduler, Slot, for_good
 from supervisor.worker import CancelledWait, Worker, WorkerLost, spawn
-from supervisor.zygote import Zygote, ZygoteLost
+from supervisor.zygote import Zygote, ZygoteLost, keep_warm_seconds
 
 if TYPE_CHECKING:  # supervisor.live imports torch; a plan for a checkpoint never needs it
     from supervisor.live import Saved
@@ -523,7 +523,7 @@ class Supervisor:
             env = devices.child_env("cpu", env)
         log = layout.state_path(self.plan.output, layout.LOGS, "zygote.log")
         z = Zygote(env, log, self.job.export.format, self.job.resources.startup_timeout, pass_fds=self._pool_fds,
-                   on_log=self._on_log)
+                   on_log=self._on_log, keep_warm=keep_warm_seconds(self.job.resources.keep_warm))
         t = time.monotonic()
         try:
             self._spawner.submit(z.start, self._cancel.is_set).result()
@@ -532,8 +532,8 @@ class Supervisor:
         except CancelledWait:
             raise Cancelled("export cancelled; run the same job again to resume") from None
         self._zygote = z
-        self._emit(ev.PoolStarted(pid=z.proc.pid, seconds=round(time.monotonic() - t, 3), imports=z.seconds,
-                                  forking=z.forkable))
+        self._emit(ev.PoolStarted(pid=z.pid, seconds=round(time.monotonic() - t, 3), imports=z.seconds,
+                                  forking=z.forkable, reused=z.reused, kept=z.keep_warm if z.kept else 0.0))
 
     @property
     def _pool_fds(self) -> tuple[int, ...]:

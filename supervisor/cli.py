@@ -1,4 +1,4 @@
-"""`supervisor run | plan | status | verify | report | demo`: a thin shell over the Python API.
+"""`supervisor run | plan | status | verify | report | warm | demo`: a thin shell over the Python API.
 
 Prints progress (rich) or, with --json, one JSON event per line on stdout. Exit codes: 0 done, 1 failed,
 2 bad input (nothing written), 3 output locked by another supervisor, 130 interrupted (resumable).
@@ -126,6 +126,28 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_warm(args) -> int:
+    import time
+
+    from supervisor import zygote
+
+    parents = zygote.stop_kept() if args.stop else zygote.kept_parents()
+    if args.json:
+        print(json.dumps({"stopped" if args.stop else "kept": parents}))
+        return 0
+    if not parents:
+        print("no warm parent to stop" if args.stop else "no warm parent is kept (resources.keep_warm)")
+        return 0
+    for p in parents:
+        if args.stop:
+            print(f"stopped warm parent pid {p['pid']} ({p['format']})")
+        else:
+            age = time.time() - (p["started"] or time.time())
+            state = "in use by a run" if p["in_use"] else f"idle; ends after {p['idle']:.0f}s without a run"
+            print(f"pid {p['pid']}: {p['format']}, started {age:.0f}s ago, {state}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from supervisor.demo import run_demo
 
@@ -186,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modules", action="store_true", help="also print every module's quantization error")
     p.add_argument("--json", action="store_true", help="print the journal's figures as one JSON object instead")
     p.set_defaults(func=cmd_report)
+    p = sub.add_parser("warm", parents=[common], help="list the warm parents kept between runs "
+                       "(resources.keep_warm), or stop them")
+    p.add_argument("--stop", action="store_true", help="stop every kept warm parent that no run is using")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_warm)
     p = sub.add_parser("demo", parents=[common], help="build a small model locally, export it, load the result with transformers")
     p.add_argument("dir", nargs="?", default="demo", help="working folder (default: ./demo)")
     p.add_argument("--scheme", default="FP8_DYNAMIC")

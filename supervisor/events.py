@@ -38,6 +38,8 @@ class PoolStarted(Event):
     seconds: float  # from spawn to ready
     imports: float = 0.0  # of which importing torch, transformers and the backend's libraries
     forking: bool = True  # False: the imports touched CUDA here, so workers are spawned fresh instead of forked
+    reused: bool = False  # an earlier run's warm parent, kept warm (resources.keep_warm): nothing imported now
+    kept: float = 0.0  # seconds this warm parent stays after the run (0: it ends with the run)
 
 
 class WorkerStarted(Event):

@@ -60,7 +60,14 @@ class Display:
                 else:
                     p.console.print(f"live model not released: {e.reason}")
             case ev.PoolStarted():
-                p.console.print(f"libraries imported in {e.seconds:.1f}s (workers are forked from pid {e.pid})")
+                if e.reused:
+                    p.console.print(f"warm parent reused (pid {e.pid}, kept from an earlier run): ready in "
+                                    f"{e.seconds:.1f}s")
+                else:
+                    p.console.print(f"libraries imported in {e.seconds:.1f}s (workers are forked from pid {e.pid})")
+                if e.kept:
+                    p.console.print(f"the warm parent stays {e.kept:.0f}s after this run for the next one "
+                                    "(resources.keep_warm; `supervisor warm --stop` ends it)", style="dim")
             case ev.WorkerStarted():
                 again = "" if e.since_death is None else f", {e.since_death:.1f}s after the last one was lost"
                 p.console.print(f"worker {e.worker} (pid {e.pid}) on {e.device} ready in {e.seconds:.1f}s{again}")

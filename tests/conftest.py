@@ -12,7 +12,14 @@ GPTQ bytes must pin `torch.set_num_threads` itself.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Each test's runs start their own warm parent and end it (resources.keep_warm = 0), as before that knob existed:
+# a kept one would carry one test's state (its environment, its process tree) into the next. The kept-warm tests
+# (tests/scenarios/test_keep_warm.py) ask for it in their jobs.
+os.environ["SUPERVISOR_KEEP_WARM"] = "0"
 
 from tests.models import make_tiny_model, oneshot_reference
 
