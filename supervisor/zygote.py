@@ -282,9 +282,13 @@ class Zygote:
 
     def start(self, cancelled: Callable[[], bool]) -> None:
         """Connect to a kept zygote or spawn one, and wait until it has imported everything; raises ZygoteLost."""
-        if self.keep_warm > 0 and self._start_kept(cancelled):
-            return
-        self._start_private(cancelled)
+        try:
+            if self.keep_warm > 0 and self._start_kept(cancelled):
+                return
+            self._start_private(cancelled)
+        except BaseException:
+            self.close()  # and release the kept zygote's lock, so a later run in this process may use it
+            raise
 
     def _start_private(self, cancelled: Callable[[], bool]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -140,6 +140,33 @@ def test_a_killed_supervisor_takes_its_worker_along_and_the_rerun_resumes_warm(m
     assert cli.output_bytes(tmp_path / "k") == reference
 
 
+def test_a_kept_parent_killed_mid_run_is_replaced_and_the_run_finishes(model, reference, runtime, tmp_path):
+    """SIGKILL the kept warm parent while its worker is inside layer 1: the worker dies with it (parent-death
+    signal), the run starts a new kept parent, retries layer 1 from it and ends byte-identical."""
+    marker = tmp_path / "hung.json"
+    hang = faultkit.fault_env({"point": "quantize", "action": "hang", "index": 1, "once": str(marker)})
+    live = faultkit.LiveRun("run", _job(tmp_path, model, "z", keep_warm=120), "--json", env={**runtime, **hang})
+    try:
+        deadline = time.monotonic() + 300
+        while faultkit.read_marker(str(marker)) is None:  # the worker is now hanging inside layer 1
+            assert live.proc.poll() is None, live.stderr
+            assert time.monotonic() < deadline, "layer 1 never hung"
+            time.sleep(0.05)
+        first = live.of("PoolStarted")[0]
+        os.kill(first["pid"], signal.SIGKILL)
+        live.wait(300)
+    finally:
+        if live.proc.poll() is None:
+            live.proc.kill()
+            live.wait()
+    assert live.rc == 0, live.stderr
+    pools = live.of("PoolStarted")
+    assert len(pools) == 2 and pools[1]["pid"] != first["pid"] and pools[1]["kept"] == 120
+    assert any(r["index"] == 1 for r in live.of("Retrying"))
+    assert _alive(pools[1]["pid"])  # the replacement is kept for the next run
+    assert cli.output_bytes(tmp_path / "z") == reference
+
+
 def test_a_kept_parent_ends_after_its_idle_time(model, runtime, tmp_path):
     run = faultkit.run("run", _job(tmp_path, model, "i", keep_warm=1), "--json", env=runtime)
     assert run.rc == 0, run.stderr
