@@ -54,7 +54,10 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float | None:
     # float32 blocks, not one float32 copy of the whole weight: that would add twice the weight to the peak
     diff_sq = ref_sq = 0.0
     for g, r in zip(got.split(ROWS), ref.split(ROWS)):
-        r = r.to(g.device, torch.float32)
+        # copy in the source's own dtype, then widen where the block now is: a blocking host-to-GPU copy that also
+        # changes dtype converts on the CPU and sends float32, twice the bytes (torch's copy_kernel_cuda); MoE
+        # layers above the worker's read-ahead limit keep their sources on the host. The values are the same.
+        r = r.to(g.device).float()
         diff_sq += torch.linalg.vector_norm(g.float() - r).item() ** 2
         ref_sq += torch.linalg.vector_norm(r).item() ** 2
     return (diff_sq / ref_sq) ** 0.5 if ref_sq else None
