@@ -131,20 +131,29 @@ def cmd_warm(args) -> int:
 
     from supervisor import zygote
 
-    parents = zygote.stop_kept() if args.stop else zygote.kept_parents()
+    if args.stop:
+        stopped, busy = zygote.stop_kept()
+        if args.json:
+            print(json.dumps({"stopped": stopped, "in_use": busy}))
+            return 0
+        for p in stopped:
+            print(f"stopped warm parent pid {p['pid']} ({p['format']})")
+        for p in busy:
+            print(f"warm parent pid {p['pid']} ({p['format']}) is in use by a run: not stopped; it ends "
+                  f"{p['idle']:.0f}s after that run, or run this again then")
+        if not stopped and not busy:
+            print("no warm parent to stop")
+        return 0
+    parents = zygote.kept_parents()
     if args.json:
-        print(json.dumps({"stopped" if args.stop else "kept": parents}))
+        print(json.dumps({"kept": parents}))
         return 0
     if not parents:
-        print("no warm parent to stop" if args.stop else "no warm parent is kept (resources.keep_warm)")
-        return 0
+        print("no warm parent is kept (resources.keep_warm)")
     for p in parents:
-        if args.stop:
-            print(f"stopped warm parent pid {p['pid']} ({p['format']})")
-        else:
-            age = time.time() - (p["started"] or time.time())
-            state = "in use by a run" if p["in_use"] else f"idle; ends after {p['idle']:.0f}s without a run"
-            print(f"pid {p['pid']}: {p['format']}, started {age:.0f}s ago, {state}")
+        age = time.time() - (p["started"] or time.time())
+        state = "in use by a run" if p["in_use"] else f"idle; ends after {p['idle']:.0f}s without a run"
+        print(f"pid {p['pid']}: {p['format']}, started {age:.0f}s ago, {state}")
     return 0
 
 

@@ -179,19 +179,20 @@ def _is_kept_zygote(pid: int, path: str) -> bool:
     return b"child.zygote" in argv and path.encode() in argv
 
 
-def stop_kept() -> list[dict]:
-    """SIGTERM every kept zygote of this user that no run is using; returns those stopped. One in use stays (its
+def stop_kept() -> tuple[list[dict], list[dict]]:
+    """SIGTERM every kept zygote of this user that no run is using; returns (stopped, in use). One in use stays (its
     run's workers are its children): it exits after its run, keep_warm seconds later, or when stopped again."""
-    stopped = []
+    stopped, busy = [], []
     for info in kept_parents():
         if info["in_use"]:
+            busy.append(info)
             continue
         try:
             os.kill(info["pid"], signal.SIGTERM)
             stopped.append(info)
         except ProcessLookupError:
             pass
-    return stopped
+    return stopped, busy
 
 
 class ZygoteLost(Exception):

@@ -125,6 +125,10 @@ def test_a_killed_supervisor_takes_its_worker_along_and_the_rerun_resumes_warm(m
         pool_o = other.of("PoolStarted")[0]
         assert pool_o["reused"] is False and pool_o["pid"] != pool["pid"] and pool_o["kept"] == 0
         assert cli.output_bytes(tmp_path / "o") == reference
+        # `warm --stop` leaves a parent that a run is using alone, and says so
+        busy = cli.run("warm", "--stop", env=runtime).stdout
+        assert f"warm parent pid {pool['pid']}" in busy and "in use by a run: not stopped" in busy
+        assert _alive(pool["pid"]) and _alive(worker)
     finally:
         live.proc.send_signal(signal.SIGKILL)
         live.wait()
