@@ -93,7 +93,7 @@ def _worker(socks: list[socket.socket], wake_r: int, wake_w: int, req: dict, fds
             os._exit(code)
 
 
-def _reap(sock: socket.socket | None, mine: set[int]) -> None:
+def _reap(sock: socket.socket, mine: set[int]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -101,13 +101,11 @@ def _reap(sock: socket.socket | None, mine: set[int]) -> None:
             return
         if pid == 0:
             return
-        if pid in mine:
-            mine.discard(pid)
-            if sock is not None:
-                try:
-                    _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
-                except OSError:
-                    pass  # the run is gone; its workers are being killed
+        mine.discard(pid)
+        try:
+            _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        except OSError:
+            pass  # the run is gone; its workers are being killed
 
 
 def _kill(pids: set[int]) -> None:
@@ -176,18 +174,16 @@ def _wake_pipe() -> tuple[int, int]:
     return wake_r, wake_w
 
 
-def _accept(listener: socket.socket, timeout: float, wake_r: int | None = None) -> socket.socket | None:
-    """The next run's connection, or None after `timeout` seconds without one (strays are reaped meanwhile)."""
+def _accept(listener: socket.socket, timeout: float) -> socket.socket | None:
+    """The next run's connection, or None after `timeout` seconds without one. (No worker lives between runs:
+    serve() killed and reaped them, so nothing needs reaping here.)"""
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             return None
-        ready, _, _ = select.select([listener] + ([wake_r] if wake_r is not None else []), [], [], left)
-        if wake_r is not None and wake_r in ready:
-            os.read(wake_r, 4096)
-            _reap(None, set())
-        if listener in ready:
+        ready, _, _ = select.select([listener], [], [], left)
+        if ready:
             try:
                 conn, _ = listener.accept()
                 return conn
@@ -309,9 +305,13 @@ def _start(sock: socket.socket, fmt: str) -> tuple[float, bool] | None:
         traceback.print_exc()
         _send(sock, {"failed": f"{type(exc).__name__}: {exc}"})
         return None
-    _send(sock, {"ready": True, "pid": os.getpid(), "seconds": round(seconds, 3), "forkable": forkable,
-                 "reused": False})
+    _ready(sock, seconds, forkable, reused=False)
     return seconds, forkable
+
+
+def _ready(sock: socket.socket, seconds: float, forkable: bool, reused: bool) -> None:
+    _send(sock, {"ready": True, "pid": os.getpid(), "seconds": round(seconds, 3), "forkable": forkable,
+                 "reused": reused})
 
 
 def kept(path: str, idle: float, fmt: str) -> int:
@@ -339,19 +339,17 @@ def kept(path: str, idle: float, fmt: str) -> int:
             return 1
         seconds, forkable = started
         wake = _wake_pipe()
-        runs = 1
         while conn is not None:
             serve(conn, 0, wake, listener)
             conn.close()
-            conn = _accept(listener, idle, wake[0])
-            if conn is not None:
-                runs += 1
+            conn = _accept(listener, idle)
+            while conn is not None:
                 try:
-                    _send(conn, {"ready": True, "pid": os.getpid(), "seconds": round(seconds, 3),
-                                 "forkable": forkable, "reused": True, "runs": runs})
-                except OSError:
+                    _ready(conn, seconds, forkable, reused=True)
+                    break
+                except OSError:  # that run went away before its answer
                     conn.close()
-                    conn = _accept(listener, idle, wake[0])
+                    conn = _accept(listener, idle)
         return 0
     finally:
         _stop_listening(listener, path, info, bound)

@@ -38,6 +38,7 @@ import threading
 import time
 from typing import Callable
 
+from shared import durable
 from supervisor.logpump import LogPump, OnLine
 from supervisor.worker import CancelledWait, describe_exit
 
@@ -151,18 +152,11 @@ def kept_parents() -> list[dict]:
             continue
         if not _is_kept_zygote(pid, os.path.join(where, f"{key}.sock")):
             for suffix in (".json", ".sock"):
-                try:
-                    os.unlink(os.path.join(where, key + suffix))
-                except OSError:
-                    pass
+                durable.unlink_quietly(os.path.join(where, key + suffix))
             continue
-        fd = os.open(os.path.join(where, f"{key}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            in_use = False
-        except OSError:
-            in_use = True
-        finally:
+        fd = _try_lock(os.path.join(where, f"{key}.lock"))
+        in_use = fd is None
+        if fd is not None:
             os.close(fd)
         found.append({"pid": pid, "format": info.get("format"), "idle": info.get("idle"),
                       "started": info.get("started"), "in_use": in_use, "key": key})
@@ -171,12 +165,24 @@ def kept_parents() -> list[dict]:
 
 def _is_kept_zygote(pid: int, path: str) -> bool:
     """Whether `pid` is still the kept zygote listening on `path` (not a recycled pid)."""
+    import psutil
+
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
+        argv = psutil.Process(pid).cmdline()
+    except psutil.Error:
         return False
-    return b"child.zygote" in argv and path.encode() in argv
+    return "child.zygote" in argv and path in argv
+
+
+def _try_lock(path: str) -> int | None:
+    """An fd holding an exclusive flock on `path` (created 0600), or None when another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def stop_kept() -> tuple[list[dict], list[dict]]:
@@ -325,11 +331,8 @@ class Zygote:
         path = os.path.join(where, f"{key}.sock")
         if len(path.encode()) > 100:  # AF_UNIX paths are limited to 108 bytes
             return False
-        fd = os.open(os.path.join(where, f"{key}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
+        fd = _try_lock(os.path.join(where, f"{key}.lock"))
+        if fd is None:
             return False  # another run holds it now
         self._lock_fd, self.kept = fd, True
         self.log_path = os.path.join(where, f"{key}.log")
@@ -357,10 +360,7 @@ class Zygote:
 
     def _spawn_kept(self, path: str) -> None:
         """Start a zygote in a session of its own, listening on `path`, and connect to it."""
-        try:
-            os.unlink(path)  # a socket left by one that was killed
-        except FileNotFoundError:
-            pass
+        durable.unlink_quietly(path)  # a socket left by one that was killed
         cmd = [sys.executable, "-P", "-m", "child.zygote", "--listen", path, "--idle", str(self.keep_warm),
                "--format", self.fmt]
         with open(self.log_path, "wb") as log:

@@ -12,8 +12,10 @@ import signal
 import tempfile
 import time
 
+import psutil
 import pytest
 
+from supervisor import zygote
 from tests.scenarios import cli, faultkit
 
 SCHEME = "W4A16"
@@ -44,8 +46,6 @@ def runtime(monkeypatch):
     rt = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
     monkeypatch.setenv("XDG_RUNTIME_DIR", rt)
     yield {"XDG_RUNTIME_DIR": rt}
-    from supervisor import zygote
-
     for p in zygote.kept_parents():
         try:
             os.kill(p["pid"], signal.SIGKILL)
@@ -55,10 +55,10 @@ def runtime(monkeypatch):
 
 
 def _alive(pid: int) -> bool:
+    """Running code: a zombie (exited, not yet reaped) does not count."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][0] != "Z"
-    except FileNotFoundError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 
@@ -188,7 +188,7 @@ def test_another_environment_gets_another_parent(model, runtime, tmp_path):
     assert first.rc == 0 and second.rc == 0, first.stderr + second.stderr
     a, b = first.of("PoolStarted")[0], second.of("PoolStarted")[0]
     assert b["reused"] is False and b["pid"] != a["pid"]
-    assert {p["pid"] for p in __import__("supervisor.zygote", fromlist=["x"]).kept_parents()} == {a["pid"], b["pid"]}
+    assert {p["pid"] for p in zygote.kept_parents()} == {a["pid"], b["pid"]}
 
 
 def test_keep_warm_must_not_be_negative(model, tmp_path):
