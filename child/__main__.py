@@ -306,6 +306,9 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
     beat.start()
     try:
         faults.hit("start", None, writer)  # inside: an exception while starting is reported like a real one
+        from child.backend import hide_unused
+
+        hide_unused(hello.job.export.format)  # a spawned worker imports its libraries now (a forked one has them)
         exporter = Exporter(hello, beat)
     except Exception as exc:  # noqa: BLE001 - every failure crosses the pipe as data
         writer.send(_failed(None, exc))
