@@ -4,8 +4,11 @@
 
 The dequantized weight comes from compressed-tensors' own decompressor for the module's format (the one a loader
 runs), applied to exactly the tensors that go into the shard, so the figure describes the written checkpoint.
-The compressed-tensors backend calls `measure` right after it compressed a part's modules; the figures collect
-in this process's tally, which the worker loop empties with `take()` around each part and sends in LayerWritten.
+The data-free compressed-tensors backend calls `record` for each module right after compressing it, against its
+weight as it was just before (already on the export's device: nothing is read or copied twice, and only one
+module's source weight outlives its compression); the calibrated backend calls `measure` after a part's modules
+are compressed, with the part's source tensors. The figures collect in this process's tally, which the worker
+loop empties with `take()` around each part and sends in LayerWritten.
 
 Owns that arithmetic and the tally. It never changes a module or a tensor it is given, and keeps no reference
 to either after returning.
@@ -29,21 +32,26 @@ spent = 0.0  # seconds measuring since the last take(), so the worker can report
 
 def measure(modules: Iterable[tuple[str, nn.Module]], source: Mapping[str, torch.Tensor]) -> None:
     """Record rel_error for each compressed (name, module) whose source weight is `source[name + ".weight"]`."""
+    for name, module in modules:
+        weight = source.get(f"{name}.weight")
+        if weight is not None:
+            record(name, module, weight)
+
+
+def record(label: str, module: nn.Module, weight: torch.Tensor) -> None:
+    """Record rel_error for one module just compressed, against `weight`, its weight before compression."""
     global spent
     if not enabled:
         return
     t = time.perf_counter()
-    for name, module in modules:
-        scheme = getattr(module, "quantization_scheme", None)
-        weight = source.get(f"{name}.weight")
-        if scheme is None or scheme.format is None or weight is None:
-            continue
+    scheme = getattr(module, "quantization_scheme", None)
+    if scheme is not None and scheme.format is not None:
         compressor = BaseCompressor.get_value_from_registry(scheme.format.value)
         dequantized = compressor.decompress(get_direct_state_dict(module), scheme)["weight"]
         error = relative_error(dequantized, weight)
         del dequantized
         if error is not None:
-            _tally[name] = error
+            _tally[label] = error
     spent += time.perf_counter() - t
 
 

@@ -188,13 +188,9 @@ class LayerQuantizer:
         mapped, module, root = self.materialise(path, meta_module, tensors, device)
         with torch.no_grad():
             probes = self._probes if device.type == "meta" else None
-            weights = _source_weights(root, tensors, mapped) if probes is None else {}
-            quantized = _quantize_modules(root, self._qcfg, self._targets, self.ignore, probes)
-            if weights:
-                # the error of each module against its source weight, reported under the checkpoint's module name
-                quant_error.measure([(weights[n][0], m) for n, m in quantized if n in weights],
-                                    {f"{label}.weight": w for label, w in weights.values()})
-            del weights
+            # the error of each module against its source weight, under the checkpoint's module name
+            labels = _error_labels(root, mapped) if probes is None and quant_error.enabled else {}
+            quantized = _quantize_modules(root, self._qcfg, self._targets, self.ignore, probes, labels)
             out = _assemble(root, tensors, mapped, {name for name, _ in quantized})
         del module, root, quantized
         if device.type == "meta":
@@ -346,21 +342,21 @@ def _linearized(raw: nn.Module, params: dict[str, torch.Tensor], cls: type, devi
     return linear
 
 
-def _source_weights(root: nn.Module, tensors: dict, mapped: dict) -> dict[str, tuple[str, torch.Tensor]]:
-    """{model module name: (checkpoint module name, source weight)} for quant_error, taken before compression.
+def _error_labels(root: nn.Module, mapped: dict) -> dict[str, str]:
+    """{model module name: checkpoint module name} of the modules whose quantization error is measured.
 
-    A fused experts module has no per-expert source tensor: its linearized Linears' weights (exact copies of the
-    source's slices) stand in, under their model names."""
-    if not quant_error.enabled:
-        return {}
+    Each is measured against its own weight just before it is compressed (child/quant_error.py): the checkpoint's
+    tensor, already where the layer is (on the GPU for a GPU export), so the measurement reads nothing twice. A
+    fused experts module has no per-expert source tensor: its linearized Linears (exact copies of the source's
+    slices) are measured under their model names."""
     out = {}
     for key, m in mapped.items():
         if m.fused is None and key.endswith(".weight") and m.key.endswith(".weight"):
-            out[m.key[: -len(".weight")]] = (key[: -len(".weight")], tensors[key])
+            out[m.key[: -len(".weight")]] = key[: -len(".weight")]
     for path in {m.fused for m in mapped.values() if m.fused is not None}:
         for name, sub in root.get_submodule(path).named_modules(prefix=path):
             if isinstance(sub, nn.Linear):
-                out[name] = (name, sub.weight)
+                out[name] = name
     return out
 
 
@@ -400,7 +396,8 @@ def _rooted(path: str, module: nn.Module) -> nn.Module:
 
 
 def _quantize_modules(
-    root: nn.Module, qcfg: QuantizationConfig, targets: Iterable[str], ignore: list[str], probes: dict | None = None
+    root: nn.Module, qcfg: QuantizationConfig, targets: Iterable[str], ignore: list[str], probes: dict | None = None,
+    labels: dict[str, str] | None = None,
 ) -> list[tuple[str, nn.Module]]:
     """Run QuantizationModifier's data-free lifecycle on root; returns the (name, module)s now compressed.
 
@@ -422,7 +419,7 @@ def _quantize_modules(
             root.set_submodule(name, probes[key])  # shared: meta tensors are never written
             twins.append((name, probes[key]))
         return twins
-    _compress([m for _, m in modules], root)
+    _compress([m for _, m in modules], root, {m: labels[n] for n, m in modules if n in labels} if labels else None)
     return modules
 
 
@@ -438,7 +435,9 @@ def _probe(module: nn.Module) -> nn.Module:
     return twin.to("meta")
 
 
-def _compress(modules: list[nn.Module], root: nn.Module | None) -> None:
+def _compress(modules: list[nn.Module], root: nn.Module | None, measured: dict[nn.Module, str] | None = None) -> None:
+    """QuantizationModifier's data-free lifecycle on `modules`; each module in `measured` has its quantization error
+    recorded under its label right after it is compressed, against its weight as it was just before."""
     for m in modules:
         initialize_observer(m, base_name="weight")
         apply_calibration_status(m)
@@ -449,7 +448,11 @@ def _compress(modules: list[nn.Module], root: nn.Module | None) -> None:
     for m in modules:
         freeze_module_quantization(m)
     for m in modules:
+        source = m.weight if measured and m in measured else None
         compress_module(m)
+        if source is not None:
+            quant_error.record(measured[m], m, source)
+        del source
 
 
 def _refuse_uncompressible(model: nn.Module, qcfg: QuantizationConfig, targets: Iterable[str], ignore: list[str]):
