@@ -11,6 +11,7 @@ It must never import the supervisor package.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import faulthandler
 import gc
@@ -126,6 +127,7 @@ class Exporter:
             import torch
             torch.set_num_threads(job.resources.torch_threads)
         self.output, self.device, self.beat = hello.output, hello.device, beat
+        self.device_lock = hello.device_lock  # several workers take turns on this GPU: see _device_stage
         self._index: int | None = None
         self._writer: Writer | None = None
         measure = job.export.measure_error
@@ -157,7 +159,7 @@ class Exporter:
         names = self._names(index)
         tensors, digest = self.source.read(names), self.source.digest(names)  # the digest: of the source bytes
         if index != NON_LAYER and self.device.startswith("cuda") and self.backend.reads_to_device \
-                and self.source.nbytes(tensors) <= DEVICE_READ_AHEAD_MAX:
+                and not self.device_lock and self.source.nbytes(tensors) <= DEVICE_READ_AHEAD_MAX:
             tensors = {k: v.to(self.device) for k, v in tensors.items()}
         return tensors, digest
 
@@ -167,6 +169,35 @@ class Exporter:
             self._ahead.pop(stale).cancel()
         if index is not None and index not in self._ahead:
             self._ahead[index] = self._pool.submit(self._load, index)
+
+    @contextlib.contextmanager
+    def _device_stage(self, index: int):
+        """The part's time on the device. With Hello.device_lock (workers sharing a GPU whose layers are too big for
+        two at once) it is taken in turns: wait for the lock's flock, quantize, and before letting go hand every
+        cached block back to the driver, so the GPU holds one worker's layer at a time while the other worker reads
+        or writes on the host. A worker that dies holding it releases it with its file descriptor. Yields a dict
+        whose "wait" is the seconds spent waiting for the lock."""
+        timing = {"wait": 0.0}
+        if not self.device_lock:
+            yield timing
+            return
+        import fcntl
+
+        import torch
+
+        self.beat.set(index, "wait-device")
+        t = time.perf_counter()
+        fd = os.open(self.device_lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            timing["wait"] = time.perf_counter() - t
+            self.beat.set(index, "quantize")
+            yield timing
+            gc.collect()  # a reference cycle must not keep a layer's GPU memory past the turn
+            if self.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        finally:
+            os.close(fd)
 
     def _stage(self, name: str) -> None:
         """A stage inside the part in progress (calibrated: forward, calibrate, propagate, quantize): shown in
@@ -193,12 +224,13 @@ class Exporter:
         self.backend.begin(index, msg.boundary)  # calibrated: this layer's inputs (from memory, a file, or computed)
         self.beat.set(index, "quantize")
         t1 = time.perf_counter()
-        if index == NON_LAYER:
-            out = self.backend.quantize_non_layer(tensors)
-        else:
-            out = self.backend.quantize_layer(index, tensors)
-        del tensors
-        out = {k: v.to("cpu") for k, v in out.items()}  # pass-through tensors may still be on the device
+        with self._device_stage(index) as turn:
+            if index == NON_LAYER:
+                out = self.backend.quantize_non_layer(tensors)
+            else:
+                out = self.backend.quantize_layer(index, tensors)
+            del tensors
+            out = {k: v.to("cpu") for k, v in out.items()}  # pass-through tensors may still be on the device
         t2 = time.perf_counter()
         error_seconds = quant_error.spent
         errors = quant_error.take()
@@ -212,8 +244,8 @@ class Exporter:
 
         name = layout.shard_name(index)
         out, metadata = self.backend.serialize(out)
-        stages = {"read": t_read - t0, "inputs": t1 - t_read, "quantize": t2 - t1 - error_seconds,
-                  "error": error_seconds}
+        stages = {"read": t_read - t0, "inputs": t1 - t_read, "wait": turn["wait"],
+                  "quantize": t2 - t1 - turn["wait"] - error_seconds, "error": error_seconds}
         w = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint,
                         metadata=metadata, timings=stages)
         del out

@@ -37,6 +37,11 @@ def boundary_name(feeds: int) -> str:
     return f"{STATE_DIR}/{BOUNDARY}/inputs-layer-{feeds:05d}.bin"
 
 
+def device_lock(output: str, device: str) -> str:
+    """The lock file the workers sharing `device` ("cuda:0") take turns on for their device stage (Hello.device_lock)."""
+    return state_path(output, f"device-{device.replace(':', '')}.lock")
+
+
 def state_dir(output: str) -> str:
     return os.path.join(output, STATE_DIR)
 

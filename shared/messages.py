@@ -79,6 +79,10 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     heartbeat_seconds: float = 1.0
     calibration_sha256: str = ""  # of the dataset lines the supervisor validated; the child checks it
     pool: Pool | None = None  # set when the source is a live model (job.source is None)
+    # a file whose flock the worker holds while a part is on its device (from the copy onto the GPU to the
+    # quantized tensors back on the host): set when several workers share a GPU whose layers are too big for two
+    # at once, so one quantizes while the other reads or writes; empty: no lock
+    device_lock: str = ""
 
 
 class ExportLayer(msgspec.Struct, tag=True, kw_only=True):

@@ -458,11 +458,10 @@ class Supervisor:
         from supervisor import devices
 
         r = self.job.resources
-        layer_bytes = self.plan.source.nbytes // max(self.plan.source.num_layers, 1)
         calibrated = self.plan.calibration is not None
         # calibrated: each layer's inputs are the previous layer's outputs, so one worker, in order
         slots = [self.plan.devices[0]] if calibrated else devices.worker_slots(self.plan.devices, r.workers,
-                                                                               layer_bytes)
+                                                                               self._layer_bytes)
         slots = [Slot(id=i, device=d) for i, d in enumerate(slots)]
         return Scheduler(slots, max_attempts=r.max_attempts, part_timeout=r.part_timeout,
                          retry_delay=self.retry_delay, sequential=calibrated, cancel=self._cancel, emit=self._emit,
@@ -571,9 +570,12 @@ class Supervisor:
             # several CPU workers share the cores instead of each starting one thread per core
             threads = max(1, (os.cpu_count() or 1) // cpu_slots)
             job = msgspec.structs.replace(job, resources=msgspec.structs.replace(r, torch_threads=threads))
+        sharing = sum(s.device == slot.device for s in self._scheduler.slots) if self._scheduler else 1
+        lock = layout.device_lock(plan.output, slot.device) \
+            if devices.device_stage_shared(slot.device, sharing, self._layer_bytes) else ""
         hello = Hello(version=PROTOCOL_VERSION, job=job, output=plan.output, device=child_device, worker=slot.id,
                       calibration_sha256=plan.calibration.sha256 if plan.calibration else "",
-                      pool=self._pool_spec)
+                      pool=self._pool_spec, device_lock=lock)
         log = layout.state_path(plan.output, layout.LOGS, f"worker-{slot.id}.log")
         w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout,
                    fork=self._fork, on_log=self._on_log)
@@ -591,10 +593,14 @@ class Supervisor:
             p.start = time.monotonic()  # rates measure exporting, not the first worker's imports
         return w
 
+    @property
+    def _layer_bytes(self) -> int:
+        """A decoder layer's source bytes, on average."""
+        return self.plan.source.nbytes // max(self.plan.source.num_layers, 1)
+
     def _layer_need(self) -> int:
-        src = self.plan.source
         # A layer in flight: its tensors, the next layer read ahead, and the quantized copy (~2.5x a layer).
-        return int(2.5 * src.nbytes / max(src.num_layers, 1))
+        return int(2.5 * self._layer_bytes)
 
     def _precheck_gpu(self) -> None:
         """Before a child starts: if this process already uses CUDA (a studio holding its model), ask the device

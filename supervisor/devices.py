@@ -88,19 +88,20 @@ def resolve_devices(spec: str) -> list[str]:
     return [f"cuda:{i}" for i in range(_cuda_count())]
 
 
-# Layers up to this size get at least two workers in all on GPUs: one worker's write and fsync then overlap the
-# other's read and quantization. Two workers' working sets (each ~3 layers and a CUDA context) stay under 8 GiB.
+# GPU exports get at least two workers in all: one worker's write and fsync then overlap the other's read and
+# quantization. Layers up to this size are on the GPU in both workers at once (each holds ~3 layers and a CUDA
+# context: under 8 GiB); bigger ones (a large MoE's, GBs of experts) take turns on the device (device_stage_shared).
 OVERLAP_MAX_LAYER_BYTES = 1 << 30
 
 
 def worker_slots(devices: list[str], workers: int, layer_bytes: int) -> list[str]:
     """The device of each worker slot. `workers` > 0 is taken as asked (spread round-robin over `devices`);
-    0 means one per GPU and at least two in all when a layer is at most 1 GiB (measured on one H200, an 8B
-    FP8_DYNAMIC export: 43.9 s with one worker, 35.8 s with two), or on CPU as many as the cores and the free
-    memory allow: a worker wants ~4 cores to be worth its own process (torch's threads do the rest), and ~1 GiB
-    of private memory plus three layers (the one being quantized, its output, the next one read ahead)."""
+    0 means one per GPU and at least two in all (measured on one H200, an 8B FP8_DYNAMIC export: 43.9 s with one
+    worker, 35.8 s with two), or on CPU as many as the cores and the free memory allow: a worker wants ~4 cores to
+    be worth its own process (torch's threads do the rest), and ~1 GiB of private memory plus three layers (the one
+    being quantized, its output, the next one read ahead)."""
     if workers <= 0 and devices != ["cpu"]:
-        workers = max(len(devices), 2 if layer_bytes <= OVERLAP_MAX_LAYER_BYTES else 1)
+        workers = max(len(devices), 2)
     if workers > 0:
         return [devices[i % len(devices)] for i in range(workers)]
     import psutil
@@ -108,6 +109,13 @@ def worker_slots(devices: list[str], workers: int, layer_bytes: int) -> list[str
     by_cores = (os.cpu_count() or 1) // 4
     by_memory = psutil.virtual_memory().available // ((1 << 30) + 3 * max(layer_bytes, 1))
     return ["cpu"] * max(1, min(by_cores, by_memory))
+
+
+def device_stage_shared(device: str, slots_on_device: int, layer_bytes: int) -> bool:
+    """Whether the workers on `device` take turns for their device stage (Hello.device_lock): on a GPU shared by
+    several workers when a layer is over OVERLAP_MAX_LAYER_BYTES, so the GPU holds about one layer at a time
+    (peak ~1x a layer, as with one worker) while the other worker's read and write overlap it."""
+    return device != "cpu" and slots_on_device > 1 and layer_bytes > OVERLAP_MAX_LAYER_BYTES
 
 
 def check_free_memory(device: str, need_bytes: int) -> None:

@@ -11,8 +11,8 @@
 Each slot owns one worker process at a time and sends it one part at a time, so every failure is charged to
 exactly the part that was in flight (a worker with several parts in flight could not say which one killed it).
 Throughput comes from several slots: on a GPU their reads, copies and writes overlap, and the output does not
-depend on which slot wrote which part. A slot takes the smallest waiting part and reserves the next one as its
-read-ahead hint. Calibrated exports run with one slot and strictly in order (a part's inputs are the previous
+depend on which slot wrote which part. A slot takes the first waiting part (with several slots the non-layer part,
+then the layers in order) and reserves the next one as its read-ahead hint. Calibrated exports run with one slot and strictly in order (a part's inputs are the previous
 part's outputs); a failed part then comes back first, before anything after it, and each request names the
 journaled inputs of its layer (`boundary(index)`) for a fresh worker that does not hold them in memory.
 Owns scheduling only: it never touches the journal or files itself (on_written does) and never quantizes.
@@ -60,8 +60,13 @@ class Slot:
 
 @dataclass
 class _Queue:
-    """Parts waiting, attempts per part; guarded by Scheduler._cond."""
+    """Parts waiting, attempts per part; guarded by Scheduler._cond.
 
+    Layers in ascending order. The non-layer part (embeddings, lm_head: often the biggest part, several layers'
+    bytes) comes first when several slots share the queue, so it runs beside the layers instead of alone after
+    them (measured on one H200, 8B FP8: 2.2 s alone at the end); with one slot it comes last."""
+
+    non_layer_first: bool = False
     waiting: list[int] = field(default_factory=list)
     attempts: dict[int, int] = field(default_factory=dict)
     running: set[int] = field(default_factory=set)
@@ -69,14 +74,15 @@ class _Queue:
     def put(self, index: int) -> None:
         if index not in self.waiting:
             self.waiting.append(index)
-            self.waiting.sort(key=_order)
+            self.waiting.sort(key=self._order)
 
     def take(self) -> int | None:
         return self.waiting.pop(0) if self.waiting else None
 
-
-def _order(index: int) -> int:
-    return 1 << 62 if index == NON_LAYER else index  # the non-layer part last, after every layer
+    def _order(self, index: int) -> int:
+        if index != NON_LAYER:
+            return index
+        return -1 if self.non_layer_first else 1 << 62
 
 
 class Scheduler:
@@ -103,7 +109,7 @@ class Scheduler:
         self.boundary = boundary  # calibrated: the journaled inputs of a layer, for a worker without them
         self._cond = threading.Condition()
         self._record = threading.Lock()
-        self._q = _Queue()
+        self._q = _Queue(non_layer_first=len(slots) > 1 and not sequential)
         self._abort = threading.Event()
         self._error: BaseException | None = None
 

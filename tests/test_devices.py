@@ -188,16 +188,24 @@ def test_resolve_devices_uses_every_visible_gpu_for_cuda_and_auto(monkeypatch, s
     assert devices.resolve_devices(spec) == expected
 
 
-def test_worker_slots_one_per_gpu_at_least_two_for_small_layers_or_as_asked_round_robin():
-    """Default: one slot per GPU, and two on a single GPU when a layer is at most 1 GiB; an explicit count is
-    spread round-robin over the devices."""
+def test_worker_slots_one_per_gpu_at_least_two_or_as_asked_round_robin():
+    """Default: one slot per GPU, and two on a single GPU (the second overlaps the first's writes); an explicit
+    count is spread round-robin over the devices."""
     assert devices.worker_slots(["cuda:0", "cuda:1"], 0, 1 << 30) == ["cuda:0", "cuda:1"]
-    # one GPU: a second worker overlaps the first's writes when layers are small, not when a layer is over 1 GiB
     assert devices.worker_slots(["cuda:0"], 0, 1 << 30) == ["cuda:0", "cuda:0"]
-    assert devices.worker_slots(["cuda:0"], 0, (1 << 30) + 1) == ["cuda:0"]
+    assert devices.worker_slots(["cuda:0"], 0, 8 << 30) == ["cuda:0", "cuda:0"]
     assert devices.worker_slots(["cuda:0", "cuda:1"], 0, 8 << 30) == ["cuda:0", "cuda:1"]
     assert devices.worker_slots(["cuda:0", "cuda:1"], 3, 1 << 30) == ["cuda:0", "cuda:1", "cuda:0"]
     assert devices.worker_slots(["cpu"], 2, 1 << 30) == ["cpu", "cpu"]
+
+
+def test_workers_sharing_a_gpu_take_turns_only_when_a_layer_is_over_1_gib():
+    """Two workers on one GPU both hold layers of up to 1 GiB at once; bigger layers take turns on the device (the
+    GPU then holds about one layer); a GPU with one worker, and the CPU, never take turns."""
+    assert not devices.device_stage_shared("cuda:0", 2, 1 << 30)
+    assert devices.device_stage_shared("cuda:0", 2, (1 << 30) + 1)
+    assert not devices.device_stage_shared("cuda:1", 1, 8 << 30)
+    assert not devices.device_stage_shared("cpu", 2, 8 << 30)
 
 
 def test_cpu_worker_slots_follow_cores_and_memory(monkeypatch):

@@ -135,3 +135,40 @@ def test_workers_are_spawned_when_the_warm_parent_cannot_fork_them(model, one_wo
     assert [e["forking"] for e in _of(ev, "PoolStarted")] == [False]
     assert len(_of(ev, "WorkerStarted")) == 2 and [r["index"] for r in _of(ev, "Retrying")] == [2]
     assert cli.output_bytes(tmp_path / "out") == one_worker["bytes"]
+
+
+def test_workers_sharing_a_device_take_turns_on_it(model, one_worker, tmp_path, monkeypatch):
+    """Layers too big for two workers on one GPU at once (forced here on CPU): each worker holds the device lock
+    for its device stage. While this test holds it, both workers wait (their heartbeats say "wait-device") and no
+    part is written; once it lets go they finish, the bytes are one worker's, and the waits are reported."""
+    import fcntl
+
+    from shared import layout
+    from supervisor import Supervisor, devices, events as ev
+
+    lock = tmp_path / "device.lock"
+    monkeypatch.setattr(devices, "device_stage_shared", lambda device, sharing, layer_bytes: sharing > 1)
+    monkeypatch.setattr(layout, "device_lock", lambda output, device: str(lock))
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    job = cli.write_job(tmp_path / "job.toml", model, tmp_path / "out", SCHEME, workers=2)
+    sup = Supervisor(job)
+    sup.start()
+    waiting, written = set(), []
+    try:
+        for e in sup.events():
+            if isinstance(e, ev.LayerWritten):
+                assert fd < 0, "a part was written while the device lock was held elsewhere"
+                written.append(e)
+            if isinstance(e, ev.Progress) and e.stage == "wait-device" and fd >= 0:
+                waiting.add(e.index)
+                if len(waiting) == 2:  # both workers are blocked on the lock: let them go
+                    os.close(fd)
+                    fd = -1
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    assert sup.wait().parts == LAYERS + 1
+    assert cli.output_bytes(tmp_path / "out") == one_worker["bytes"]
+    assert sorted(e.index for e in written) == sorted(list(range(LAYERS)) + [-1])
+    assert all("wait" in e.stages for e in written) and all(e.stages["wait"] > 0 for e in written if e.index in waiting)
