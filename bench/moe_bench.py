@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--moe-intermediate", type=int, default=2048)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=129280)
+    ap.add_argument("--workers", type=int, default=0,
+                    help="[resources] workers (0: the default, two per GPU taking turns on it for layers over 1 GiB)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the outputs")
     ap.add_argument("--measure-error", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
                     help="[export] measure_error = true|false (default: the job default, on a GPU only)")
@@ -126,7 +128,7 @@ def main() -> None:
               f"{time.perf_counter() - t:.0f}s", flush=True)
         eb.warm(src)
 
-        sup = eb.run_supervisor(args, src, ours, args.work, workers=1)
+        sup = eb.run_supervisor(args, src, ours, args.work, workers=args.workers)
         written = [e for e in sup["events"] if e["type"] == "LayerWritten" and e["index"] >= 0]
         moe = [e for e in written if e["index"] >= 1]  # layer 0 is the dense one
         ours_summary = summary(ours)
@@ -158,8 +160,8 @@ def main() -> None:
             for e in written))
         print("supervisor, mean seconds per MoE layer by stage: "
               + ", ".join(f"{k} {v:.2f}" for k, v in eb.mean_stages(moe).items()))
-        print("supervisor: " + eb.timeline(sup["events"], sup["wall"]) + f"; imports {sup['imports']:.1f} s, workers "
-              + ("forked" if sup["forking"] else "spawned"))
+        print("supervisor: " + eb.timeline(sup["events"], sup["wall"]) + f"; imports {sup['imports']:.1f} s, "
+              f"{sup['workers']} worker(s), " + ("forked" if sup["forking"] else "spawned"))
         print(f"oneshot: imports {one['startup']:.1f} s, load {one['load']:.1f} s, quantize {one['quantize']:.1f} s, "
               f"save {one['save']:.1f} s")
         print(f"first vs last MoE layer: RSS {moe[-1]['peak_rss'] / moe[0]['peak_rss']:.3f}x, GPU "

@@ -108,6 +108,7 @@ class LayerQuantizer:
         self.num_layers: int = len(layers)
         self._layers = layers
         self._probes: dict = {}  # compressed meta twins for previews (see _quantize_modules)
+        self._compressed: dict[str, tuple] = {}  # config.json path -> (quantization config, unties), see write_config
         # targeted Linears outside the decoder layers (lm_head when it is not ignored)
         self._non_layer_targets = _non_layer_targets(self._skeleton, self.layer_prefix, self._targets, self.ignore)
         _refuse_uncompressible(self._skeleton, self._qcfg, self._targets, self.ignore)
@@ -142,8 +143,14 @@ class LayerQuantizer:
         return f"{type(self._skeleton).__name__} (transformers' model class, experts linearized as oneshot does)"
 
     def write_config(self, source_config_json: str, dest_dir: str) -> str:
+        # the block is derived once per worker: the pre-export check and the finalize both write config.json, and
+        # deriving it applies the scheme to every module of a meta model (0.75 s for a 6-layer, 64-expert MoE)
+        if source_config_json not in self._compressed:
+            self._compressed[source_config_json] = _compressed_qconfig(
+                self._modifier, _load_config(source_config_json, self.trust_remote_code), self.trust_remote_code,
+                self.tensor_names)
         return write_config(source_config_json, dest_dir, self.scheme, self.ignore, self._modifier,
-                            self.trust_remote_code, self.tensor_names)
+                            self.trust_remote_code, self.tensor_names, self._compressed[source_config_json])
 
     def begin(self, index: int, boundary) -> None:
         """Data-free: no state crosses layers."""
@@ -190,7 +197,7 @@ class LayerQuantizer:
             probes = self._probes if device.type == "meta" else None
             # the error of each module against its source weight, under the checkpoint's module name
             labels = _error_labels(root, mapped) if probes is None and quant_error.enabled else {}
-            quantized = _quantize_modules(root, self._qcfg, self._targets, self.ignore, probes, labels)
+            quantized = _quantize_modules(root, self._qcfg, self._targets, self.ignore, probes, labels, self.device)
             out = _assemble(root, tensors, mapped, {name for name, _ in quantized})
         del module, root, quantized
         if device.type == "meta":
@@ -222,13 +229,14 @@ def quantization_config_dict(scheme: str, ignore: list[str], config: str, modifi
 
 def write_config(source_config_json: str, dest_dir: str, scheme: str, ignore: list[str],
                  modifier: QuantizationMixin | None = None, trust_remote_code: bool = False,
-                 tensor_names: list[str] | None = None) -> str:
-    """Write dest_dir/config.json: the source config plus the quantization_config block, as oneshot's save does."""
+                 tensor_names: list[str] | None = None, compressed: tuple | None = None) -> str:
+    """Write dest_dir/config.json: the source config plus the quantization_config block, as oneshot's save does.
+    `compressed`: the (quantization config, unties) _compressed_qconfig returns for these arguments, if known."""
     with open(source_config_json) as f:
         source = json.load(f)
-    qcfg, unties = _compressed_qconfig(modifier if modifier is not None else _modifier(scheme, ignore),
-                                       _load_config(source_config_json, trust_remote_code), trust_remote_code,
-                                       tensor_names)
+    qcfg, unties = compressed if compressed is not None else _compressed_qconfig(
+        modifier if modifier is not None else _modifier(scheme, ignore),
+        _load_config(source_config_json, trust_remote_code), trust_remote_code, tensor_names)
     if unties:
         # oneshot unties a targeted tied head, and resave_config copies that into the original config
         text = source.get("text_config", source)
@@ -397,7 +405,7 @@ def _rooted(path: str, module: nn.Module) -> nn.Module:
 
 def _quantize_modules(
     root: nn.Module, qcfg: QuantizationConfig, targets: Iterable[str], ignore: list[str], probes: dict | None = None,
-    labels: dict[str, str] | None = None,
+    labels: dict[str, str] | None = None, device: torch.device = torch.device("cpu"),
 ) -> list[tuple[str, nn.Module]]:
     """Run QuantizationModifier's data-free lifecycle on root; returns the (name, module)s now compressed.
 
@@ -415,7 +423,7 @@ def _quantize_modules(
             key = (type(m), repr(m.quantization_scheme),
                    tuple((k, tuple(v.shape), v.dtype) for k, v in m.named_parameters(recurse=False)))
             if key not in probes:
-                probes[key] = _probe(m)
+                probes[key] = _probe(m, device)
             root.set_submodule(name, probes[key])  # shared: meta tensors are never written
             twins.append((name, probes[key]))
         return twins
@@ -423,14 +431,18 @@ def _quantize_modules(
     return modules
 
 
-def _probe(module: nn.Module) -> nn.Module:
-    """A compressed meta twin of a targeted meta module: the real lifecycle on random CPU weights of its shapes."""
-    twin = copy.deepcopy(module).to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(0)
+def _probe(module: nn.Module, device: torch.device) -> nn.Module:
+    """A compressed meta twin of a targeted meta module: the real lifecycle on random weights of its shapes, on the
+    export's device (a GPU does an 8B MLP weight's in milliseconds; the host took 0.3 s). Only the twin's names,
+    shapes and dtypes are kept, and they do not depend on the values or the device."""
+    twin = copy.deepcopy(module).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for p in twin.parameters(recurse=False):
-            if p.is_floating_point():
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32))
+            if p.dtype in (torch.float32, torch.bfloat16, torch.float16):
+                p.uniform_(-1.0, 1.0, generator=gen)  # in place: no float32 temporary of the weight's size
+            elif p.is_floating_point():  # e.g. a zero point already in the scheme's float8 type
+                p.copy_(torch.empty(p.shape, device=device).uniform_(-1.0, 1.0, generator=gen))
         _compress([twin], None)
     return twin.to("meta")
 
