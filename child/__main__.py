@@ -155,19 +155,12 @@ class Exporter:
         """Part `index`'s tensors, for a layer on a GPU already on the device. safetensors hands out tensors that
         map the file, so the bytes are only read (page faults, then the copy to the GPU) when first touched:
         doing that here, in the prefetch thread, overlaps it with the quantization of the part before
-        (measured on an H200: a 436 MB layer spent ~0.2 s of its 0.43 s "quantize" stage reading).
-
-        Workers taking turns on the GPU (Hello.device_lock: layers too big for two at once) cannot hold the next
-        layer there; they read it into pinned host memory instead (torch's caching host allocator keeps the
-        blocks from one layer to the next), so the copy onto the GPU inside their turn runs at the bus's speed
-        instead of faulting in the file's pages."""
+        (measured on an H200: a 436 MB layer spent ~0.2 s of its 0.43 s "quantize" stage reading)."""
         names = self._names(index)
         tensors, digest = self.source.read(names), self.source.digest(names)  # the digest: of the source bytes
-        if index != NON_LAYER and self.device.startswith("cuda") and self.backend.reads_to_device:
-            if self.device_lock:
-                tensors = {k: v.pin_memory() for k, v in tensors.items()}
-            elif self.source.nbytes(tensors) <= DEVICE_READ_AHEAD_MAX:
-                tensors = {k: v.to(self.device) for k, v in tensors.items()}
+        if index != NON_LAYER and self.device.startswith("cuda") and self.backend.reads_to_device \
+                and not self.device_lock and self.source.nbytes(tensors) <= DEVICE_READ_AHEAD_MAX:
+            tensors = {k: v.to(self.device) for k, v in tensors.items()}
         return tensors, digest
 
     def _prefetch(self, index: int | None) -> None:
