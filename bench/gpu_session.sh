@@ -44,18 +44,23 @@ importtime() {  # where the warm parent's import time goes on this machine (cumu
   head -12 "$OUT/importtime.txt"; tail -1 "$OUT/importtime.txt"
 }
 
-case "${1:-tests}" in
-s5a)  # fifth session, call 1: the warm parent's imports as it does them, then the GPU tests of what changed
-  # (quantization error measured per module on the device, previews on the device, two workers per GPU)
+warm_imports() {  # the warm parent's imports as it does them (child/zygote.py), then child.calibrate's
   timeout 120 env PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1 python3 -c '
 import sys, time, torch
 from child.zygote import _imports
 seconds, forkable = _imports("compressed-tensors")
-print(f"warm parent imports (compressed-tensors): {seconds:.1f} s, forkable {forkable}, torchao imported: "
-      f"{sys.modules.get(\"torchao\") is not None}", flush=True)
+ao = sys.modules.get("torchao") is not None
+print(f"warm parent imports (compressed-tensors): {seconds:.1f} s, forkable {forkable}, torchao imported: {ao}",
+      flush=True)
 t = time.perf_counter(); import child.calibrate
 print(f"child.calibrate after them: {time.perf_counter() - t:.1f} s, cuda initialised: {torch.cuda.is_initialized()}")
 ' 2>&1 | grep "imports\|calibrate" | tee "$OUT/imports.txt"
+}
+
+case "${1:-tests}" in
+s5a)  # fifth session, call 1: the warm parent's imports as it does them, then the GPU tests of what changed
+  # (quantization error measured per module on the device, previews on the device, two workers per GPU)
+  warm_imports
   export OMP_NUM_THREADS=10
   (CUDA_VISIBLE_DEVICES=1 t 300 report_export tests/gpu/test_report_gpu.py tests/gpu/test_export_gpu.py \
      -k "not memory_is_free") &
@@ -71,6 +76,7 @@ s5b)  # call 2: the DeepSeek-V3-shaped MoE bench on one GPU (two workers taking 
   ;;
 s5c)  # call 3: 8B FP8_DYNAMIC on one GPU: cold, oneshot, model_free_ptq, and a run forking from the kept parent
   rm -rf /tmp/moe-bench
+  warm_imports
   CUDA_VISIBLE_DEVICES=0 timeout 560 python3 bench/export_bench.py --device cuda:0 --measure-error false \
     --skip kill,1w 2>&1 | quiet > "$OUT/export_fp8.txt"
   tail -26 "$OUT/export_fp8.txt"
@@ -79,6 +85,15 @@ s5d)  # call 4: the same for W4A16
   CUDA_VISIBLE_DEVICES=0 timeout 560 python3 bench/export_bench.py --device cuda:0 --scheme W4A16 \
     --measure-error false --skip kill,1w 2>&1 | quiet > "$OUT/export_w4a16.txt"
   tail -26 "$OUT/export_w4a16.txt"
+  ;;
+s5e)  # call 5: the MoE bench again (oneshot's wall varies run to run), then W4A16 with two and three workers
+  rm -rf /tmp/export-bench
+  CUDA_VISIBLE_DEVICES=0 timeout 330 python3 bench/moe_bench.py 2>&1 | quiet > "$OUT/moe2.txt"
+  tail -12 "$OUT/moe2.txt"
+  rm -rf /tmp/moe-bench
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/export_bench.py --device cuda:0 --scheme W4A16 \
+    --measure-error false --workers 0,3 --skip kill,1w,warm,oneshot,model_free_ptq 2>&1 | quiet > "$OUT/w4a16_3w.txt"
+  tail -12 "$OUT/w4a16_3w.txt"
   ;;
 s4a)  # fourth session, call 1: what changed since the last GPU tests, while the 32-layer GPTQ checkpoint is built
   imports_check

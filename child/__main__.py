@@ -192,6 +192,7 @@ class Exporter:
             fcntl.flock(fd, fcntl.LOCK_EX)
             timing["wait"] = time.perf_counter() - t
             self.beat.set(index, "quantize")
+            faults.hit("device", index, self._writer)
             yield timing
             gc.collect()  # a reference cycle must not keep a layer's GPU memory past the turn
             if self.device.startswith("cuda"):

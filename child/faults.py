@@ -7,7 +7,8 @@ reach it. The value is one fault object or a list of them::
     [{"point": "read", "action": "hang", "index": 0, "once": "/tmp/m0"},
      {"point": "start", "action": "garbage", "once": "/tmp/m1", "after": "/tmp/m0"}]
 
-point:  start | read | quantize | write_tmp | after_rename | boundary | config | any | zygote (action "unforkable")
+point:  start | read | device | quantize | write_tmp | after_rename | boundary | config | any | zygote (action
+        "unforkable"); device fires inside a worker's turn on a GPU it shares (Hello.device_lock), lock held
         calibrated methods also: forward | calibrate | propagate (stages inside quantize), and boundary fires
         after the next layer's inputs were made durable, before the supervisor hears of the layer
 action: sigkill | sigsegv | exit | raise | repeats | memoryerror | hang | stall | garbage | truncated | oversized |

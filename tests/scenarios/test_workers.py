@@ -172,3 +172,24 @@ def test_workers_sharing_a_device_take_turns_on_it(model, one_worker, tmp_path, 
     assert cli.output_bytes(tmp_path / "out") == one_worker["bytes"]
     assert sorted(e.index for e in written) == sorted(list(range(LAYERS)) + [-1])
     assert all("wait" in e.stages for e in written) and all(e.stages["wait"] > 0 for e in written if e.index in waiting)
+
+
+def test_a_worker_killed_in_its_turn_on_the_device_does_not_stall_the_other(model, one_worker, tmp_path, monkeypatch):
+    """Two workers taking turns on the device (forced on CPU): the one in its turn on layer 2 is SIGKILLed while it
+    holds the lock. The lock goes with its process, the other worker carries on, layer 2 is retried, and the bytes
+    are one worker's (a lock left held would stall the run until the test's timeout)."""
+    from supervisor import devices
+
+    monkeypatch.setattr(devices, "device_stage_shared", lambda device, sharing, layer_bytes: sharing > 1)
+    job = cli.write_job(tmp_path / "job.toml", model, tmp_path / "out", SCHEME, workers=2)
+    marker = tmp_path / "killed.json"
+    monkeypatch.setenv("SUPERVISOR_TEST_FAULT", json.dumps({"point": "device", "action": "sigkill", "index": 2,
+                                                            "once": str(marker)}))
+    from supervisor import Supervisor, events as ev
+
+    sup = Supervisor(job)
+    sup.start()
+    events = list(sup.events())
+    assert isinstance(events[-1], ev.Finished), events[-1]
+    assert marker.exists() and [e.index for e in events if isinstance(e, ev.Retrying)] == [2]
+    assert cli.output_bytes(tmp_path / "out") == one_worker["bytes"]
