@@ -158,6 +158,12 @@ def write_job(path: str, src: str, out: str, scheme: str, device: str, workers: 
     return path
 
 
+def _label(run: dict, extra: str = "") -> str:
+    """A supervisor run's row name in the table: its worker count, and `extra`."""
+    n = run["workers"]
+    return f"supervisor ({n} worker{'s' if n > 1 else ''}{extra})"
+
+
 def private_runtime(workdir: str) -> None:
     """Kept warm parents of this bench live in a folder of its own (XDG_RUNTIME_DIR), so its first run is cold
     whatever ran on the machine before; stop_warm() ends them."""
@@ -345,10 +351,10 @@ def main() -> None:
     args.workers = counts[0]
     # cold: the first run keeps its warm parent for the "warm parent kept" row below; the others end theirs
     sup = run_supervisor(args, src, os.path.join(args.workdir, "sup"), args.workdir, counts[0], keep_warm=600)
-    rows.append((f"supervisor ({sup['workers']} worker{'s' if sup['workers'] > 1 else ''})", sup))
+    rows.append((_label(sup), sup))
     for n in counts[1:]:
         r = run_supervisor(args, src, os.path.join(args.workdir, f"sup{n}"), args.workdir, n)
-        rows.append((f"supervisor ({r['workers']} worker{'s' if r['workers'] > 1 else ''})", r))
+        rows.append((_label(r), r))
         print(f"{n} workers' output vs the first run's:", compare(os.path.join(args.workdir, f"sup{n}"),
                                                                  os.path.join(args.workdir, "sup")), flush=True)
         shutil.rmtree(os.path.join(args.workdir, f"sup{n}"))
@@ -367,8 +373,7 @@ def main() -> None:
         # a second export of the same environment (a re-run after a crash, a studio's next export): its workers
         # fork from the warm parent the first run kept, so it imports nothing
         r = run_supervisor(args, src, os.path.join(args.workdir, "sup-warm"), args.workdir, counts[0], keep_warm=600)
-        rows.append((f"supervisor ({r['workers']} worker{'s' if r['workers'] > 1 else ''}, warm parent "
-                     f"{'kept' if r['reused'] else 'NOT reused'})", r))
+        rows.append((_label(r, ", warm parent " + ("kept" if r["reused"] else "NOT reused")), r))
         print("warm run's output vs the first run's:", compare(os.path.join(args.workdir, "sup-warm"),
                                                               os.path.join(args.workdir, "sup")), flush=True)
         shutil.rmtree(os.path.join(args.workdir, "sup-warm"))

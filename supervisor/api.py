@@ -565,12 +565,12 @@ class Supervisor:
         env["PYTHONUNBUFFERED"] = "1"
         child_device = "cpu" if slot.device == "cpu" else "cuda:0"
         job = self.job
-        cpu_slots = sum(s.device == "cpu" for s in self._scheduler.slots) if self._scheduler else 1
-        if slot.device == "cpu" and cpu_slots > 1 and not r.torch_threads:
-            # several CPU workers share the cores instead of each starting one thread per core
-            threads = max(1, (os.cpu_count() or 1) // cpu_slots)
-            job = msgspec.structs.replace(job, resources=msgspec.structs.replace(r, torch_threads=threads))
+        # the slots on this slot's device: CPU workers split the cores; GPU workers may take turns on their GPU
         sharing = sum(s.device == slot.device for s in self._scheduler.slots) if self._scheduler else 1
+        if slot.device == "cpu" and sharing > 1 and not r.torch_threads:
+            # several CPU workers share the cores instead of each starting one thread per core
+            threads = max(1, (os.cpu_count() or 1) // sharing)
+            job = msgspec.structs.replace(job, resources=msgspec.structs.replace(r, torch_threads=threads))
         lock = layout.device_lock(plan.output, slot.device) \
             if devices.device_stage_shared(slot.device, sharing, self._layer_bytes) else ""
         hello = Hello(version=PROTOCOL_VERSION, job=job, output=plan.output, device=child_device, worker=slot.id,

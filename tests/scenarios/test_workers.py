@@ -5,11 +5,14 @@ compared with a one-worker export's.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 
 import pytest
 
+from shared import layout
+from supervisor import Supervisor, devices, events as ev
 from tests.scenarios import cli, faultkit
 
 SCHEME = "W4A16"
@@ -141,11 +144,6 @@ def test_workers_sharing_a_device_take_turns_on_it(model, one_worker, tmp_path, 
     """Layers too big for two workers on one GPU at once (forced here on CPU): each worker holds the device lock
     for its device stage. While this test holds it, both workers wait (their heartbeats say "wait-device") and no
     part is written; once it lets go they finish, the bytes are one worker's, and the waits are reported."""
-    import fcntl
-
-    from shared import layout
-    from supervisor import Supervisor, devices, events as ev
-
     lock = tmp_path / "device.lock"
     monkeypatch.setattr(devices, "device_stage_shared", lambda device, sharing, layer_bytes: sharing > 1)
     monkeypatch.setattr(layout, "device_lock", lambda output, device: str(lock))
@@ -178,15 +176,11 @@ def test_a_worker_killed_in_its_turn_on_the_device_does_not_stall_the_other(mode
     """Two workers taking turns on the device (forced on CPU): the one in its turn on layer 2 is SIGKILLed while it
     holds the lock. The lock goes with its process, the other worker carries on, layer 2 is retried, and the bytes
     are one worker's (a lock left held would stall the run until the test's timeout)."""
-    from supervisor import devices
-
     monkeypatch.setattr(devices, "device_stage_shared", lambda device, sharing, layer_bytes: sharing > 1)
     job = cli.write_job(tmp_path / "job.toml", model, tmp_path / "out", SCHEME, workers=2)
     marker = tmp_path / "killed.json"
     monkeypatch.setenv("SUPERVISOR_TEST_FAULT", json.dumps({"point": "device", "action": "sigkill", "index": 2,
                                                             "once": str(marker)}))
-    from supervisor import Supervisor, events as ev
-
     sup = Supervisor(job)
     sup.start()
     events = list(sup.events())
