@@ -58,6 +58,13 @@ print(f"child.calibrate after them: {time.perf_counter() - t:.1f} s, cuda initia
 }
 
 case "${1:-tests}" in
+s6a)  # sixth session, call 1: where a first release's time goes (host memory made ready), where a layer's
+  # quantize stage goes (W4A16 and FP8_DYNAMIC, one 8B-shaped layer on the GPU)
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 bench/pool_fill_bench.py --gib 16 2>&1 | quiet > "$OUT/pool_fill.txt"
+  cat "$OUT/pool_fill.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/layer_profile.py --device cuda:0 2>&1 | quiet > "$OUT/layer_profile.txt"
+  grep "==" "$OUT/layer_profile.txt"
+  ;;
 s5a)  # fifth session, call 1: the warm parent's imports as it does them, then the GPU tests of what changed
   # (quantization error measured per module on the device, previews on the device, two workers per GPU)
   warm_imports
