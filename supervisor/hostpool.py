@@ -140,11 +140,9 @@ def _free(registered: list[int], chunks: list[torch.Tensor], maps: list[mmap.mma
         torch.cuda.cudart().cudaHostUnregister(ptr)
     registered.clear()
     chunks.clear()
-    for mapping in maps:
-        try:
-            mapping.close()
-        except BufferError:
-            pass  # a tensor still views it (a caller kept one): the mapping goes when that tensor does
+    # Not mapping.close(): torch.frombuffer keeps a reference to the mmap but no buffer export, so close() would
+    # unmap memory that a tensor a caller kept still points at (no BufferError is raised). The mapping goes with
+    # its last reference.
     maps.clear()
     for fd in fds:
         os.close(fd)

@@ -539,3 +539,15 @@ def test_restore_reports_a_hook_changed_while_released(cpu_accelerator):
     proj._hf_hook = functools.partial(print)
     with pytest.raises(OffloadError, match="hook or forward of Linear"):
         restore(handle)
+
+
+def test_a_view_kept_after_close_still_reads_its_bytes():
+    """close() gives the pool's memory back without unmapping what a caller still holds: a view taken from a lease
+    reads the bytes written into it after the pool is closed (torch.frombuffer keeps no buffer export, so an
+    explicit unmap would leave it dangling)."""
+    pool = PinnedPool(pin=False)
+    (view,) = pool.lease([4096])
+    view.fill_(7)
+    pool.end_lease()
+    pool.close()
+    assert int(view.sum()) == 7 * 4096
