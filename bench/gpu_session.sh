@@ -58,6 +58,19 @@ print(f"child.calibrate after them: {time.perf_counter() - t:.1f} s, cuda initia
 }
 
 case "${1:-tests}" in
+s6b)  # call 2: the output's pinned buffer: profiles (dense and MoE), W4A16 8B bench, the tests it touches
+  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_staging.py 2>&1 | tail -2
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/layer_profile.py --device cuda:0 --moe --schemes FP8_DYNAMIC \
+    --rounds 2 2>&1 | quiet > "$OUT/moe_profile.txt"; grep "==\|MoE layer" "$OUT/moe_profile.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout 90 python3 bench/layer_profile.py --device cuda:0 2>&1 | quiet > "$OUT/layer_profile.txt"
+  grep "==" "$OUT/layer_profile.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 bench/pool_fill_bench.py --gib 16 --pair 2>&1 | quiet | tail -4
+  CUDA_VISIBLE_DEVICES=0 t 120 export_gpu tests/gpu/test_export_gpu.py -k equals_oneshot
+  rm -rf /tmp/export-bench
+  CUDA_VISIBLE_DEVICES=0 timeout 260 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --scheme W4A16 --skip kill,1w,model_free_ptq 2>&1 | quiet > "$OUT/export_w4a16.txt"
+  tail -16 "$OUT/export_w4a16.txt"
+  ;;
 s6a)  # sixth session, call 1: where a first release's time goes (host memory made ready), where a layer's
   # quantize stage goes (W4A16 and FP8_DYNAMIC, one 8B-shaped layer on the GPU)
   CUDA_VISIBLE_DEVICES=0 timeout 240 python3 bench/pool_fill_bench.py --gib 16 2>&1 | quiet > "$OUT/pool_fill.txt"

@@ -142,6 +142,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=16)
     p.add_argument("--no-cuda", action="store_true")
+    p.add_argument("--pair", action="store_true",
+                   help="only the parallel zero_() fill, then today's way: each on memory the other did not touch "
+                        "first (the rows above can profit from pages an earlier row made the host back)")
     args = p.parse_args()
     cuda = not args.no_cuda and torch.cuda.is_available()
     print(f"kernel {platform.release()}, {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}")
@@ -157,6 +160,11 @@ def main() -> None:
         del hb
     n = os.cpu_count() or 1
     print(f"\n{args.gib} GiB\n\n| strategy | chunks | threads | fill s | register s | copy s | wall s |\n| --- | --- | --- | --- | --- | --- | --- |")
+    if args.pair:
+        run("one memfd, zero_() (intra-op threads)", args.gib, 1, 1, "zero", False, cuda, src)
+        run("today: one memfd, register faults it", args.gib, 1, 1, "none", False, cuda, src)
+        run("one memfd, zero_() (intra-op threads)", args.gib, 1, 1, "zero", False, cuda, src)
+        return
     run("today: one memfd, register faults it", args.gib, 1, 1, "none", False, cuda, src)
     run("one memfd, zero_() (intra-op threads)", args.gib, 1, 1, "zero", False, cuda, src)
     run("one memfd, MADV_POPULATE_WRITE", args.gib, 1, 1, "populate", False, cuda, src)

@@ -132,12 +132,16 @@ class Exporter:
         self._writer: Writer | None = None
         measure = job.export.measure_error
         quant_error.enabled = hello.device.startswith("cuda") if measure is None else measure
+        from child.staging import HostStaging
+
         self.source = open_source(job, hello.pool)
+        self._staging = HostStaging(hello.device)  # the output's way off the GPU, reused part after part
         # a live model has no checkpoint folder: the supervisor wrote its config.json beside the pool
         self.config_dir = hello.pool.config_dir if hello.pool is not None else job.source.path
         self._trust_remote_code = job.source is not None and job.source.allow_remote_code
         self.backend = make_backend(job, self.config_dir, hello.device, output=hello.output, source=self.source,
-                                    stage=self._stage, calibration_sha256=hello.calibration_sha256)
+                                    stage=self._stage, calibration_sha256=hello.calibration_sha256,
+                                    to_host=self._staging.to_host)
         self.prefix = self.backend.layer_prefix
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self._ahead: dict[int, Future] = {}
@@ -224,6 +228,7 @@ class Exporter:
         t_read = time.perf_counter()
         self.backend.begin(index, msg.boundary)  # calibrated: this layer's inputs (from memory, a file, or computed)
         self.beat.set(index, "quantize")
+        staged_before = self._staging.capacity
         t1 = time.perf_counter()
         with self._device_stage(index) as turn:
             if index == NON_LAYER:
@@ -250,6 +255,8 @@ class Exporter:
         w = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint,
                         metadata=metadata, timings=stages)
         del out
+        if index == NON_LAYER and self._staging.capacity > staged_before:
+            self._staging.release()  # grown for a one-off part (a quantized lm_head): keep no more than a layer's
         t3 = time.perf_counter()
         boundary = self.backend.commit(index)  # calibrated: the next layer's inputs made durable after the shard
         checkpoint("boundary")

@@ -47,7 +47,8 @@ class Backend(Protocol):
         supervisor knows one (calibrated methods); a backend that keeps it in memory may ignore it."""
 
     def quantize_layer(self, index: int, tensors: dict) -> dict:
-        """Layer `index`'s checkpoint tensors (full names) in, the tensors of its output shard out (CPU)."""
+        """Layer `index`'s checkpoint tensors (full names) in, the tensors of its output shard out (host memory;
+        views of the worker's staging buffer are valid until the next part)."""
 
     def quantize_non_layer(self, tensors: dict) -> dict:
         """Everything outside the decoder layers (embeddings, final norm, lm_head) in, its shard's tensors out."""
@@ -110,9 +111,11 @@ def preload(fmt: str) -> None:
 
 
 def make_backend(job: Job, config_dir: str, device: str, *, output: str = "", source=None,
-                 stage: Callable[[str], None] = lambda name: None, calibration_sha256: str = "") -> Backend:
+                 stage: Callable[[str], None] = lambda name: None, calibration_sha256: str = "",
+                 to_host: Callable[[dict], dict] | None = None) -> Backend:
     """The backend for the job's format and method, ready for its first layer. `stage(name)` reports progress
-    inside a part (calibrated methods: forward, calibrate, propagate, quantize)."""
+    inside a part (calibrated methods: forward, calibrate, propagate, quantize). `to_host` brings a part's output
+    tensors from the device to the host (the worker's pinned buffer, child/staging.py); data-free backends use it."""
     from child.source import open_source
     from shared.job import effective_ignore
 
@@ -138,10 +141,11 @@ def make_backend(job: Job, config_dir: str, device: str, *, output: str = "", so
         from child.quantize import LayerQuantizer
 
         return LayerQuantizer(config_dir, job.export.scheme, effective_ignore(job), device=device,
-                              trust_remote_code=allow, tensor_names=names)
+                              trust_remote_code=allow, tensor_names=names, to_host=to_host)
     from child.name_only import NameOnlyQuantizer
 
-    return NameOnlyQuantizer(config_dir, job.export.scheme, effective_ignore(job, by_names=True), names, device, why)
+    return NameOnlyQuantizer(config_dir, job.export.scheme, effective_ignore(job, by_names=True), names, device, why,
+                             to_host=to_host)
 
 
 def unknown_architecture(config_dir: str, allow_remote_code: bool) -> str | None:

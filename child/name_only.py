@@ -38,11 +38,12 @@ class NameOnlyQuantizer:
     reads_to_device = True  # the read-ahead's copy to the GPU overlaps the previous layer's work
 
     def __init__(self, config_dir: str, scheme: str, ignore: list[str], names: list[str], device: str = "cpu",
-                 why: str = "transformers does not know this architecture"):
+                 why: str = "transformers does not know this architecture", to_host=None):
         from llmcompressor.entrypoints.model_free.converter import ModelFreePtqConverter
         from llmcompressor.entrypoints.model_free.validate import validate_config
 
         self.scheme, self.ignore, self.device, self.why = scheme, list(ignore), torch.device(device), why
+        self._to_host = to_host or (lambda out: {k: v.to("cpu").contiguous() for k, v in out.items()})
         with open(os.path.join(config_dir, "config.json")) as f:
             config = json.load(f)
         found = tensor_names.find_layers(names, config)
@@ -89,8 +90,7 @@ class NameOnlyQuantizer:
         if any(t.is_meta for t in tensors.values()):
             return self._preview(tensors)
         moved = {k: v.to(self.device) for k, v in tensors.items()}
-        out = self._converter.process(moved)
-        return {k: v.to("cpu").contiguous() for k, v in out.items()}
+        return self._to_host(self._converter.process(moved))
 
     def _preview(self, tensors: dict) -> dict:
         """The output's names, shapes and dtypes on meta: each quantized tensor's compressed twin is computed once per

@@ -33,7 +33,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import compressed_tensors
 import torch
@@ -89,10 +89,11 @@ class LayerQuantizer:
 
     def __init__(self, config_dir: str, scheme: str, ignore: list[str], device: str = "cpu",
                  modifier: QuantizationMixin | None = None, *, trust_remote_code: bool = False,
-                 tensor_names: list[str] | None = None):
+                 tensor_names: list[str] | None = None, to_host: Callable[[dict], dict] | None = None):
         """`modifier`: the calibrated recipe's quantization modifier (GPTQModifier's config carries its actorder);
         None builds the data-free QuantizationModifier oneshot would, refusing schemes that need data.
-        `tensor_names`: the checkpoint's, for the names config.json's ignore list is written in."""
+        `tensor_names`: the checkpoint's, for the names config.json's ignore list is written in.
+        `to_host`: how the output reaches the host (a worker's pinned buffer: child/staging.py); default `.to("cpu")`."""
         self.scheme = scheme
         self.ignore = list(ignore)
         self.device = torch.device(device)
@@ -100,6 +101,7 @@ class LayerQuantizer:
         self._targets = self._modifier.resolved_targets
         self._qcfg = self._modifier.resolved_config
         self.trust_remote_code = trust_remote_code
+        self._to_host = to_host or plain_to_host
         self.tensor_names = tensor_names  # the checkpoint's tensor names: config.json's ignore list is written in them
         self.config = _load_config(config_dir, trust_remote_code)
         self._skeleton, self._names, self._raw_experts = _meta_skeleton(self.config, trust_remote_code)
@@ -202,7 +204,11 @@ class LayerQuantizer:
         del module, root, quantized
         if device.type == "meta":
             return out
-        return {k: v.to("cpu").contiguous() for k, v in out.items()}
+        return self._to_host(out)
+
+
+def plain_to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.to("cpu").contiguous() for k, v in tensors.items()}
 
 
 def quantization_config_dict(scheme: str, ignore: list[str], config: str, modifier: QuantizationMixin | None = None,

@@ -1,0 +1,102 @@
+"""child/staging.py: a part's output copied into one reusable host buffer keeps every value, and writes the same
+shard bytes as the tensors it was copied from."""
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from child.staging import HostStaging
+from child.writer import write_shard
+
+
+def _outputs(scale: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(scale)
+    w = torch.randn(64 * scale, 96, generator=g)
+    return {
+        "q.weight": w.to(torch.float8_e4m3fn),  # FP8 weight
+        "q.weight_scale": torch.rand(64 * scale, 1, generator=g).to(torch.bfloat16),
+        "k.weight_packed": torch.randint(-2**31, 2**31 - 1, (32, 12 * scale), dtype=torch.int32, generator=g),
+        "k.weight_shape": torch.tensor([32, 96 * scale]),  # int64, 1-D
+        "o.weight": w.to(torch.bfloat16).t(),  # not contiguous
+        "norm.weight": torch.ones(96, dtype=torch.bfloat16)[::2],  # a strided slice
+        "zero_dim": torch.tensor(3.5),
+        "empty": torch.empty(0, 7),
+        "mask": torch.rand(5, 3, generator=g) > 0.5,
+    }
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1
+                                                                      and a.dtype != torch.bool else a,
+                                                                      b.view(torch.uint8) if b.dtype.itemsize == 1
+                                                                      and b.dtype != torch.bool else b)
+
+
+def test_staged_views_keep_names_dtypes_shapes_and_values():
+    """Every tensor comes back contiguous, with its dtype, shape and bytes, as a view of the one buffer."""
+    src = _outputs()
+    staging = HostStaging("cpu", stage_host=True)
+    got = staging.to_host(src)
+    assert list(got) == list(src)
+    buf = staging._held[1]
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    for k, v in got.items():
+        assert _same(v, src[k].contiguous()), k
+        assert v.is_contiguous(), k
+        assert v.numel() == 0 or lo <= v.data_ptr() < hi, f"{k} is not in the buffer"
+        assert v.data_ptr() % 256 == 0 or v.numel() == 0, k
+
+
+def test_buffer_is_reused_when_a_part_fits_and_grown_when_it_does_not():
+    """A part that fits reuses the buffer (no new allocation); a bigger part gets a bigger one; release frees it."""
+    staging = HostStaging("cpu", stage_host=True)
+    staging.to_host(_outputs(2))
+    ptr, cap = staging._held[1].data_ptr(), staging.capacity
+    small = _outputs(1)
+    got = staging.to_host(small)
+    assert (staging._held[1].data_ptr(), staging.capacity) == (ptr, cap)
+    assert all(_same(got[k], small[k].contiguous()) for k in small)
+    big = _outputs(400)  # more than the 2 MiB the first buffer was rounded up to
+    got = staging.to_host(big)
+    assert staging.capacity > cap
+    assert all(_same(got[k], big[k].contiguous()) for k in big)
+    del got
+    staging.release()
+    assert staging.capacity == 0
+
+
+def test_host_tensors_pass_through_unless_staged():
+    """On a CPU worker nothing is copied: the backend's host tensors are what is written."""
+    src = _outputs()
+    got = HostStaging("cpu").to_host(src)
+    for k in ("q.weight", "k.weight_packed", "zero_dim"):
+        assert got[k].data_ptr() == src[k].data_ptr()
+
+
+def test_a_shard_written_from_staged_views_has_the_bytes_of_one_written_from_the_tensors(tmp_path):
+    """safetensors writes views of one buffer (they share a storage) byte for byte as separate tensors; the digest
+    computed from memory matches the file either way."""
+    src = _outputs(3)
+    ref = tmp_path / "ref.safetensors"
+    save_file({k: v.contiguous() for k, v in src.items()}, str(ref), metadata={"format": "pt"})
+    staged = HostStaging("cpu", stage_host=True).to_host(src)
+    (tmp_path / "out").mkdir()
+    w = write_shard(staged, str(tmp_path / "out"), str(tmp_path / "tmp"), "part.safetensors")
+    assert (tmp_path / "out" / "part.safetensors").read_bytes() == ref.read_bytes()
+    plain = write_shard({k: v.contiguous() for k, v in src.items()}, str(tmp_path / "out"), str(tmp_path / "tmp"),
+                        "plain.safetensors")
+    assert w.digest == plain.digest
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_outputs_land_in_pinned_memory():
+    """On a GPU worker the output is copied into registered (pinned) host memory, values intact."""
+    src = {k: v.to("cuda:0") for k, v in _outputs(4).items()}
+    staging = HostStaging("cuda:0")
+    got = staging.to_host(src)
+    for k, v in got.items():
+        assert v.device.type == "cpu" and _same(v, src[k].cpu().contiguous()), k
+        if v.numel():
+            assert v.is_pinned(), k
+    del got
+    staging.release()
