@@ -58,6 +58,25 @@ print(f"child.calibrate after them: {time.perf_counter() - t:.1f} s, cuda initia
 }
 
 case "${1:-tests}" in
+s6c)  # call 3: the DeepSeek-V3-shaped MoE bench, outputs through the pinned buffer
+  rm -rf /tmp/export-bench /tmp/calib-bench
+  CUDA_VISIBLE_DEVICES=0 timeout 570 python3 bench/moe_bench.py 2>&1 | quiet > "$OUT/moe.txt"
+  tail -30 "$OUT/moe.txt"
+  ;;
+s6d)  # call 4: 8B FP8_DYNAMIC; W4A16 with two and three workers; the first release of a 16 GB model
+  rm -rf /tmp/moe-bench
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --skip kill,1w,model_free_ptq 2>&1 | quiet > "$OUT/export_fp8.txt"
+  tail -14 "$OUT/export_fp8.txt"
+  rm -rf /tmp/export-bench
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --scheme W4A16 --workers 0,3 --skip kill,1w,model_free_ptq,oneshot,warm 2>&1 | quiet > "$OUT/w4a16_3w.txt"
+  tail -9 "$OUT/w4a16_3w.txt"
+  rm -rf /tmp/export-bench
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/offload_bench.py 2>&1 | quiet > "$OUT/offload.txt"
+  tail -12 "$OUT/offload.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout 80 python3 bench/pool_fill_bench.py --gib 16 --pair 2>&1 | quiet | tail -4
+  ;;
 s6b)  # call 2: the output's pinned buffer: profiles (dense and MoE), W4A16 8B bench, the tests it touches
   CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_staging.py 2>&1 | tail -2
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/layer_profile.py --device cuda:0 --moe --schemes FP8_DYNAMIC \

@@ -164,6 +164,8 @@ def main() -> None:
         run("one memfd, zero_() (intra-op threads)", args.gib, 1, 1, "zero", False, cuda, src)
         run("today: one memfd, register faults it", args.gib, 1, 1, "none", False, cuda, src)
         run("one memfd, zero_() (intra-op threads)", args.gib, 1, 1, "zero", False, cuda, src)
+        torch.set_num_threads(1)
+        run("memfds, zero_() each, one thread per memfd", args.gib, 16, min(16, n), "zero", False, cuda, src)
         return
     run("today: one memfd, register faults it", args.gib, 1, 1, "none", False, cuda, src)
     run("one memfd, zero_() (intra-op threads)", args.gib, 1, 1, "zero", False, cuda, src)
