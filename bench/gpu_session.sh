@@ -58,6 +58,12 @@ print(f"child.calibrate after them: {time.perf_counter() - t:.1f} s, cuda initia
 }
 
 case "${1:-tests}" in
+s6e)  # call 5: the pool made ready in several memfds side by side: the first release, and the GPU tests it touches
+  CUDA_VISIBLE_DEVICES=0 timeout 110 python3 bench/offload_bench.py 2>&1 | quiet > "$OUT/offload.txt"
+  tail -9 "$OUT/offload.txt"
+  CUDA_VISIBLE_DEVICES=0 t 150 offload_gpu tests/gpu/test_offload_gpu.py
+  CUDA_VISIBLE_DEVICES=0 t 100 memfree tests/gpu/test_export_gpu.py -k memory_is_free
+  ;;
 s6c)  # call 3: the DeepSeek-V3-shaped MoE bench, outputs through the pinned buffer
   rm -rf /tmp/export-bench /tmp/calib-bench
   CUDA_VISIBLE_DEVICES=0 timeout 570 python3 bench/moe_bench.py 2>&1 | quiet > "$OUT/moe.txt"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -107,36 +108,91 @@ class PinnedPool:
             else:
                 spill.append(i)
         if spill:
-            chunk = self._new_chunk(sum(aligned(sizes[i]) for i in spill))
-            offset = 0
-            for i in spill:
-                views[i] = chunk[offset : offset + sizes[i]]
-                offset += aligned(sizes[i])
+            bins = _bins([(aligned(sizes[i]), i) for i in spill], _bin_count(sum(aligned(sizes[i]) for i in spill)))
+            for members, chunk in zip(bins, self._new_chunks([sum(n for n, _ in b) for b in bins])):
+                offset = 0
+                for n, i in members:
+                    views[i] = chunk[offset : offset + sizes[i]]
+                    offset += n
         return views  # type: ignore[return-value]
 
-    def _new_chunk(self, nbytes: int) -> torch.Tensor:
-        nbytes = max(nbytes, 1)
-        fd = os.memfd_create("supervisor-pool", os.MFD_CLOEXEC)  # inherited only where a child is given it
-        try:
-            os.ftruncate(fd, nbytes)
-            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            raise
-        chunk = torch.frombuffer(mapping, dtype=torch.uint8)
-        self._fds.append(fd)
-        self._maps.append(mapping)
+    def _new_chunks(self, sizes: list[int]) -> list[torch.Tensor]:
+        """One memfd chunk per size, made ready side by side: a chunk's pages are faulted in by its own thread,
+        then it is registered with CUDA. Measured for 16 GiB on an H200 host (bench/pool_fill_bench.py --pair,
+        2026-11-30): 16 chunks, one thread each, 1.8 s to fault, register and copy down; one chunk faulted by
+        torch's threads 4.9-5.1 s; one chunk left to cudaHostRegister to fault (one page at a time) 7.0 s. Faults
+        in one memfd contend inside the kernel; in separate memfds they do not."""
         pin = torch.cuda.is_available() if self._pin is None else self._pin
-        if pin:
-            # Fault the pages in with torch's threads first: cudaHostRegister faults them one by one in a single
-            # thread. Measured for 16 GiB on an H200 host (bench/pool_fill_bench.py --pair, 2026-11-30): 4.6-4.8 s
-            # to fill, register and copy down, against 7.1 s.
-            chunk.zero_()
-            # cudaHostRegisterPortable (1): pinned for every device's context, so one pool serves a multi-GPU map.
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), chunk.numel(), 1))
-            self._registered.append(chunk.data_ptr())
-        self._chunks.append(chunk)
-        return chunk
+        made: list[tuple[int, mmap.mmap, torch.Tensor]] = []
+        registered: list[int] = []
+        try:
+            for nbytes in sizes:
+                made.append(_memfd_chunk(max(nbytes, 1)))
+            if pin:
+                with ThreadPoolExecutor(max_workers=len(made), thread_name_prefix="pool-fill") as ex:
+                    futures = [ex.submit(_ready, mapping, chunk) for _, mapping, chunk in made]
+                registered = [f.result() for f in futures if f.exception() is None]
+                for f in futures:
+                    f.result()  # the first failure, after every success is known (and will be unregistered)
+        except BaseException:
+            _free(registered, [], [], [m[0] for m in made])
+            raise
+        for fd, mapping, chunk in made:
+            self._fds.append(fd)
+            self._maps.append(mapping)
+            if pin:
+                self._registered.append(chunk.data_ptr())
+            self._chunks.append(chunk)
+        return [m[2] for m in made]
+
+
+# A new chunk's bytes are split over about this many memfds (each made ready by its own thread), at least this big.
+FILL_THREADS = min(16, os.cpu_count() or 1)
+MIN_BIN = 256 << 20
+
+
+def _bin_count(total: int) -> int:
+    return max(1, min(FILL_THREADS, total // MIN_BIN))
+
+
+def _bins(items: list[tuple[int, int]], count: int) -> list[list[tuple[int, int]]]:
+    """(size, key) items in `count` bins of about equal total size, biggest first (each item whole: a storage
+    lives in one chunk); empty bins dropped."""
+    bins: list[list[tuple[int, int]]] = [[] for _ in range(count)]
+    totals = [0] * count
+    for item in sorted(items, key=lambda it: -it[0]):
+        b = totals.index(min(totals))
+        bins[b].append(item)
+        totals[b] += item[0]
+    return [b for b in bins if b]
+
+
+def _memfd_chunk(nbytes: int) -> tuple[int, mmap.mmap, torch.Tensor]:
+    fd = os.memfd_create("supervisor-pool", os.MFD_CLOEXEC)  # inherited only where a child is given it
+    try:
+        os.ftruncate(fd, nbytes)
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mapping, torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def _ready(mapping: mmap.mmap, chunk: torch.Tensor) -> int:
+    """Fault the chunk's pages in (reading /dev/zero into it: the GIL is released for the read, so the threads
+    fault side by side, and torch's own thread count is left alone), then pin it; the pinned pointer.
+    cudaHostRegisterPortable (1): pinned for every device's context, so one pool serves a multi-GPU map."""
+    view = memoryview(mapping)
+    try:
+        with open("/dev/zero", "rb", buffering=0) as zero:
+            for start in range(0, len(view), 1 << 30):
+                zero.readinto(view[start : start + (1 << 30)])
+    except OSError:
+        chunk.zero_()  # no /dev/zero to read: fault them with torch's threads
+    finally:
+        view.release()
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), chunk.numel(), 1))
+    return chunk.data_ptr()
 
 
 def _free(registered: list[int], chunks: list[torch.Tensor], maps: list[mmap.mmap], fds: list[int]) -> None:

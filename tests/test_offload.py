@@ -551,3 +551,37 @@ def test_a_view_kept_after_close_still_reads_its_bytes():
     pool.end_lease()
     pool.close()
     assert int(view.sum()) == 7 * 4096
+
+
+def test_bins_place_every_storage_once_and_balance_the_bytes():
+    """A new chunk's storages are spread over memfds of about equal size, each storage whole, none lost."""
+    from supervisor.hostpool import _bins
+
+    items = [(n, i) for i, n in enumerate([900, 10, 500, 400, 300, 300, 200, 100, 50, 40])]
+    bins = _bins(items, 4)
+    assert sorted(it for b in bins for it in b) == sorted(items)
+    totals = [sum(n for n, _ in b) for b in bins]
+    assert max(totals) == 900 and min(totals) >= 600  # the biggest storage alone; the rest shared out
+    assert _bins([(5, 0)], 8) == [[(5, 0)]]  # no empty memfds
+
+
+def test_a_pool_split_over_several_memfds_round_trips_and_is_reused(cpu_accelerator, monkeypatch):
+    """With the pool's new memory split over several memfds, release/restore keeps every bit and logit, the second
+    cycle reuses the same chunks, and every chunk is shared with a child."""
+    from supervisor import hostpool
+
+    monkeypatch.setattr(hostpool, "MIN_BIN", 1 << 16)
+    model = dispatched()
+    before, ref = tensors(model), logits(model)
+    pool = PinnedPool()
+    handle = release(model, buffers=pool)
+    chunks = [id(c) for c in pool._chunks]
+    assert len(chunks) > 1 and len(pool.shared()) == len(chunks)
+    assert all(in_pool(pool, current(model, name)) for name in before)
+    assert torch.equal(logits(model), ref)  # the model runs from the pool's host copy
+    restore(handle)
+    assert_unchanged(model, before)
+    restore(release(model, buffers=pool))
+    assert [id(c) for c in pool._chunks] == chunks
+    assert torch.equal(logits(model), ref)
+    pool.close()
