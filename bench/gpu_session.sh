@@ -58,6 +58,10 @@ print(f"child.calibrate after them: {time.perf_counter() - t:.1f} s, cuda initia
 }
 
 case "${1:-tests}" in
+s6f)  # call 6: the first and second release again, the second lease taking the first one's places
+  CUDA_VISIBLE_DEVICES=0 timeout 110 python3 bench/offload_bench.py --rounds 3 2>&1 | quiet > "$OUT/offload.txt"
+  tail -10 "$OUT/offload.txt"
+  ;;
 s6e)  # call 5: the pool made ready in several memfds side by side: the first release, and the GPU tests it touches
   CUDA_VISIBLE_DEVICES=0 timeout 110 python3 bench/offload_bench.py 2>&1 | quiet > "$OUT/offload.txt"
   tail -9 "$OUT/offload.txt"

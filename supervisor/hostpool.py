@@ -40,6 +40,7 @@ class PinnedPool:
         self._registered: list[int] = []
         self._leased = False
         self._closed = False
+        self._layout: tuple[tuple[int, ...], list[tuple[int, int]]] | None = None  # see _place
         # Unregister before the memory can be freed, also when the pool is dropped without close().
         self._finalizer = weakref.finalize(self, _free, self._registered, self._chunks, self._maps, self._fds)
 
@@ -96,25 +97,36 @@ class PinnedPool:
         self._leased = False
 
     def _place(self, sizes: list[int]) -> list[torch.Tensor]:
+        """A view per size. The same sizes as the last lease (the same model released again) get the same places,
+        so a pool made to measure is reused whole; other sizes go first-fit into the chunks, the rest into new
+        ones."""
+        if self._layout is None or self._layout[0] != tuple(sizes):
+            self._layout = (tuple(sizes), self._plan(sizes))
+        return [self._chunks[c][offset : offset + n] for (c, offset), n in zip(self._layout[1], sizes)]
+
+    def _plan(self, sizes: list[int]) -> list[tuple[int, int]]:
+        """(chunk index, byte offset) for each size; makes the chunks the sizes that do not fit need."""
         cursors = [0] * len(self._chunks)
-        views: list[torch.Tensor | None] = [None] * len(sizes)
+        spots: list[tuple[int, int] | None] = [None] * len(sizes)
         spill = []
         for i, n in enumerate(sizes):
             for c, chunk in enumerate(self._chunks):
                 if cursors[c] + aligned(n) <= chunk.numel():
-                    views[i] = chunk[cursors[c] : cursors[c] + n]
+                    spots[i] = (c, cursors[c])
                     cursors[c] += aligned(n)
                     break
             else:
                 spill.append(i)
         if spill:
             bins = _bins([(aligned(sizes[i]), i) for i in spill], _bin_count(sum(aligned(sizes[i]) for i in spill)))
-            for members, chunk in zip(bins, self._new_chunks([sum(n for n, _ in b) for b in bins])):
+            first = len(self._chunks)
+            self._new_chunks([sum(n for n, _ in b) for b in bins])
+            for c, members in enumerate(bins, start=first):
                 offset = 0
                 for n, i in members:
-                    views[i] = chunk[offset : offset + sizes[i]]
+                    spots[i] = (c, offset)
                     offset += n
-        return views  # type: ignore[return-value]
+        return spots  # type: ignore[return-value]
 
     def _new_chunks(self, sizes: list[int]) -> list[torch.Tensor]:
         """One memfd chunk per size, made ready side by side: a chunk's pages are faulted in by its own thread,

@@ -585,3 +585,29 @@ def test_a_pool_split_over_several_memfds_round_trips_and_is_reused(cpu_accelera
     assert [id(c) for c in pool._chunks] == chunks
     assert torch.equal(logits(model), ref)
     pool.close()
+
+
+def test_the_same_sizes_leased_again_take_the_same_places(monkeypatch):
+    """A pool made to measure for one model (its storages spread over several memfds) serves the next release of
+    that model without a byte more, even when first-fit in the storages' order would not fit them (the second
+    release of a 16 GB model then paid for a new 1 GB chunk: 1.23 s against 0.31 s)."""
+    from supervisor import hostpool
+
+    monkeypatch.setattr(hostpool, "MIN_BIN", hostpool.ALIGN)
+    monkeypatch.setattr(hostpool, "FILL_THREADS", 4)
+    sizes = [u * hostpool.ALIGN for u in (1, 9, 5, 4, 3, 3, 2, 1)]
+    pool = PinnedPool(pin=False)
+    first = pool.lease(sizes)
+    chunks, capacity = [id(c) for c in pool._chunks], pool.capacity
+    assert len(chunks) == 4 and capacity == sum(sizes)
+    places = [v.data_ptr() for v in first]
+    pool.end_lease()
+    again = pool.lease(sizes)
+    assert [id(c) for c in pool._chunks] == chunks and pool.capacity == capacity
+    assert [v.data_ptr() for v in again] == places
+    pool.end_lease()
+    other = pool.lease([2 * hostpool.ALIGN, 20 * hostpool.ALIGN])  # another model: what does not fit is added
+    assert [v.numel() for v in other] == [2 * hostpool.ALIGN, 20 * hostpool.ALIGN]
+    assert pool.capacity == capacity + 20 * hostpool.ALIGN
+    pool.end_lease()
+    pool.close()
