@@ -137,6 +137,10 @@ class TreeSampler(threading.Thread):
 
 
 def timed(cmd: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, float, TreeSampler]:
+    # Every tool starts on a quiet disk: without this, the checkpoint the bench just wrote (16 GB for the 8B
+    # shape) was still being flushed while the first tool ran, and a tool that does not fsync (oneshot's
+    # save_pretrained) left its output's flush to the next one. Not counted in any wall.
+    os.sync()
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     sampler = TreeSampler(proc.pid)
@@ -275,6 +279,7 @@ def disk_write_speed(folder: str, nbytes: int = 2 << 30) -> float:
     """GB/s of write + fsync of one file in `folder` (the floor for writing shards there)."""
     buf = os.urandom(64 << 20)
     path = os.path.join(folder, "disk-speed.tmp")
+    os.sync()  # measured on a quiet disk, not while the checkpoint just written is still being flushed
     t = time.perf_counter()
     with open(path, "wb") as f:
         for _ in range(nbytes // len(buf)):

@@ -135,7 +135,8 @@ class Exporter:
         from child.staging import HostStaging
 
         self.source = open_source(job, hello.pool)
-        self._staging = HostStaging(hello.device)  # the output's way off the GPU, reused part after part
+        # the output's way off the GPU, reused part after part
+        self._staging = HostStaging(hello.device, stage_host=faults.stage_host())
         # a live model has no checkpoint folder: the supervisor wrote its config.json beside the pool
         self.config_dir = hello.pool.config_dir if hello.pool is not None else job.source.path
         self._trust_remote_code = job.source is not None and job.source.allow_remote_code

@@ -30,6 +30,9 @@ Also test-only: SUPERVISOR_TEST_TENSOR_LOG names a file to which the child appen
 tensor storages still alive in its heap (count and bytes, after gc and once the read-ahead of the next part has
 landed): what the memory tests use to show that no tensor of a finished layer survives it.
 
+And SUPERVISOR_TEST_STAGE_HOST=1 makes a CPU worker copy its outputs through its reusable host buffer
+(child/staging.py) as a GPU worker does, so the CPU suite runs that buffer's life through real exports.
+
 Owns nothing else; it must never be consulted by anything but the child's main loop and writer.
 """
 from __future__ import annotations
@@ -43,6 +46,7 @@ import time
 
 ENV = "SUPERVISOR_TEST_FAULT"
 TENSOR_LOG = "SUPERVISOR_TEST_TENSOR_LOG"
+STAGE_HOST = "SUPERVISOR_TEST_STAGE_HOST"
 
 _specs: list[dict] = []
 _leak: list = []
@@ -159,3 +163,8 @@ def log_live_tensors(index: int, settle=None) -> None:
                 storages[(o.device, storage.data_ptr())] = storage.nbytes()
     with open(path, "a") as f:
         f.write(json.dumps({"index": index, "tensors": len(storages), "bytes": sum(storages.values())}) + "\n")
+
+
+def stage_host() -> bool:
+    """SUPERVISOR_TEST_STAGE_HOST=1: host outputs go through the worker's staging buffer too (see the docstring)."""
+    return os.environ.get(STAGE_HOST) == "1"

@@ -140,6 +140,18 @@ def test_workers_are_spawned_when_the_warm_parent_cannot_fork_them(model, one_wo
     assert cli.output_bytes(tmp_path / "out") == one_worker["bytes"]
 
 
+def test_outputs_through_the_workers_reused_buffer_write_one_workers_bytes(model, one_worker, tmp_path):
+    """Every output copied through the worker's one reused host buffer (as on a GPU; forced on CPU here), by two
+    workers, one SIGKILLed mid-layer: the bytes are an unbuffered worker's, so no shard is written from views a
+    later part overwrote, and the non-layer part (bigger than a layer here) grows the buffer and gives it back."""
+    job = cli.write_job(tmp_path / "job.toml", model, tmp_path / "out", SCHEME, workers=2)
+    env = faultkit.fault_env({"point": "quantize", "action": "sigkill", "index": 2, "once": str(tmp_path / "k")})
+    env["SUPERVISOR_TEST_STAGE_HOST"] = "1"
+    ev = cli.events(cli.run("run", job, "--json", env=env))
+    assert [r["index"] for r in _of(ev, "Retrying")] == [2]
+    assert cli.output_bytes(tmp_path / "out") == one_worker["bytes"]
+
+
 def test_workers_sharing_a_device_take_turns_on_it(model, one_worker, tmp_path, monkeypatch):
     """Layers too big for two workers on one GPU at once (forced here on CPU): each worker holds the device lock
     for its device stage. While this test holds it, both workers wait (their heartbeats say "wait-device") and no
