@@ -17,6 +17,7 @@ what is written.
 from __future__ import annotations
 
 import mmap
+import sys
 import weakref
 
 import torch
@@ -60,7 +61,7 @@ class HostStaging:
                 continue
             n = _nbytes(v)
             view = buf[offset:offset + n].view(v.dtype).view(v.shape)
-            view.copy_(v, non_blocking=self._pin)
+            view.copy_(v, non_blocking=bool(self._held[2]))  # asynchronous only into registered memory
             offset += aligned(n)
             out[k] = view
         for device in {v.device for v in staged.values() if v.device.type == "cuda"}:
@@ -91,8 +92,13 @@ class HostStaging:
         buf = torch.frombuffer(mapping, dtype=torch.uint8)
         ptr = 0
         if self._pin:
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0))
-            ptr = buf.data_ptr()
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+            if err == cudart.cudaError.success:
+                ptr = buf.data_ptr()
+            else:  # still a working host buffer, copied into synchronously: slower, never wrong
+                print(f"staging: cudaHostRegister of {size} bytes failed ({err}); copying into unpinned memory",
+                      file=sys.stderr, flush=True)
         self._held[:] = [mapping, buf, ptr]
 
 
