@@ -71,13 +71,8 @@ def main() -> None:
         cfg.save_pretrained(tmp)
         for scheme in args.schemes.split(","):
             q = LayerQuantizer(tmp, scheme, ["lm_head"], device=str(device), tensor_names=names)
-            walls = []
-            for r in range(args.rounds):
-                sync()
-                t = time.perf_counter()
-                out = q.quantize_layer(0, tensors)
-                sync()
-                walls.append(time.perf_counter() - t)
+            walls = timed_calls(lambda: q.quantize_layer(0, tensors), args.rounds, sync)
+            out = q.quantize_layer(0, tensors)
             print(f"\n== {scheme} on {device}: quantize_layer wall per call (s): "
                   + " ".join(f"{w:.3f}" for w in walls))
             staged = staged_walls(tmp, scheme, names, tensors, device, args.rounds)
@@ -95,13 +90,30 @@ def main() -> None:
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
             print("\n".join(line for line in s.getvalue().splitlines() if line.strip())[:4000])
             if device.type == "cuda":
-                from torch.profiler import ProfilerActivity, profile
+                kernels(lambda: q.quantize_layer(0, tensors), sync, 22)
 
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
-                    q.quantize_layer(0, tensors)
-                    sync()
-                print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
-                print(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
+
+def timed_calls(call, rounds: int, sync) -> list[float]:
+    """Seconds of each of `rounds` calls, the device synchronized before and after each."""
+    walls = []
+    for _ in range(rounds):
+        sync()
+        t = time.perf_counter()
+        call()
+        sync()
+        walls.append(time.perf_counter() - t)
+    return walls
+
+
+def kernels(call, sync, rows: int) -> None:
+    """torch.profiler's tables of one call: by host time, then by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+        call()
+        sync()
+    print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+    print(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows))
 
 
 def staged_walls(config_dir, scheme, names, tensors, device, rounds, input_pinned=None) -> list[float]:
@@ -115,14 +127,8 @@ def staged_walls(config_dir, scheme, names, tensors, device, rounds, input_pinne
                        to_host=staging.to_host)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     index = int(next(iter(tensors)).split(".")[2])
-    walls = []
-    for _ in range(rounds):
-        sync()
-        t = time.perf_counter()
-        given = input_pinned.to_host(tensors) if input_pinned is not None else tensors
-        q.quantize_layer(index, given)
-        sync()
-        walls.append(time.perf_counter() - t)
+    walls = timed_calls(lambda: q.quantize_layer(
+        index, input_pinned.to_host(tensors) if input_pinned is not None else tensors), rounds, sync)
     staging.release()
     return walls
 
@@ -170,13 +176,7 @@ def moe(args) -> None:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         for scheme in args.schemes.split(","):
             q = LayerQuantizer(tmp, scheme, ["lm_head", "re:.*mlp\\.gate$"], device=str(device), tensor_names=names)
-            walls = []
-            for _ in range(args.rounds):
-                sync()
-                t = time.perf_counter()
-                q.quantize_layer(1, tensors)
-                sync()
-                walls.append(time.perf_counter() - t)
+            walls = timed_calls(lambda: q.quantize_layer(1, tensors), args.rounds, sync)
             print(f"== MoE {scheme}: mapped input, .to('cpu') output: " + " ".join(f"{w:.2f}" for w in walls))
             staged = staged_walls(tmp, scheme, names, tensors, device, args.rounds)
             print(f"== MoE {scheme}: mapped input, pinned output: " + " ".join(f"{w:.2f}" for w in staged))
@@ -195,32 +195,14 @@ def moe(args) -> None:
             staging = HostStaging(str(device))
             q2 = LayerQuantizer(tmp, scheme, ["lm_head", "re:.*mlp\\.gate$"], device=str(device),
                                 tensor_names=names, to_host=staging.to_host)
-            walls = []
-            for _ in range(args.rounds):
-                sync()
-                t = time.perf_counter()
-                q2.quantize_layer(1, given)
-                sync()
-                walls.append(time.perf_counter() - t)
+            walls = timed_calls(lambda: q2.quantize_layer(1, given), args.rounds, sync)
             print(f"== MoE {scheme}: pinned input (already there), pinned output: "
                   + " ".join(f"{w:.2f}" for w in walls))
             on_device = {k: v.to(device) for k, v in tensors.items()}
-            walls = []
-            for _ in range(args.rounds):
-                sync()
-                t = time.perf_counter()
-                q2.quantize_layer(1, on_device)
-                sync()
-                walls.append(time.perf_counter() - t)
+            walls = timed_calls(lambda: q2.quantize_layer(1, on_device), args.rounds, sync)
             print(f"== MoE {scheme}: input on the device, pinned output: " + " ".join(f"{w:.2f}" for w in walls))
             if device.type == "cuda":
-                from torch.profiler import ProfilerActivity, profile
-
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
-                    q2.quantize_layer(1, given)
-                    sync()
-                print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-                print(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=10))
+                kernels(lambda: q2.quantize_layer(1, given), sync, 15)
             del on_device, given, q, q2
             staging.release()
             pinned_in.release()
