@@ -25,6 +25,7 @@ import shutil
 import torch
 
 from child.backend import Refused
+from child.staging import plain_to_host
 from shared import tensor_names
 
 __all__ = ["NameOnlyQuantizer"]
@@ -43,7 +44,7 @@ class NameOnlyQuantizer:
         from llmcompressor.entrypoints.model_free.validate import validate_config
 
         self.scheme, self.ignore, self.device, self.why = scheme, list(ignore), torch.device(device), why
-        self._to_host = to_host or (lambda out: {k: v.to("cpu").contiguous() for k, v in out.items()})
+        self._to_host = to_host or plain_to_host
         with open(os.path.join(config_dir, "config.json")) as f:
             config = json.load(f)
         found = tensor_names.find_layers(names, config)

@@ -67,6 +67,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from child import quant_error
 from child.naming import NameMap, find_decoder_layers
+from child.staging import plain_to_host
 from shared.job import DEFAULT_IGNORE as _JOB_DEFAULT_IGNORE
 
 __all__ = [
@@ -205,10 +206,6 @@ class LayerQuantizer:
         if device.type == "meta":
             return out
         return self._to_host(out)
-
-
-def plain_to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.to("cpu").contiguous() for k, v in tensors.items()}
 
 
 def quantization_config_dict(scheme: str, ignore: list[str], config: str, modifier: QuantizationMixin | None = None,

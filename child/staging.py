@@ -52,7 +52,7 @@ class HostStaging:
         (and host tensors, with stage_host) become views of the buffer: the previous call's views are overwritten."""
         staged = {k: v for k, v in tensors.items() if self._stages(v)}
         if not staged:
-            return {k: v.to("cpu").contiguous() for k, v in tensors.items()}
+            return plain_to_host(tensors)
         self._reserve(sum(aligned(_nbytes(v)) for v in staged.values()))
         buf, offset, out = self._held[1], 0, {}
         for k, v in tensors.items():
@@ -100,6 +100,11 @@ class HostStaging:
                 print(f"staging: cudaHostRegister of {size} bytes failed ({err}); copying into unpinned memory",
                       file=sys.stderr, flush=True)
         self._held[:] = [mapping, buf, ptr]
+
+
+def plain_to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor copied to fresh host memory, contiguous: a backend's default way off the device."""
+    return {k: v.to("cpu").contiguous() for k, v in tensors.items()}
 
 
 def _nbytes(t: torch.Tensor) -> int:

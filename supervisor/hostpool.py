@@ -9,9 +9,10 @@
 Buffers are plain host memory registered with cudaHostRegister when CUDA is available: measured on an H200,
 registering existing memory costs 0.19 s per 4 GiB against 1.84 s for cudaHostAlloc, and copies into it run at
 55 GB/s (pageable: 9-16 GB/s). Faulting new pages in is what costs (a 16 GiB first release: 7 s with one memfd,
-1.8-2.5 s with 16 faulted side by side; see _new_chunks). Each chunk is a memfd (anonymous shared memory, not /dev/shm: container /dev/shm
-is often 64 MB, and a memfd disappears with its last fd and mapping, so a crash leaves nothing behind), so the
-pool the release fills anyway is also what a child reads a live model from: the pool IS the host copy.
+1.8-2.5 s with 16 faulted side by side; see _new_chunks). Each chunk is a memfd (anonymous shared memory, not
+/dev/shm: container /dev/shm is often 64 MB, and a memfd disappears with its last fd and mapping, so a crash
+leaves nothing behind), so the pool the release fills anyway is also what a child reads a live model from: the
+pool IS the host copy.
 A pool serves one released model at a time; keep it for the next cycle and call close() to give the memory back.
 
 Owns the memory only: it never looks at a model (supervisor/offload.py does) and never starts a child.
@@ -130,7 +131,7 @@ class PinnedPool:
                     offset += n
         return spots  # type: ignore[return-value]
 
-    def _new_chunks(self, sizes: list[int]) -> list[torch.Tensor]:
+    def _new_chunks(self, sizes: list[int]) -> None:
         """One memfd chunk per size, made ready side by side: a chunk's pages are faulted in by its own thread,
         then it is registered with CUDA. Measured for 16 GiB on an H200 host (bench/pool_fill_bench.py --pair,
         2026-11-30): 16 chunks, one thread each, 1.8 s to fault, register and copy down; one chunk faulted by
@@ -157,7 +158,6 @@ class PinnedPool:
             if pin:
                 self._registered.append(chunk.data_ptr())
             self._chunks.append(chunk)
-        return [m[2] for m in made]
 
 
 # A new chunk's bytes are split over about this many memfds (each made ready by its own thread), at least this big.
