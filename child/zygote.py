@@ -377,5 +377,26 @@ def main(argv: list[str] | None = None) -> int:
     return serve(sock, args.parent_pid, _wake_pipe())
 
 
+def _run_and_exit(argv: list[str] | None = None) -> None:
+    """main(), then out without the interpreter's teardown: freeing what the imports built took 0.3 s on the
+    development VM after every run, and nothing here needs it (workers reaped, a kept zygote's socket removed and
+    its log flushed by then)."""
+    code = 1
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's usage errors, `supervisor warm --stop`'s SIGTERM
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _run_and_exit()
