@@ -286,6 +286,9 @@ class Scheduler:
         raise AssertionError("unreachable: the last attempt raises")  # pragma: no cover
 
     def close(self) -> None:
-        """Stop every worker (idempotent)."""
+        """Stop every worker (idempotent): all are asked first, so they wind down side by side."""
+        for slot in self.slots:
+            if slot.worker is not None:
+                slot.worker.ask_to_stop()
         for slot in self.slots:
             self._drop(slot, kill=False)

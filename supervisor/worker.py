@@ -91,6 +91,7 @@ class Worker:
         self._writer: Writer | None = None
         self._fds: list[int] = []
         self._log_start = 0
+        self._stop_sent = False
 
     @property
     def pid(self) -> int | None:
@@ -98,6 +99,7 @@ class Worker:
 
     def start(self, cancelled: Callable[[], bool], on_heartbeat: Callable[[Heartbeat], None]) -> Ready:
         """Start the child and complete the handshake; raises WorkerLost or CancelledWait."""
+        self._stop_sent = False
         p2c_r, p2c_w = os.pipe()
         c2p_r, c2p_w = os.pipe()
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
@@ -228,15 +230,21 @@ class Worker:
         if self._pump is not None and self.proc is not None and self.proc.poll() is not None:
             self._pump.join(timeout)
 
+    def ask_to_stop(self) -> None:
+        """Send Stop without waiting, so that several workers wind down at once; stop() then waits."""
+        if self.proc is not None and self.proc.poll() is None and not self._stop_sent:
+            self._stop_sent = True
+            try:
+                self._writer.send(Stop())
+            except OSError:
+                pass
+
     def stop(self, grace: float = 5.0) -> None:
         """Stop the child for sure: Stop message, grace, SIGTERM, grace, SIGKILL; always wait()."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            try:
-                self._writer.send(Stop())
-            except OSError:
-                pass
+            self.ask_to_stop()
             self._reap(grace)
         if self.proc.poll() is None:
             self.proc.terminate()
