@@ -42,3 +42,41 @@ def test_unknown_architecture_is_not_checked(moe_models):
     """A model_type transformers does not know: not checked (a reason, no verdict), never a false failure."""
     report = check_folder(moe_models("unknown"))
     assert not report.checked and "cannot build this architecture" in report.reason and problems(report) is None
+
+
+def test_a_verdict_is_reused_only_for_the_same_config_and_tensors(moe_oneshot, tmp_path, monkeypatch):
+    """The check at the end of an export reuses the verdict on the prediction checked before its first part when the
+    files say the same (config.json bytes, every tensor's name, dtype and shape), and only then: other tensor names
+    or another config.json get the loader's own verdict."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from child import loadcheck
+    from tests.models import load_tensors
+
+    ref = moe_oneshot("mixtral", "W4A16")
+    oneshot_names, own_names, more_layers = (tmp_path / d for d in ("a", "b", "c"))
+    for d in (oneshot_names, own_names, more_layers):
+        d.mkdir()
+        shutil.copy(f"{ref}/config.json", d / "config.json")
+    tensors = load_tensors(ref)
+    save_file(tensors, str(oneshot_names / "model.safetensors"), metadata={"format": "pt"})
+    save_file(to_checkpoint_names("mixtral", tensors), str(own_names / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(own_names / "model.safetensors", more_layers / "model.safetensors")
+    config = json.loads((more_layers / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    (more_layers / "config.json").write_text(json.dumps(config))
+    built = []
+    real = loadcheck._check
+    monkeypatch.setattr(loadcheck, "_check", lambda *a: built.append(a[0]) or real(*a))
+    monkeypatch.setattr(loadcheck, "_VERDICTS", {})
+
+    first = check_folder(str(oneshot_names))
+    assert "experts" in problems(first)
+    assert problems(check_folder(str(own_names))) is None  # same config, other names: not the first verdict
+    assert check_folder(str(oneshot_names)) == first
+    grown = check_folder(str(more_layers))  # the same tensors as own_names, another config.json
+    assert any(".layers." in k for k in grown.missing), grown
+    assert built == [str(oneshot_names), str(own_names), str(more_layers)]  # the repeat was answered from memory
