@@ -99,3 +99,25 @@ def test_cuda_outputs_land_in_pinned_memory():
             assert v.is_pinned(), k
     del got
     staging.release()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_buffer_cuda_refuses_to_register_still_carries_every_value(monkeypatch, capfd):
+    """When cudaHostRegister fails (a locked-memory limit, a driver that refuses), the buffer is used unpinned: the
+    copies are synchronous, the values intact, and the worker's stderr says why it is slower."""
+    cudart = torch.cuda.cudart()
+    refused = "cudaErrorMemoryAllocation"  # torch binds only cudaError.success; anything else is a failure
+    monkeypatch.setattr(cudart, "cudaHostRegister", lambda ptr, size, flags: refused)
+    src = {k: v.to("cuda:0") for k, v in _outputs(4).items()}
+    staging = HostStaging("cuda:0")
+    for _ in range(2):  # the second part reuses the unpinned buffer
+        got = staging.to_host(src)
+        for k, v in got.items():
+            assert v.device.type == "cpu" and _same(v, src[k].cpu().contiguous()), k
+            assert not v.is_pinned(), k
+    assert staging._held[2] == 0
+    assert "cudaHostRegister" in capfd.readouterr().err
+    del got
+    staging.release()  # nothing registered: nothing to unregister
+    assert staging.capacity == 0
