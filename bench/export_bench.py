@@ -224,19 +224,23 @@ def mean_stages(layers: list[dict]) -> dict[str, float]:
 
 
 def timeline(events: list[dict], wall: float) -> str:
-    """Where a `supervisor run --json` spent its wall clock: when the warm parent was ready, the first part
-    started, the last layer and the non-layer part were written, the run finished (event times), and what the
+    """Where a `supervisor run --json` spent its wall clock: when the warm parent and the first worker were ready,
+    the first part started, the last layer, the non-layer part and the last part were written, the run finished
+    (finalize and the workers' exit after the last part; event times), and what the
     CLI process spent outside the run (its imports and planning before, its exit after)."""
     def t(kind: str, **match) -> float | None:
         return min((e["t"] for e in events if e["type"] == kind and all(e.get(k) == v for k, v in match.items())),
                    default=None)
 
     finished = t("Finished")
-    marks = [("pool ready", t("PoolStarted")), ("first part", t("LayerStarted")),
+    marks = [("pool ready", t("PoolStarted")), ("first worker ready", t("WorkerStarted")),
+             ("first part", t("LayerStarted")),
              ("last layer written", max((e["t"] for e in events if e["type"] == "LayerWritten" and e["index"] >= 0),
                                         default=None)),
-             ("non-layer part written", t("LayerWritten", index=-1)), ("finished", finished)]
-    text = ", ".join(f"{name} {v:.1f}" for name, v in marks if v is not None)
+             ("non-layer part written", t("LayerWritten", index=-1)),
+             ("last part written", max((e["t"] for e in events if e["type"] == "LayerWritten"), default=None)),
+             ("finished", finished)]
+    text = ", ".join(f"{name} {v:.2f}" for name, v in marks if v is not None)
     rest = f"; the CLI's own start and exit {wall - finished:.1f}" if finished is not None else ""
     return f"timeline, s from the run's start: {text}{rest} (wall {wall:.1f})"
 

@@ -57,7 +57,35 @@ print(f"child.calibrate after them: {time.perf_counter() - t:.1f} s, cuda initia
 ' 2>&1 | grep "imports\|calibrate" | tee "$OUT/imports.txt"
 }
 
+preload_profile() {  # where the warm parent's imports go (as child/zygote.py does them), against oneshot's imports
+  local envs="PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1"
+  env $envs timeout 120 python3 -X importtime -c "from child.backend import preload; preload('compressed-tensors')" \
+    2> "$OUT/importtime.raw" > /dev/null
+  awk -F'|' '/import time:/ {gsub(/ /, "", $2); print $2, $3}' "$OUT/importtime.raw" | sort -n -r | head -80 \
+    > "$OUT/importtime.txt"
+  for i in 1 2; do
+    env $envs timeout 120 python3 -c '
+import sys, time
+t = time.perf_counter(); import torch; a = time.perf_counter() - t
+from child.backend import preload; preload("compressed-tensors"); b = time.perf_counter() - t
+heavy = [m for m in ("triton", "torch._dynamo", "sympy", "datasets", "pandas", "torchao", "scipy", "torch.distributed.tensor") if sys.modules.get(m) is not None]
+print(f"warm parent imports: torch {a:.2f} s, all {b:.2f} s; imported: {heavy}")' 2>&1 | grep "warm parent" >> "$OUT/importtime.txt"
+    timeout 120 python3 -c 'import time; t = time.perf_counter(); from llmcompressor import oneshot; import transformers
+print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot imports" >> "$OUT/importtime.txt"
+  done
+  head -25 "$OUT/importtime.txt"; tail -4 "$OUT/importtime.txt"
+}
+
 case "${1:-tests}" in
+s7a)  # seventh session, call 1: where the warm parent's imports go now, the pinned buffer's fallback, the MoE tests
+  # (not run since the buffer), and one 8B FP8_DYNAMIC cold run with its start-up and tail timed
+  preload_profile
+  CUDA_VISIBLE_DEVICES=0 t 60 staging tests/test_staging.py
+  CUDA_VISIBLE_DEVICES=0 t 220 moe_gpu tests/gpu/test_moe_gpu.py
+  CUDA_VISIBLE_DEVICES=0 timeout 230 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --skip kill,1w,model_free_ptq,warm 2>&1 | quiet > "$OUT/export_fp8.txt"
+  tail -12 "$OUT/export_fp8.txt"
+  ;;
 s6f)  # call 6: the first and second release again, the second lease taking the first one's places
   CUDA_VISIBLE_DEVICES=0 timeout 110 python3 bench/offload_bench.py --rounds 3 2>&1 | quiet > "$OUT/offload.txt"
   tail -10 "$OUT/offload.txt"
