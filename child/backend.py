@@ -76,11 +76,18 @@ _MODULES: dict[str, tuple[str, ...]] = {
 }
 
 
-# Libraries a format's worker never uses but that its libraries import when they are installed: transformers'
-# quantizer registry imports torchao (and, through it, sympy and torch._dynamo) at import time. Measured with
-# `python -X importtime -c "import child.quantize"`: 0.5 s of 4.4 s on this repo's CPU machine, 3.8 s of 25 s on
-# an H200 machine, where torchao's import also asked the GPU for its capability (child/zygote.py).
-_UNUSED: dict[str, tuple[str, ...]] = {"compressed-tensors": ("torchao",)}
+# Libraries a format's worker never uses but that its libraries import when they are installed, each behind
+# transformers' own is_<name>_available() check:
+# - torchao: transformers' quantizer registry (and through it sympy and torch._dynamo; it also asked the GPU for its
+#   capability on an H200 machine, child/zygote.py). 0.5 s of 4.4 s on this repo's CPU machine, 3.8 s of 25 s there.
+# - sklearn (and pandas through it): transformers.generation.candidate_generator; scipy: transformers.loss;
+#   torchvision, torchaudio: transformers' image and audio utilities. None of them installed on the CPU machine;
+#   on the H200 machine's image sklearn alone took 1.2 s of the warm parent's 12 s (`bench/gpu_session.sh s7a`).
+# Nothing on an export's path imports them otherwise (llm-compressor, compressed-tensors, accelerate, datasets and
+# our code do not; peft only inside one adapter type's clustering, AdaMSS, which no export here builds).
+_OPTIONAL_EXTRAS = ("sklearn", "scipy", "torchvision", "torchaudio")
+_UNUSED: dict[str, tuple[str, ...]] = {"compressed-tensors": ("torchao", *_OPTIONAL_EXTRAS),
+                                       "torchao": _OPTIONAL_EXTRAS}
 
 
 def hide_unused(fmt: str) -> None:

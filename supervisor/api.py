@@ -433,6 +433,7 @@ class Supervisor:
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
         self._start_zygote()
         self._scheduler = self._make_scheduler()
+        self._scheduler.prestart()  # the other slots' workers start while slot 0's describes the export
         described = self._scheduler.request(Describe(), Described, "the export plan")
         what = f"{self.job.export.scheme} export of " + (
             repr(self.job.source.path) if self.job.source is not None else "the live model")

@@ -7,6 +7,7 @@ import json
 import os
 import re
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -89,10 +90,12 @@ def test_plan_lists_parts_and_refuses_gpt_oss_experts(moe_models, tmp_path):
     assert [p["index"] for p in plan["parts"]] == [0, 1, -1] and plan["load"]["missing"]
 
 
-def test_nvfp4_moe_is_refused_before_any_layer(moe_models, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_nvfp4_moe_is_refused_before_any_layer(moe_models, tmp_path, workers):
     """GLM-4.5-style NVFP4A16: exit 2, one line naming the dropped expert global scales and the fix, no layer
-    exported, the new output folder left absent."""
-    out, proc, events = _run_json(tmp_path, moe_models("glm4moe"), "NVFP4A16", check=False)
+    exported, the new output folder left absent; with two workers as well (the second starts while the first
+    describes the export, and is stopped with it)."""
+    out, proc, events = _run_json(tmp_path, moe_models("glm4moe"), "NVFP4A16", check=False, workers=workers)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "weight_global_scale" in lines[0] and "docs/fidelity.md" in lines[0], lines
