@@ -77,6 +77,30 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 }
 
 case "${1:-tests}" in
+s7b)  # call 2: the warm parent's imports without transformers' optional extras; 8B FP8_DYNAMIC against oneshot and
+  # model_free_ptq (cold, then forking from the kept parent), and W4A16, with the shorter start-up and tail
+  rm -rf /tmp/export-bench
+  for i in 1 2; do
+    env PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1 timeout 120 python3 -c '
+import sys, time
+t = time.perf_counter(); from child.backend import preload; preload("compressed-tensors")
+heavy = [m for m in ("triton", "sympy", "datasets", "pandas", "sklearn", "scipy", "torchvision") if sys.modules.get(m) is not None]
+print(f"warm parent imports: {time.perf_counter() - t:.2f} s; imported: {heavy}")' 2>&1 | grep "warm parent" | tee -a "$OUT/imports.txt"
+  done
+  CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --skip kill,1w 2>&1 | quiet > "$OUT/export_fp8.txt"
+  tail -14 "$OUT/export_fp8.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --scheme W4A16 --skip kill,1w,model_free_ptq 2>&1 | quiet > "$OUT/export_w4a16.txt"
+  tail -13 "$OUT/export_w4a16.txt"
+  ;;
+s7c)  # call 3, two GPUs: 8B FP8_DYNAMIC with one worker per GPU against oneshot, then the GPU tests that need two
+  rm -rf /tmp/export-bench
+  timeout 300 python3 bench/export_bench.py --device cuda --measure-error false \
+    --skip kill,1w,model_free_ptq 2>&1 | quiet > "$OUT/export_fp8_2gpu.txt"
+  tail -14 "$OUT/export_fp8_2gpu.txt"
+  t 200 offload_gpu tests/gpu/test_offload_gpu.py
+  ;;
 s7a)  # seventh session, call 1: where the warm parent's imports go now, the pinned buffer's fallback, the MoE tests
   # (not run since the buffer), and one 8B FP8_DYNAMIC cold run with its start-up and tail timed
   preload_profile
