@@ -77,6 +77,11 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 }
 
 case "${1:-tests}" in
+s7d)  # call 4: what the marking of transformers' optional extras could break where they are installed: the
+  # calibrated exports (datasets, the sequential pipeline) and torchao's, against their references on cuda
+  CUDA_VISIBLE_DEVICES=0 t 420 calibrated_gpu tests/gpu/test_calibrated_gpu.py
+  CUDA_VISIBLE_DEVICES=0 t 150 torchao_gpu tests/gpu/test_torchao_gpu.py
+  ;;
 s7b)  # call 2: the warm parent's imports without transformers' optional extras; 8B FP8_DYNAMIC against oneshot and
   # model_free_ptq (cold, then forking from the kept parent), and W4A16, with the shorter start-up and tail
   rm -rf /tmp/export-bench

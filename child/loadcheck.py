@@ -19,6 +19,7 @@ Owns the check and its explanations; it never writes a file.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import sys
@@ -58,7 +59,7 @@ def check_folder(folder: str, trust_remote_code: bool = False) -> LoadReport:
 # and shape. The loader is deterministic in those, so the check at the end of an export, on files whose headers and
 # config equal the prediction checked before its first part, is answered without building the model again (0.1 s
 # for 8 layers on the development VM, more for a large model). Not with remote code: that reads other files too.
-_VERDICTS: dict[tuple, LoadReport] = {}
+_VERDICTS: dict[str, LoadReport] = {}
 
 
 def check(config_dir: str, tensors: dict, trust_remote_code: bool = False) -> LoadReport:
@@ -67,9 +68,12 @@ def check(config_dir: str, tensors: dict, trust_remote_code: bool = False) -> Lo
     if not trust_remote_code:
         try:
             with open(os.path.join(config_dir, "config.json"), "rb") as f:
-                key = (f.read(), tuple(sorted((k, str(t.dtype), tuple(t.shape)) for k, t in tensors.items())))
+                config = f.read()
         except OSError:
-            key = None
+            config = None
+        if config is not None:  # a digest, not the specs themselves: a large MoE has ~10^5 tensors
+            specs = repr(sorted((k, str(t.dtype), tuple(t.shape)) for k, t in tensors.items()))
+            key = hashlib.sha256(config + b"\0" + specs.encode()).hexdigest()
     if key is not None and key in _VERDICTS:
         return _VERDICTS[key]
     report = _check(config_dir, tensors, trust_remote_code)
