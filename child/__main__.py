@@ -290,6 +290,7 @@ class Exporter:
             self.beat.set(index, "plan")
             parent_alive()
 
+        faults.hit("plan", None, writer)
         described = describe(self.source, self.backend, os.path.join(self.config_dir, "config.json"),
                              self._trust_remote_code, on_part)
         self.beat.set(None, "idle")
@@ -302,7 +303,7 @@ class Exporter:
         if not self.backend.checks_loading:
             report = LoadReport(checked=False, reason="the loader check covers compressed-tensors outputs")
         else:
-            report = check_folder(msg.folder, self._trust_remote_code)
+            report = check_folder(msg.folder, self._trust_remote_code, msg.known)
         self.beat.set(None, "idle")
         return LoadChecked(load=report)
 

@@ -7,13 +7,15 @@ reach it. The value is one fault object or a list of them::
     [{"point": "read", "action": "hang", "index": 0, "once": "/tmp/m0"},
      {"point": "start", "action": "garbage", "once": "/tmp/m1", "after": "/tmp/m0"}]
 
-point:  start | read | device | quantize | write_tmp | after_rename | boundary | config | any | zygote (action
-        "unforkable"); device fires inside a worker's turn on a GPU it shares (Hello.device_lock), lock held
+point:  start | read | device | quantize | write_tmp | after_rename | boundary | config | plan | any | zygote
+        (action "unforkable"); device fires inside a worker's turn on a GPU it shares (Hello.device_lock), lock held;
+        plan fires as a worker starts describing the export (Describe)
         calibrated methods also: forward | calibrate | propagate (stages inside quantize), and boundary fires
         after the next layer's inputs were made durable, before the supervisor hears of the layer
 action: sigkill | sigsegv | exit | raise | repeats | memoryerror | hang | stall | garbage | truncated | oversized |
-        leak | enospc | flood  (raise: a RuntimeError, retried; repeats: a ValueError, which the child reports as
-        certain to repeat)
+        leak | enospc | flood | await  (raise: a RuntimeError, retried; repeats: a ValueError, which the child
+        reports as certain to repeat; await: wait until the file `path` exists, then go on; after `timeout`
+        seconds (default 300) raise a RuntimeError instead)
         (hang stops heartbeats too; stall keeps them going, as a main thread stuck in a GIL-free C call would)
 index:  the layer it fires on (omit: every layer; -1 is the non-layer shard); start and config have no layer
 once:   a marker file; the fault fires only while the file does not exist, and creates it when firing (so a
@@ -116,6 +118,12 @@ def _fire(action: str, s: dict, writer) -> None:
         _stop_beating()  # no heartbeat may follow the bad bytes: the supervisor must act on the frame itself
         writer.send_raw(payload)
         _hang()
+    elif action == "await":  # an ordering made to happen: this point waits for another process's progress
+        deadline = time.monotonic() + s.get("timeout", 300)
+        while not os.path.exists(s["path"]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"injected await: {s['path']} did not appear")
+            time.sleep(0.05)
     elif action == "flood":
         import sys
         for i in range(s.get("lines", 100_000)):

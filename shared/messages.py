@@ -10,7 +10,8 @@ Data flow (one worker)::
       ◀──────────── Heartbeat(index, stage) …  then  LayerWritten(index, file, digest, …) | Failed(…)
                                                  (calibrated: + boundary, the next layer's inputs, durable)
       Describe() ─────────────────────────────▶  every part's output on meta tensors (no weight read) + the loader
-      ◀──────────── Described(parts, load)          check of that predicted output (before the first part)
+      ◀──────────── Described(parts, load)          check of that predicted output (on a worker of its own, while
+                                                    the first parts run; none is journaled before the verdict)
       WriteConfig(dest) ──────────────────────▶  config.json with quantization_config into dest
       ◀──────────── ConfigWritten(path) | Failed(…)
       CheckLoad(folder) ──────────────────────▶  transformers' loader on the finished folder (meta device)
@@ -30,7 +31,7 @@ import msgspec
 
 from shared.job import Job
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 NON_LAYER = -1  # the index used for the non-layer shard (embeddings, final norm, lm_head)
 
@@ -102,6 +103,7 @@ class Describe(msgspec.Struct, tag=True, kw_only=True):
 
 class CheckLoad(msgspec.Struct, tag=True, kw_only=True):
     folder: str  # a finished export: config.json and every shard in place
+    known: LoadReport | None = None  # the verdict on the predicted output: the answer if the folder matches its key
 
 
 class Stop(msgspec.Struct, tag=True):
@@ -161,6 +163,7 @@ class LoadReport(msgspec.Struct, kw_only=True):
     mismatched: list[str] = []  # "name (shape in file) vs (shape in model)"
     error: str = ""  # the loader raised (one line)
     reason: str = ""  # why it was not checked
+    key: str = ""  # what the verdict was given on: a digest of config.json and every tensor's name, dtype and shape
 
 
 class PartPlan(msgspec.Struct, kw_only=True):

@@ -185,6 +185,7 @@ class Supervisor:
         self._handle = None  # offload handle while the live model is released
         self._journal: journal.Journal | None = None
         self._scheduler: Scheduler | None = None
+        self._plan_load = None  # the loader's verdict on the predicted output (shared.messages.LoadReport)
         self._zygote: Zygote | None = None
         self._zygote_lock = threading.Lock()
         self._spawner: ThreadPoolExecutor | None = None
@@ -309,13 +310,16 @@ class Supervisor:
         self._emit(terminal)
 
     def _discard_fresh_output(self) -> None:
-        """Bad input found by a worker (before any part): leave a new output folder as it was, absent or empty, so
-        the fixed job runs there without a 'holds another export' refusal. Only a folder this run created (or found
-        empty) and whose journal holds no part is removed; a killed run's journal header stays, so a re-run resumes."""
+        """Bad input found by a worker (before any part is journaled): leave a new output folder as it was, absent or
+        empty, so the fixed job runs there without a 'holds another export' refusal. Only a folder this run created
+        (or found empty) and whose journal holds no part is removed; a killed run's journal header stays, so a re-run
+        resumes."""
         out = self.plan.output
         if not self.plan.fresh or journal.read(out).shards:
             return
         shutil.rmtree(layout.state_dir(out), ignore_errors=True)
+        for fn in finalize.shard_files(self.plan.source.num_layers):  # written ahead of the plan's verdict: in a
+            durable.unlink_quietly(os.path.join(out, fn))  # folder that was new or empty, every shard is this run's
         if not self._output_existed:
             with contextlib.suppress(OSError):
                 os.rmdir(out)
@@ -426,15 +430,25 @@ class Supervisor:
                            seconds=round(time.monotonic() - self._t0, 3))
 
     def _preflight(self) -> None:
-        """Before the first part: start the pool, and have slot 0's worker predict every part's output on meta
-        tensors and run transformers' loader on it. An export that would quantize nothing, or whose output would
-        load with missing or unexpected weights, is refused with the reason (a new output folder is then removed
-        again: _discard_fresh_output)."""
+        """Start the pool, and judge the export plan: a worker predicts every part's output on meta tensors and
+        runs transformers' loader on it. An export that would quantize nothing, or whose output would load with
+        missing or unexpected weights, is refused with the reason (a new output folder is then removed again:
+        _discard_fresh_output). A data-free export is judged by a worker of its own while the first parts run
+        (Scheduler.plan_beside: none is journaled or announced before the verdict); a calibrated one, whose parts
+        run in order on one worker, is judged before its first part."""
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
         self._start_zygote()
         self._scheduler = self._make_scheduler()
-        self._scheduler.prestart()  # the other slots' workers start while slot 0's describes the export
-        described = self._scheduler.request(Describe(), Described, "the export plan")
+        if self.plan.calibration is not None:
+            self._judge(self._scheduler.request(Describe(), Described, "the export plan"))
+        else:
+            self._scheduler.plan_beside(self._plan_on)
+
+    def _plan_on(self, slot: Slot) -> None:
+        self._judge(self._scheduler.request(Describe(), Described, "the export plan", slot=slot))
+
+    def _judge(self, described: Described) -> None:
+        self._plan_load = described.load  # the end-of-export check reuses it when the files match the prediction
         what = f"{self.job.export.scheme} export of " + (
             repr(self.job.source.path) if self.job.source is not None else "the live model")
         if described.parts and not any(part.quantized for part in described.parts):
@@ -585,9 +599,10 @@ class Supervisor:
         ready = w.start(self._cancel.is_set, self._on_heartbeat)
         _check_layers(ready, plan.source)
         now = time.monotonic()
-        self._emit(ev.WorkerStarted(pid=ready.pid, device=slot.device, seconds=round(now - t, 3), worker=slot.id,
-                                    since_death=None if slot.died_at is None else round(now - slot.died_at, 3),
-                                    gpu_free=ready.gpu_free, gpu_total=ready.gpu_total))
+        if not slot.planner:  # the export plan's worker exports no part: not one of the run's workers to a reader
+            self._emit(ev.WorkerStarted(pid=ready.pid, device=slot.device, seconds=round(now - t, 3), worker=slot.id,
+                                        since_death=None if slot.died_at is None else round(now - slot.died_at, 3),
+                                        gpu_free=ready.gpu_free, gpu_total=ready.gpu_total))
         self._check_gpu_room(ready, slot.device)
         p = self._progress
         if p is not None and p.done == p.done_at_start:
@@ -699,14 +714,14 @@ class Supervisor:
 
     def _finalize(self, done: dict[int, journal.Shard]) -> None:
         out = self.plan.output
-        staging = layout.state_path(out, layout.STAGING)
-        reply = self._scheduler.write_config(staging)
+        reply = self._scheduler.write_config(layout.state_path(out, layout.STAGING))
         finalize.place_config(reply.path, out)
         shards = finalize.shard_files(self.plan.source.num_layers)
         finalize.write_index(out, shards)
         finalize.copy_side_files(self.plan.source.path, out)
         # the folder as a loader sees it: every weight must land where transformers expects it (no random experts)
-        checked = self._scheduler.request(CheckLoad(folder=out), LoadChecked, "the loader check")
+        checked = self._scheduler.request(CheckLoad(folder=out, known=self._plan_load), LoadChecked,
+                                          "the loader check")
         self._scheduler.close()
         problem = load_problems(checked.load)
         if problem:

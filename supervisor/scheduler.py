@@ -57,7 +57,7 @@ class Slot:
     worker: Worker | None = None
     reserved: int | None = None  # the part this slot will take next (its read-ahead hint)
     died_at: float | None = None  # when its last worker was lost, for the restart-latency event
-    starting: threading.Thread | None = None  # its worker being started ahead of the parts (Scheduler.prestart)
+    planner: bool = False  # the export plan's worker (Scheduler.plan_beside): it exports no part
 
 
 @dataclass
@@ -114,27 +114,78 @@ class Scheduler:
         self._q = _Queue(non_layer_first=len(slots) > 1 and not sequential)
         self._abort = threading.Event()
         self._error: BaseException | None = None
+        self.planner = Slot(id=len(slots), device=slots[0].device, planner=True)
+        self._verdict: threading.Event | None = None  # set up by plan_beside; set once the plan is judged
+        self._refused = False
+        self._held_written: list[tuple[LayerWritten, Worker, int]] = []  # parts written, to journal after it
+        self._planning: threading.Thread | None = None
+        self._planner_up = threading.Event()  # the planner's worker started (or the plan ended)
 
     # ---- the parts -----------------------------------------------------------------------------------------
-    def prestart(self) -> None:
-        """Start every slot's worker but slot 0's (it is busy with the export plan) in the background, so that they
-        are ready when the parts start (on an H200 a forked worker took 0.3 s to be ready). A failure here is left
-        to run(), whose start of that slot meets it again with the usual retries and messages."""
-        for slot in self.slots[1:]:
-            slot.starting = threading.Thread(target=self._start_ahead, args=(slot,), name=f"start-{slot.id}",
-                                             daemon=True)
-            slot.starting.start()
+    # ---- the export plan, judged while the first parts run --------------------------------------------------
+    def plan_beside(self, plan: Callable[[Slot], None]) -> None:
+        """Run `plan(slot)` while run() exports the first parts: requests about the whole export (the export plan,
+        Describe: every part predicted and transformers' loader run on the prediction) on the slot's worker, one
+        of its own (`request(..., slot=slot)`); it raises to refuse the export.
+        Until the verdict, parts are exported (LayerStarted, Retrying) but none is journaled: on_written (and with
+        it LayerWritten) comes after it, from the planner's thread. A refusal ends the run with it (the shards
+        written ahead are the caller's to remove), and a part's own failure waits for the verdict, so that a
+        refusal is always what the run reports. The parts start once the planner's worker is up: a child's start,
+        and a failure of it (retried as the export plan's), comes before any part's, as when the plan ran first.
+        run() returns after the verdict."""
+        self._verdict = threading.Event()
+        self._planning = threading.Thread(target=self._plan, args=(plan,), name="planner", daemon=True)
+        self._planning.start()
+        while not self._planner_up.wait(0.1):
+            if self._stopping():
+                break
 
-    def _start_ahead(self, slot: Slot) -> None:
+    @property
+    def judging(self) -> bool:
+        """Parts are running ahead of the export plan's verdict."""
+        return self._verdict is not None and not self._verdict.is_set()
+
+    def _plan(self, plan: Callable[[Slot], None]) -> None:
+        refusal = None
         try:
-            self._worker(slot)
-        except BaseException:  # noqa: BLE001 - run() starts this slot again and reports what happens then
-            self._drop(slot, kill=True)
+            plan(self.planner)
+        except BaseException as exc:  # noqa: BLE001 - the run's error, raised from run()
+            refusal = exc
+        finally:
+            self._planner_up.set()
+            self._drop(self.planner, kill=refusal is not None)
+        if refusal is not None:
+            self._fail(refusal)
+        with self._cond:
+            written, self._held_written = self._held_written, []
+            self._refused = refusal is not None
+            self._verdict.set()
+            self._cond.notify_all()
+        if refusal is None:
+            try:
+                for reply, w, retries in written:
+                    with self._record:
+                        self.on_written(reply, w, retries)
+            except BaseException as exc:  # noqa: BLE001 - fatal, as from a slot
+                self._fail(exc)
 
-    def _started_ahead(self, slot: Slot) -> None:
-        if slot.starting is not None:
-            slot.starting.join()
-            slot.starting = None
+    def _hold(self, reply: LayerWritten, w: Worker, retries: int) -> bool:
+        """Whether a written part is not to be journaled now: kept to be journaled after the verdict (judging), or
+        never (the export was refused; its shard is removed with the rest)."""
+        with self._cond:
+            if self.judging:
+                self._held_written.append((reply, w, retries))
+                return True
+            return self._refused
+
+    def _await_verdict(self) -> None:
+        """Before a part's failure ends the run: the plan's verdict, so that a refusal of the whole export is what
+        the run reports. Returns at once when not judging or when the run is cancelled."""
+        if self._verdict is None:
+            return
+        while not self._verdict.wait(0.1):
+            if self.cancel.is_set():
+                return
 
     def run(self, todo: list[int]) -> None:
         """Export every part in `todo`; raises the first fatal error, Cancelled, or ExportFailed."""
@@ -146,6 +197,8 @@ class Scheduler:
             t.start()
         for t in threads:
             t.join()
+        if self._planning is not None:
+            self._planning.join()  # the verdict, and the parts written before it journaled
         if self._error is not None:
             raise self._error
         if self.cancel.is_set():
@@ -191,12 +244,12 @@ class Scheduler:
 
     def _slot_main(self, slot: Slot) -> None:
         try:
-            self._started_ahead(slot)
             while (index := self._next(slot)) is not None:
                 self._export_one(slot, index)
         except Cancelled:
             pass
         except BaseException as exc:  # noqa: BLE001 - fatal: stop every slot, raise it from run()
+            self._await_verdict()  # a refusal of the whole export comes first
             self._fail(exc)
         finally:
             with self._cond:
@@ -219,6 +272,9 @@ class Scheduler:
             raise
         if reply is None:  # failed, charged, announced; back to the queue
             self._done(slot, index, requeue=True)
+            return
+        if self._hold(reply, w, attempt - 1):  # journaled once the plan is judged; the slot goes on meanwhile
+            self._done(slot, index, requeue=False)
             return
         with self._record:
             self.on_written(reply, w, attempt - 1)
@@ -283,6 +339,8 @@ class Scheduler:
             if self._stopping():
                 raise CancelledWait()
             slot.worker = self.start_worker(slot)
+            if slot.planner:
+                self._planner_up.set()
         return slot.worker
 
     def _drop(self, slot: Slot, kill: bool) -> None:
@@ -291,14 +349,14 @@ class Scheduler:
             w.kill() if kill else w.stop()
 
     # ---- finalize and shutdown -----------------------------------------------------------------------------
-    def write_config(self, dest: str) -> ConfigWritten:
-        """config.json into `dest` on slot 0's worker, with the same retries as a part."""
-        return self.request(WriteConfig(dest=dest), ConfigWritten, "config.json")
+    def write_config(self, dest: str, slot: Slot | None = None) -> ConfigWritten:
+        """config.json into `dest` on slot 0's worker (or `slot`'s), with the same retries as a part."""
+        return self.request(WriteConfig(dest=dest), ConfigWritten, "config.json", slot)
 
-    def request(self, msg, success: type, what: str):
-        """One request about the whole export (config.json, the plan, the loader check) on slot 0's worker, with
-        the same retries as a part; returns the `success` reply."""
-        slot = self.slots[0]
+    def request(self, msg, success: type, what: str, slot: Slot | None = None):
+        """One request about the whole export (config.json, the plan, the loader check) on slot 0's worker (or
+        `slot`'s), with the same retries as a part; returns the `success` reply."""
+        slot = slot if slot is not None else self.slots[0]
         for attempt in range(1, self.max_attempts + 1):
             if self.cancel.is_set():
                 raise Cancelled("export cancelled; run the same job again to resume")
@@ -309,8 +367,8 @@ class Scheduler:
 
     def close(self) -> None:
         """Stop every worker (idempotent): all are asked first, so they wind down side by side."""
-        for slot in self.slots:
-            self._started_ahead(slot)  # a worker still starting ahead (the run ended before its parts): let it finish
+        if self._planning is not None:
+            self._planning.join()  # it stops its own worker; a cancelled run stops it within a poll
         for slot in self.slots:
             if slot.worker is not None:
                 slot.worker.ask_to_stop()

@@ -44,10 +44,10 @@ def test_unknown_architecture_is_not_checked(moe_models):
     assert not report.checked and "cannot build this architecture" in report.reason and problems(report) is None
 
 
-def test_a_verdict_is_reused_only_for_the_same_config_and_tensors(moe_oneshot, tmp_path, monkeypatch):
-    """The check at the end of an export reuses the verdict on the prediction checked before its first part when the
-    files say the same (config.json bytes, every tensor's name, dtype and shape), and only then: other tensor names
-    or another config.json get the loader's own verdict."""
+def test_a_known_verdict_answers_only_for_the_same_config_and_tensors(moe_oneshot, tmp_path, monkeypatch):
+    """The check at the end of an export is answered by the verdict on the prediction checked before its first part
+    when the files have that verdict's key (config.json bytes, every tensor's name, dtype and shape), and only then:
+    other tensor names or another config.json get the loader's own verdict."""
     import json
     import shutil
 
@@ -71,12 +71,12 @@ def test_a_verdict_is_reused_only_for_the_same_config_and_tensors(moe_oneshot, t
     built = []
     real = loadcheck._check
     monkeypatch.setattr(loadcheck, "_check", lambda *a: built.append(a[0]) or real(*a))
-    monkeypatch.setattr(loadcheck, "_VERDICTS", {})
 
     first = check_folder(str(oneshot_names))
-    assert "experts" in problems(first)
-    assert problems(check_folder(str(own_names))) is None  # same config, other names: not the first verdict
-    assert check_folder(str(oneshot_names)) == first
-    grown = check_folder(str(more_layers))  # the same tensors as own_names, another config.json
+    assert "experts" in problems(first) and first.key
+    own = check_folder(str(own_names), known=first)  # same config, other names: not the known verdict
+    assert problems(own) is None and own.key != first.key
+    assert check_folder(str(oneshot_names), known=first) is first
+    grown = check_folder(str(more_layers), known=own)  # the same tensors as own_names, another config.json
     assert any(".layers." in k for k in grown.missing), grown
-    assert built == [str(oneshot_names), str(own_names), str(more_layers)]  # the repeat was answered from memory
+    assert built == [str(oneshot_names), str(own_names), str(more_layers)]  # the match was not built again

@@ -41,7 +41,8 @@ def test_cuda_cli_fp8_exports_equal_oneshot_and_verify(kind, moe_models, moe_one
 
 
 def test_cuda_nvfp4_moe_is_refused(moe_models, tmp_path):
-    """NVFP4A16 on a MoE (DeepSeek-V3) with device cuda: refused before any layer, exit 2, nothing written."""
+    """NVFP4A16 on a MoE (DeepSeek-V3) with device cuda: refused before any layer is journaled, exit 2, nothing
+    left on disk."""
     job = cli.write_job(tmp_path / "job.toml", moe_models("deepseekv3"), tmp_path / "out", "NVFP4A16", device="cuda")
     proc = cli.run("run", job, "--json", check=False)
     assert proc.returncode == 2 and "weight_global_scale" in proc.stderr

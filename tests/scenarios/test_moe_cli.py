@@ -1,6 +1,6 @@
 """`supervisor run | plan | verify` as a user runs them on MoE families, an unknown architecture and `transformer.h`
-layers: outputs equal to oneshot / model_free_ptq that transformers loads, refusals before any layer, no retries of
-failures that repeat."""
+layers: outputs equal to oneshot / model_free_ptq that transformers loads, refusals before any layer is journaled, no
+retries of failures that repeat."""
 from __future__ import annotations
 
 import json
@@ -93,13 +93,13 @@ def test_plan_lists_parts_and_refuses_gpt_oss_experts(moe_models, tmp_path):
 @pytest.mark.parametrize("workers", [1, 2])
 def test_nvfp4_moe_is_refused_before_any_layer(moe_models, tmp_path, workers):
     """GLM-4.5-style NVFP4A16: exit 2, one line naming the dropped expert global scales and the fix, no layer
-    exported, the new output folder left absent; with two workers as well (the second starts while the first
-    describes the export, and is stopped with it)."""
+    journaled, the new output folder left absent (the layers written while the plan was judged are removed), with
+    one worker and with two."""
     out, proc, events = _run_json(tmp_path, moe_models("glm4moe"), "NVFP4A16", check=False, workers=workers)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "weight_global_scale" in lines[0] and "docs/fidelity.md" in lines[0], lines
-    assert not any(e["type"] == "LayerStarted" for e in events) and not out.exists()
+    assert not any(e["type"] == "LayerWritten" for e in events) and not out.exists()
 
 
 def test_unknown_architecture_by_names_survives_a_kill_and_equals_model_free(moe_models, tmp_path):

@@ -199,3 +199,21 @@ def test_a_worker_killed_in_its_turn_on_the_device_does_not_stall_the_other(mode
     assert isinstance(events[-1], ev.Finished), events[-1]
     assert marker.exists() and [e.index for e in events if isinstance(e, ev.Retrying)] == [2]
     assert cli.output_bytes(tmp_path / "out") == one_worker["bytes"]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_export_plan_is_judged_while_the_first_parts_run(one_worker, model, tmp_path, workers):
+    """The plan's worker waits, inside Describe, until layer 1's shard is in the output folder: the run finishes only
+    because parts are exported while the plan is judged (otherwise the wait runs out and the plan is retried).
+    Nothing is journaled before the verdict, everything after it; the bytes are one worker's, the journal whole."""
+    out = tmp_path / "out"
+    job = cli.write_job(tmp_path / "job.toml", model, out, SCHEME, workers=workers)
+    env = faultkit.fault_env({"point": "plan", "action": "await", "path": str(out / layout.shard_name(1)),
+                              "timeout": 120, "once": str(tmp_path / "plan.json")})
+    events = cli.events(cli.run("run", job, "--json", env=env))
+    assert (tmp_path / "plan.json").exists()  # the plan did wait
+    assert not _of(events, "Retrying"), _of(events, "Retrying")
+    written = sorted(e["index"] for e in _of(events, "LayerWritten"))
+    assert written == sorted(list(range(LAYERS)) + [-1])
+    assert cli.output_bytes(out) == one_worker["bytes"]
+    assert cli.run("verify", out).returncode == 0
