@@ -77,6 +77,17 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 }
 
 case "${1:-tests}" in
+s7e)  # call 5: the export plan judged while the first parts run: 8B FP8_DYNAMIC and W4A16 against oneshot, and the
+  # NVFP4 MoE refusal on cuda (the layers written meanwhile removed)
+  rm -rf /tmp/export-bench
+  CUDA_VISIBLE_DEVICES=0 t 60 moe_refused tests/gpu/test_moe_gpu.py -k refused
+  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --skip kill,1w,model_free_ptq 2>&1 | quiet > "$OUT/export_fp8.txt"
+  tail -14 "$OUT/export_fp8.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout 130 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --scheme W4A16 --skip kill,1w,model_free_ptq,warm 2>&1 | quiet > "$OUT/export_w4a16.txt"
+  tail -10 "$OUT/export_w4a16.txt"
+  ;;
 s7d)  # call 4: what the marking of transformers' optional extras could break where they are installed: the
   # calibrated exports (datasets, the sequential pipeline) and torchao's, against their references on cuda
   CUDA_VISIBLE_DEVICES=0 t 420 calibrated_gpu tests/gpu/test_calibrated_gpu.py

@@ -434,12 +434,13 @@ class Supervisor:
         runs transformers' loader on it. An export that would quantize nothing, or whose output would load with
         missing or unexpected weights, is refused with the reason (a new output folder is then removed again:
         _discard_fresh_output). A data-free export is judged by a worker of its own while the first parts run
-        (Scheduler.plan_beside: none is journaled or announced before the verdict); a calibrated one, whose parts
-        run in order on one worker, is judged before its first part."""
+        (Scheduler.plan_beside: none is journaled before the verdict). A calibrated one, whose parts run in order on
+        one worker, is judged before its first part, as is any export whose workers are spawned rather than forked
+        (each start is a full import: the parts would wait for the planner's)."""
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
         self._start_zygote()
         self._scheduler = self._make_scheduler()
-        if self.plan.calibration is not None:
+        if self.plan.calibration is not None or not self._zygote.forkable:
             self._judge(self._scheduler.request(Describe(), Described, "the export plan"))
         else:
             self._scheduler.plan_beside(self._plan_on)

@@ -121,7 +121,6 @@ class Scheduler:
         self._planning: threading.Thread | None = None
         self._planner_up = threading.Event()  # the planner's worker started (or the plan ended)
 
-    # ---- the parts -----------------------------------------------------------------------------------------
     # ---- the export plan, judged while the first parts run --------------------------------------------------
     def plan_beside(self, plan: Callable[[Slot], None]) -> None:
         """Run `plan(slot)` while run() exports the first parts: requests about the whole export (the export plan,
@@ -153,21 +152,22 @@ class Scheduler:
             refusal = exc
         finally:
             self._planner_up.set()
-            self._drop(self.planner, kill=refusal is not None)
-        if refusal is not None:
-            self._fail(refusal)
-        with self._cond:
-            written, self._held_written = self._held_written, []
-            self._refused = refusal is not None
-            self._verdict.set()
-            self._cond.notify_all()
-        if refusal is None:
-            try:
+        try:
+            if refusal is not None:
+                self._fail(refusal)  # first: the run reports the refusal, not what it stops
+            with self._cond:
+                written, self._held_written = self._held_written, []
+                self._refused = refusal is not None
+                self._verdict.set()
+                self._cond.notify_all()
+            if refusal is None:
                 for reply, w, retries in written:
                     with self._record:
                         self.on_written(reply, w, retries)
-            except BaseException as exc:  # noqa: BLE001 - fatal, as from a slot
-                self._fail(exc)
+        except BaseException as exc:  # noqa: BLE001 - fatal, as from a slot
+            self._fail(exc)
+        finally:
+            self._drop(self.planner, kill=refusal is not None)  # after the verdict: its exit is no one's wait
 
     def _hold(self, reply: LayerWritten, w: Worker, retries: int) -> bool:
         """Whether a written part is not to be journaled now: kept to be journaled after the verdict (judging), or
@@ -187,6 +187,7 @@ class Scheduler:
             if self.cancel.is_set():
                 return
 
+    # ---- the parts -----------------------------------------------------------------------------------------
     def run(self, todo: list[int]) -> None:
         """Export every part in `todo`; raises the first fatal error, Cancelled, or ExportFailed."""
         for i in todo:
@@ -349,9 +350,9 @@ class Scheduler:
             w.kill() if kill else w.stop()
 
     # ---- finalize and shutdown -----------------------------------------------------------------------------
-    def write_config(self, dest: str, slot: Slot | None = None) -> ConfigWritten:
-        """config.json into `dest` on slot 0's worker (or `slot`'s), with the same retries as a part."""
-        return self.request(WriteConfig(dest=dest), ConfigWritten, "config.json", slot)
+    def write_config(self, dest: str) -> ConfigWritten:
+        """config.json into `dest` on slot 0's worker, with the same retries as a part."""
+        return self.request(WriteConfig(dest=dest), ConfigWritten, "config.json")
 
     def request(self, msg, success: type, what: str, slot: Slot | None = None):
         """One request about the whole export (config.json, the plan, the loader check) on slot 0's worker (or
