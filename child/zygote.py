@@ -56,9 +56,9 @@ def _send(sock: socket.socket, msg: dict) -> None:
 
 def _worker(socks: list[socket.socket], wake_r: int, wake_w: int, req: dict, fds: list[int],
             zygote_pid: int) -> None:
-    """In the forked child: become a worker; never returns."""
-    code = 1
-    try:
+    """In the forked child: become a worker; never returns (a worker must never fall back into the zygote's loop)."""
+
+    def become() -> int:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -79,11 +79,26 @@ def _worker(socks: list[socket.socket], wake_r: int, wake_w: int, req: dict, fds
             os.chdir(req["cwd"])
         from child.__main__ import main
 
-        code = main(req["argv"] + ["--read-fd", str(read_fd), "--write-fd", str(write_fd),
+        return main(req["argv"] + ["--read-fd", str(read_fd), "--write-fd", str(write_fd),
                                    "--parent-pid", str(zygote_pid)])
+
+    _exit_after(become)
+
+
+def _exit_after(body) -> None:
+    """Run `body` and leave the process with its exit code through os._exit, never returning: not the
+    interpreter's teardown, which for the zygote (everything the imports built) took 0.3 s on the development VM
+    after every run, and which nothing here needs (workers reaped, a kept zygote's socket removed, output flushed).
+    SystemExit gives its code (argparse's usage errors, `supervisor warm --stop`'s SIGTERM); anything else is
+    printed and exits 1."""
+    code = 1
+    try:
+        code = body()
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # noqa: BLE001 - a worker must never fall back into the zygote's loop
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001
         traceback.print_exc()
     finally:
         try:
@@ -377,26 +392,5 @@ def main(argv: list[str] | None = None) -> int:
     return serve(sock, args.parent_pid, _wake_pipe())
 
 
-def _run_and_exit(argv: list[str] | None = None) -> None:
-    """main(), then out without the interpreter's teardown: freeing what the imports built took 0.3 s on the
-    development VM after every run, and nothing here needs it (workers reaped, a kept zygote's socket removed and
-    its log flushed by then)."""
-    code = 1
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse's usage errors, `supervisor warm --stop`'s SIGTERM
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
-
-
 if __name__ == "__main__":
-    _run_and_exit()
+    _exit_after(main)
