@@ -4,9 +4,9 @@
         ─▶ {name: meta tensor}: which source tensors are quantized (replaced) and which are kept, output bytes
     every part's predicted tensors + the backend's config.json (in a temp folder) ─▶ loadcheck.check ─▶ LoadReport
 
-`supervisor plan` prints it; the run loop asks a worker of its own for it while the first parts run (a calibrated
-export: before its first part) and refuses an export whose output transformers would not load (missing or
-unexpected weights), with the reason, before any part is journaled; a new output folder is left as it was. Layers with
+`supervisor plan` prints it; the run loop asks for it before the first part (on GPUs: a worker of its own, while
+the first parts run) and refuses an export whose output transformers would not load (missing or unexpected
+weights), with the reason, before any part is journaled; a new output folder is left as it was. Layers with
 the same tensors (names relative to the layer, dtypes, shapes) give the same plan, so one of each kind is computed
 unless an ignore entry holds a digit (it may name one layer). Owns this prediction only; it reads no weight and
 writes only in a temporary folder it removes.

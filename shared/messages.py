@@ -10,8 +10,9 @@ Data flow (one worker)::
       ◀──────────── Heartbeat(index, stage) …  then  LayerWritten(index, file, digest, …) | Failed(…)
                                                  (calibrated: + boundary, the next layer's inputs, durable)
       Describe() ─────────────────────────────▶  every part's output on meta tensors (no weight read) + the loader
-      ◀──────────── Described(parts, load)          check of that predicted output (on a worker of its own, while
-                                                    the first parts run; none is journaled before the verdict)
+      ◀──────────── Described(parts, load)          check of that predicted output (before the first part; on GPUs
+                                                    on a worker of its own while the first parts run, none
+                                                    journaled before the verdict)
       WriteConfig(dest) ──────────────────────▶  config.json with quantization_config into dest
       ◀──────────── ConfigWritten(path) | Failed(…)
       CheckLoad(folder) ──────────────────────▶  transformers' loader on the finished folder (meta device)

@@ -90,16 +90,18 @@ def test_plan_lists_parts_and_refuses_gpt_oss_experts(moe_models, tmp_path):
     assert [p["index"] for p in plan["parts"]] == [0, 1, -1] and plan["load"]["missing"]
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_nvfp4_moe_is_refused_before_any_layer(moe_models, tmp_path, workers):
+@pytest.mark.parametrize("workers, beside", [(1, False), (1, True), (2, True)])
+def test_nvfp4_moe_is_refused_before_any_layer(moe_models, tmp_path, workers, beside):
     """GLM-4.5-style NVFP4A16: exit 2, one line naming the dropped expert global scales and the fix, no layer
-    journaled, the new output folder left absent (the layers written while the plan was judged are removed), with
-    one worker and with two."""
-    out, proc, events = _run_json(tmp_path, moe_models("glm4moe"), "NVFP4A16", check=False, workers=workers)
+    journaled, the new output folder left absent: with the plan judged first (a CPU export's default) and beside
+    the first parts (a GPU export's; the layers written meanwhile are removed), with one worker and two."""
+    env = {"SUPERVISOR_TEST_PLAN_BESIDE": "1"} if beside else None
+    out, proc, events = _run_json(tmp_path, moe_models("glm4moe"), "NVFP4A16", check=False, workers=workers, env=env)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "weight_global_scale" in lines[0] and "docs/fidelity.md" in lines[0], lines
     assert not any(e["type"] == "LayerWritten" for e in events) and not out.exists()
+    assert beside or not any(e["type"] == "LayerStarted" for e in events)  # judged first: no layer even started
 
 
 def test_unknown_architecture_by_names_survives_a_kill_and_equals_model_free(moe_models, tmp_path):

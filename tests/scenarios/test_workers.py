@@ -210,6 +210,7 @@ def test_the_export_plan_is_judged_while_the_first_parts_run(one_worker, model, 
     job = cli.write_job(tmp_path / "job.toml", model, out, SCHEME, workers=workers)
     env = faultkit.fault_env({"point": "plan", "action": "await", "path": str(out / layout.shard_name(1)),
                               "timeout": 120, "once": str(tmp_path / "plan.json")})
+    env["SUPERVISOR_TEST_PLAN_BESIDE"] = "1"  # as on a GPU
     events = cli.events(cli.run("run", job, "--json", env=env))
     assert (tmp_path / "plan.json").exists()  # the plan did wait
     assert not _of(events, "Retrying"), _of(events, "Retrying")
