@@ -150,8 +150,6 @@ class Scheduler:
             plan(self.planner)
         except BaseException as exc:  # noqa: BLE001 - the run's error, raised from run()
             refusal = exc
-        finally:
-            self._planner_up.set()
         try:
             if refusal is not None:
                 self._fail(refusal)  # first: the run reports the refusal, not what it stops
@@ -167,6 +165,7 @@ class Scheduler:
         except BaseException as exc:  # noqa: BLE001 - fatal, as from a slot
             self._fail(exc)
         finally:
+            self._planner_up.set()  # a planner that never came up: after _fail, so that no part starts
             self._drop(self.planner, kill=refusal is not None)  # after the verdict: its exit is no one's wait
 
     def _hold(self, reply: LayerWritten, w: Worker, retries: int) -> bool:
