@@ -447,14 +447,13 @@ class Supervisor:
         self._scheduler = self._make_scheduler()
         on_gpus = self._scheduler.slots[0].device != "cpu" or os.environ.get(PLAN_BESIDE_ENV) == "1"
         if self.plan.calibration is not None or not self._zygote.forkable or not on_gpus:
-            self._judge(self._scheduler.request(Describe(), Described, "the export plan"))
+            self._judge()
         else:
-            self._scheduler.plan_beside(self._plan_on)
+            self._scheduler.plan_beside(self._judge)
 
-    def _plan_on(self, slot: Slot) -> None:
-        self._judge(self._scheduler.request(Describe(), Described, "the export plan", slot=slot))
-
-    def _judge(self, described: Described) -> None:
+    def _judge(self, slot: Slot | None = None) -> None:
+        """The export plan, on `slot`'s worker (default slot 0's); raises SourceError to refuse the export."""
+        described = self._scheduler.request(Describe(), Described, "the export plan", slot=slot)
         self._plan_load = described.load  # the end-of-export check reuses it when the files match the prediction
         what = f"{self.job.export.scheme} export of " + (
             repr(self.job.source.path) if self.job.source is not None else "the live model")

@@ -140,7 +140,7 @@ class Scheduler:
                 break
 
     @property
-    def judging(self) -> bool:
+    def _judging(self) -> bool:
         """Parts are running ahead of the export plan's verdict."""
         return self._verdict is not None and not self._verdict.is_set()
 
@@ -172,7 +172,7 @@ class Scheduler:
         """Whether a written part is not to be journaled now: kept to be journaled after the verdict (judging), or
         never (the export was refused; its shard is removed with the rest)."""
         with self._cond:
-            if self.judging:
+            if self._judging:
                 self._held_written.append((reply, w, retries))
                 return True
             return self._refused

@@ -99,7 +99,6 @@ class Worker:
 
     def start(self, cancelled: Callable[[], bool], on_heartbeat: Callable[[Heartbeat], None]) -> Ready:
         """Start the child and complete the handshake; raises WorkerLost or CancelledWait."""
-        self._stop_sent = False
         p2c_r, p2c_w = os.pipe()
         c2p_r, c2p_w = os.pipe()
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
