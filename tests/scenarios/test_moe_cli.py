@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared import durable
+from shared import durable, layout
 from shared.layout import JOURNAL, STATE_DIR
 from tests.models import assert_same_tensors, load_tensors
 from tests.ref_moe import model_free_reference, to_checkpoint_names
-from tests.scenarios import cli
+from tests.scenarios import cli, faultkit
 
 
 def _run_json(tmp_path, source, scheme, *, check=True, env=None, **job):
@@ -94,8 +94,14 @@ def test_plan_lists_parts_and_refuses_gpt_oss_experts(moe_models, tmp_path):
 def test_nvfp4_moe_is_refused_before_any_layer(moe_models, tmp_path, workers, beside):
     """GLM-4.5-style NVFP4A16: exit 2, one line naming the dropped expert global scales and the fix, no layer
     journaled, the new output folder left absent: with the plan judged first (a CPU export's default) and beside
-    the first parts (a GPU export's; the layers written meanwhile are removed), with one worker and two."""
-    env = {"SUPERVISOR_TEST_PLAN_BESIDE": "1"} if beside else None
+    the first parts (a GPU export's), with one worker and two. Beside the parts, the plan's worker waits until layer
+    0's shard is on disk before it answers, so a layer is always written ahead of the refusal: it is not journaled
+    (no LayerWritten) and it is removed with the folder."""
+    env = None
+    if beside:
+        env = faultkit.fault_env({"point": "plan", "action": "await", "timeout": 120,
+                                  "path": str(tmp_path / "out" / layout.shard_name(0))})
+        env["SUPERVISOR_TEST_PLAN_BESIDE"] = "1"
     out, proc, events = _run_json(tmp_path, moe_models("glm4moe"), "NVFP4A16", check=False, workers=workers, env=env)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

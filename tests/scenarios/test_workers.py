@@ -203,9 +203,10 @@ def test_a_worker_killed_in_its_turn_on_the_device_does_not_stall_the_other(mode
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_the_export_plan_is_judged_while_the_first_parts_run(one_worker, model, tmp_path, workers):
-    """The plan's worker waits, inside Describe, until layer 1's shard is in the output folder: the run finishes only
-    because parts are exported while the plan is judged (otherwise the wait runs out and the plan is retried).
-    Nothing is journaled before the verdict, everything after it; the bytes are one worker's, the journal whole."""
+    """The plan's worker waits, inside Describe, until layer 1's shard is in the output folder: the run finishes without
+    a retry only because parts are exported while the plan is judged (otherwise the wait runs out and the plan is
+    retried). The parts written before the verdict are journaled after it: every part once, the bytes one worker's,
+    verify passes. (That none is journaled before it: test_moe_cli's refusal with the plan beside the parts.)"""
     out = tmp_path / "out"
     job = cli.write_job(tmp_path / "job.toml", model, out, SCHEME, workers=workers)
     env = faultkit.fault_env({"point": "plan", "action": "await", "path": str(out / layout.shard_name(1)),
