@@ -83,9 +83,12 @@ _MODULES: dict[str, tuple[str, ...]] = {
 # - sklearn (and pandas through it): transformers.generation.candidate_generator; scipy: transformers.loss;
 #   torchvision, torchaudio: transformers' image and audio utilities. None of them installed on the CPU machine;
 #   on the H200 machine's image sklearn alone took 1.2 s of the warm parent's 12 s (`bench/gpu_session.sh s7a`).
+# - peft: llm-compressor's sequential pipeline helpers import it, behind the same check, only to recognise a PeftModel
+#   (which no export here hands them); 0.43 s of the warm parent's imports on the H200 machine. The one user is
+#   child/adapter.py (a LoRA merged per layer), which calls `allow("peft")` before it imports it.
 # Nothing on an export's path imports them otherwise (llm-compressor, compressed-tensors, accelerate, datasets and
-# our code do not; peft only inside one adapter type's clustering, AdaMSS, which no export here builds).
-_OPTIONAL_EXTRAS = ("sklearn", "scipy", "torchvision", "torchaudio")
+# our code do not; peft uses sklearn only inside one adapter type's clustering, AdaMSS, which no export here builds).
+_OPTIONAL_EXTRAS = ("sklearn", "scipy", "torchvision", "torchaudio", "peft")
 _UNUSED: dict[str, tuple[str, ...]] = {"compressed-tensors": ("torchao", *_OPTIONAL_EXTRAS),
                                        "torchao": _OPTIONAL_EXTRAS}
 
@@ -103,6 +106,15 @@ def hide_unused(fmt: str) -> None:
         return
     for name in _UNUSED.get(fmt, ()):
         sys.modules.setdefault(name, None)
+
+
+def allow(name: str) -> None:
+    """Undo hide_unused for `name` in this process, before a module that needs it imports it (it is then imported
+    as usual; transformers' own availability answer, cached already, stays False, and nothing here asks it)."""
+    import sys
+
+    if name in sys.modules and sys.modules[name] is None:
+        del sys.modules[name]
 
 
 def preload(fmt: str) -> None:
