@@ -77,6 +77,24 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 }
 
 case "${1:-tests}" in
+s8a)  # eighth session, call 1: the final code as a whole on one H200, peft out of the warm parent: its imports
+  # (twice), 8B FP8_DYNAMIC cold against oneshot and model_free_ptq with the default two workers and with three,
+  # then W4A16 the same (the work against the disk's write floor by worker count)
+  rm -rf /tmp/export-bench
+  for i in 1 2; do
+    env PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1 timeout 100 python3 -c '
+import sys, time
+t = time.perf_counter(); from child.backend import preload; preload("compressed-tensors")
+heavy = [m for m in ("peft", "triton", "sympy", "datasets", "pandas", "sklearn", "scipy") if sys.modules.get(m) is not None]
+print(f"warm parent imports: {time.perf_counter() - t:.2f} s; imported: {heavy}")' 2>&1 | grep "warm parent" | tee -a "$OUT/imports.txt"
+  done
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --workers 0,3 --skip kill,1w 2>&1 | quiet > "$OUT/export_fp8.txt"
+  tail -18 "$OUT/export_fp8.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout 160 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --scheme W4A16 --workers 0,3 --skip kill,1w,model_free_ptq,warm 2>&1 | quiet > "$OUT/export_w4a16.txt"
+  tail -14 "$OUT/export_w4a16.txt"
+  ;;
 s7e)  # call 5: the export plan judged while the first parts run: 8B FP8_DYNAMIC and W4A16 against oneshot, and the
   # NVFP4 MoE refusal on cuda (the layers written meanwhile removed)
   rm -rf /tmp/export-bench

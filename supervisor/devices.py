@@ -88,26 +88,33 @@ def resolve_devices(spec: str) -> list[str]:
     return [f"cuda:{i}" for i in range(_cuda_count())]
 
 
-# GPU exports get at least two workers in all: one worker's write and fsync then overlap the other's read and
-# quantization. Layers up to this size are on the GPU in both workers at once (each holds ~3 layers and a CUDA
-# context: under 8 GiB); bigger ones (a large MoE's, GBs of experts) take turns on the device (device_stage_shared).
+# GPU exports get at least three workers in all when a layer is at most OVERLAP_MAX_LAYER_BYTES, two when bigger:
+# one worker's write and fsync then overlap the others' read and quantization, and the disk has more than one shard
+# in flight. Layers up to that size are on the GPU in every worker at once (each holds ~3 layers and a CUDA context:
+# under 8 GiB); bigger ones (a large MoE's, GBs of experts) take turns on the device (device_stage_shared), where a
+# third worker would add host memory (its layers read ahead) but no turn on the GPU.
 OVERLAP_MAX_LAYER_BYTES = 1 << 30
+GPU_WORKERS = 3  # measured on one H200, 8B-shaped (docs/benchmarks.md, eighth session): the work after start-up
+# against the disk's write floor, FP8_DYNAMIC 1.26x with two workers and 1.06x with three, W4A16 1.50x and 1.29x
+GPU_WORKERS_BIG_LAYERS = 2
 
 
 def worker_slots(devices: list[str], workers: int, layer_bytes: int) -> list[str]:
     """The device of each worker slot. `workers` > 0 is taken as asked (spread round-robin over `devices`);
-    0 means one per GPU and at least two in all (measured on one H200, an 8B FP8_DYNAMIC export: 43.9 s with one
-    worker, 35.8 s with two), or on CPU as many as the cores and the free memory allow: a worker wants ~4 cores to
-    be worth its own process (torch's threads do the rest), and ~1 GiB of private memory plus three layers (the one
-    being quantized, its output, the next one read ahead)."""
-    if workers <= 0 and devices != ["cpu"]:
-        workers = max(len(devices), 2)
-    if workers > 0:
-        return [devices[i % len(devices)] for i in range(workers)]
+    0 means on GPUs one per GPU and at least GPU_WORKERS in all (GPU_WORKERS_BIG_LAYERS for layers over
+    OVERLAP_MAX_LAYER_BYTES), those beyond one per GPU only as the host's free memory allows; on CPU as many as the
+    cores and the free memory allow: a worker wants ~4 cores to be worth its own process (torch's threads do the
+    rest). A worker wants ~1 GiB of private memory plus three layers (the one being quantized, its output, the next
+    one read ahead)."""
     import psutil
 
-    by_cores = (os.cpu_count() or 1) // 4
     by_memory = psutil.virtual_memory().available // ((1 << 30) + 3 * max(layer_bytes, 1))
+    if workers <= 0 and devices != ["cpu"]:
+        want = GPU_WORKERS if layer_bytes <= OVERLAP_MAX_LAYER_BYTES else GPU_WORKERS_BIG_LAYERS
+        workers = max(len(devices), min(want, by_memory))
+    if workers > 0:
+        return [devices[i % len(devices)] for i in range(workers)]
+    by_cores = (os.cpu_count() or 1) // 4
     return ["cpu"] * max(1, min(by_cores, by_memory))
 
 

@@ -188,15 +188,26 @@ def test_resolve_devices_uses_every_visible_gpu_for_cuda_and_auto(monkeypatch, s
     assert devices.resolve_devices(spec) == expected
 
 
-def test_worker_slots_one_per_gpu_at_least_two_or_as_asked_round_robin():
-    """Default: one slot per GPU, and two on a single GPU (the second overlaps the first's writes); an explicit
-    count is spread round-robin over the devices."""
-    assert devices.worker_slots(["cuda:0", "cuda:1"], 0, 1 << 30) == ["cuda:0", "cuda:1"]
-    assert devices.worker_slots(["cuda:0"], 0, 1 << 30) == ["cuda:0", "cuda:0"]
+def test_worker_slots_one_per_gpu_at_least_three_or_as_asked_round_robin(monkeypatch):
+    """Default on GPUs: one slot per GPU and three in all for layers up to 1 GiB (the others overlap one's writes),
+    two for bigger layers (they take turns on the GPU), fewer extra ones when the host's free memory cannot hold
+    them; an explicit count is spread round-robin over the devices."""
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 64 << 30})())
+    assert devices.worker_slots(["cuda:0", "cuda:1"], 0, 1 << 30) == ["cuda:0", "cuda:1", "cuda:0"]
+    assert devices.worker_slots(["cuda:0"], 0, 1 << 30) == ["cuda:0"] * 3
     assert devices.worker_slots(["cuda:0"], 0, 8 << 30) == ["cuda:0", "cuda:0"]
     assert devices.worker_slots(["cuda:0", "cuda:1"], 0, 8 << 30) == ["cuda:0", "cuda:1"]
+    assert devices.worker_slots([f"cuda:{i}" for i in range(4)], 0, 1 << 30) == [f"cuda:{i}" for i in range(4)]
     assert devices.worker_slots(["cuda:0", "cuda:1"], 3, 1 << 30) == ["cuda:0", "cuda:1", "cuda:0"]
     assert devices.worker_slots(["cpu"], 2, 1 << 30) == ["cpu", "cpu"]
+    # 9 GiB free holds two workers of 1 GiB + 3 layers of 1 GiB: not a third; never fewer than one per GPU
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 9 << 30})())
+    assert devices.worker_slots(["cuda:0"], 0, 1 << 30) == ["cuda:0"] * 2
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 1 << 30})())
+    assert devices.worker_slots(["cuda:0", "cuda:1"], 0, 1 << 30) == ["cuda:0", "cuda:1"]
+    assert devices.worker_slots(["cuda:0"], 0, 1 << 30) == ["cuda:0"]
 
 
 def test_workers_sharing_a_gpu_take_turns_only_when_a_layer_is_over_1_gib():
