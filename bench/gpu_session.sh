@@ -77,6 +77,17 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 }
 
 case "${1:-tests}" in
+s8b)  # call 2: three workers by default and the parts' workers started while the planner's finishes starting:
+  # 8B FP8_DYNAMIC cold (and with two workers) against oneshot and model_free_ptq, W4A16 cold, tests/gpu/test_export_gpu.py
+  rm -rf /tmp/export-bench
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --workers 0,2 --skip kill,1w 2>&1 | quiet > "$OUT/export_fp8.txt"
+  tail -18 "$OUT/export_fp8.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout 130 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --scheme W4A16 --skip kill,1w,model_free_ptq,warm 2>&1 | quiet > "$OUT/export_w4a16.txt"
+  tail -10 "$OUT/export_w4a16.txt"
+  CUDA_VISIBLE_DEVICES=0 t 120 export_gpu tests/gpu/test_export_gpu.py
+  ;;
 s8a)  # eighth session, call 1: the final code as a whole on one H200, peft out of the warm parent: its imports
   # (twice), 8B FP8_DYNAMIC cold against oneshot and model_free_ptq with the default two workers and with three,
   # then W4A16 the same (the work against the disk's write floor by worker count)

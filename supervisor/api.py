@@ -576,8 +576,9 @@ class Supervisor:
             except ZygoteLost as exc:
                 raise WorkerLost(exc.reason, exc.log_tail) from None
 
-    def _start_worker(self, slot: Slot) -> Worker:
-        """A ready worker for `slot`: the child sees only the slot's GPU (as cuda:0), or none on CPU."""
+    def _start_worker(self, slot: Slot, on_hello=lambda: None) -> Worker:
+        """A ready worker for `slot`: the child sees only the slot's GPU (as cuda:0), or none on CPU. `on_hello()`:
+        the child exists and has its Hello (Worker.start)."""
         from supervisor import devices
 
         self._check_cancel()
@@ -602,7 +603,7 @@ class Supervisor:
                    fork=self._fork, on_log=self._on_log)
         slot.worker = w  # so a stop or kill reaches it while it starts
         t = time.monotonic()
-        ready = w.start(self._cancel.is_set, self._on_heartbeat)
+        ready = w.start(self._cancel.is_set, self._on_heartbeat, on_hello)
         _check_layers(ready, plan.source)
         now = time.monotonic()
         if not slot.planner:  # the export plan's worker exports no part: not one of the run's workers to a reader

@@ -90,14 +90,15 @@ class _Queue:
 class Scheduler:
     """Runs parts on a pool of slots until every part is written, one fails for good, or the run is cancelled.
 
-    `start_worker(slot)` returns a ready Worker for the slot (its checks may raise SupervisorError: fatal).
+    `start_worker(slot, on_hello)` returns a ready Worker for the slot (its checks may raise SupervisorError: fatal),
+    calling `on_hello()` once the child exists, before its Ready.
     `on_written(reply, worker, retries)` journals a part (retries: its failed attempts before this one); it is
     called under one lock, from the slot's thread.
     """
 
     def __init__(self, slots: list[Slot], *, max_attempts: int, part_timeout: float, retry_delay: float,
                  sequential: bool, cancel: threading.Event, emit: Callable[[ev.Event], None],
-                 start_worker: Callable[[Slot], Worker], on_written: Callable[[LayerWritten, Worker, int], None],
+                 start_worker: Callable[[Slot, Callable[[], None]], Worker], on_written: Callable[[LayerWritten, Worker, int], None],
                  on_heartbeat: Callable[[Heartbeat], None], recycle: Callable[[Worker], bool],
                  boundary: Callable[[int], Boundary | None] = lambda index: None):
         if sequential and len(slots) != 1:
@@ -119,7 +120,7 @@ class Scheduler:
         self._refused = False
         self._held_written: list[tuple[LayerWritten, Worker, int]] = []  # parts written, to journal after it
         self._planning: threading.Thread | None = None
-        self._planner_up = threading.Event()  # the planner's worker started (or the plan ended)
+        self._planner_up = threading.Event()  # the planner's child exists (or the plan ended)
 
     # ---- the export plan, judged while the first parts run --------------------------------------------------
     def plan_beside(self, plan: Callable[[Slot], None]) -> None:
@@ -129,8 +130,8 @@ class Scheduler:
         Until the verdict, parts are exported (LayerStarted, Retrying) but none is journaled: on_written (and with
         it LayerWritten) comes after it, from the planner's thread. A refusal ends the run with it (the shards
         written ahead are the caller's to remove), and a part's own failure waits for the verdict, so that a
-        refusal is always what the run reports. The parts start once the planner's worker is up: a child's start,
-        and a failure of it (retried as the export plan's), comes before any part's, as when the plan ran first.
+        refusal is always what the run reports. The parts' workers start once the planner's child exists (forked,
+        its Hello sent) and while it finishes starting; a failure to start it is retried as the export plan's.
         run() returns after the verdict."""
         self._verdict = threading.Event()
         self._planning = threading.Thread(target=self._plan, args=(plan,), name="planner", daemon=True)
@@ -338,9 +339,8 @@ class Scheduler:
         if slot.worker is None:
             if self._stopping():
                 raise CancelledWait()
-            slot.worker = self.start_worker(slot)
-            if slot.planner:
-                self._planner_up.set()
+            # the parts' workers start while the planner's finishes starting (its Ready: a CUDA context, ~0.4 s)
+            slot.worker = self.start_worker(slot, self._planner_up.set if slot.planner else lambda: None)
         return slot.worker
 
     def _drop(self, slot: Slot, kill: bool) -> None:

@@ -97,8 +97,11 @@ class Worker:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    def start(self, cancelled: Callable[[], bool], on_heartbeat: Callable[[Heartbeat], None]) -> Ready:
-        """Start the child and complete the handshake; raises WorkerLost or CancelledWait."""
+    def start(self, cancelled: Callable[[], bool], on_heartbeat: Callable[[Heartbeat], None],
+              on_hello: Callable[[], None] = lambda: None) -> Ready:
+        """Start the child and complete the handshake; raises WorkerLost or CancelledWait. `on_hello()` is called
+        once the child exists and has its Hello, before waiting for its Ready (what it does then, a GPU worker's
+        CUDA context among it, takes a few tenths of a second: others may start meanwhile)."""
         p2c_r, p2c_w = os.pipe()
         c2p_r, c2p_w = os.pipe()
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
@@ -124,6 +127,7 @@ class Worker:
         self._fds = [p2c_w, c2p_r]
         self._writer, self._reader = Writer(p2c_w), Reader(c2p_r, ToSupervisor)
         self._send(self.hello)
+        on_hello()
         reply = self.wait_reply(cancelled, on_heartbeat, deadline=time.monotonic() + self.startup_timeout,
                                 too_late=f"did not become ready within {self.startup_timeout:.0f}s")
         if isinstance(reply, Failed):
