@@ -77,6 +77,14 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 }
 
 case "${1:-tests}" in
+s8c)  # call 3, two GPUs: 8B FP8_DYNAMIC with the default workers (three: two on the first GPU) and with one per GPU,
+  # against oneshot; then the MoE tests on cuda (most of them with the default workers)
+  rm -rf /tmp/export-bench
+  timeout 260 python3 bench/export_bench.py --device cuda --measure-error false \
+    --workers 0,2 --skip kill,1w,model_free_ptq 2>&1 | quiet > "$OUT/export_fp8_2gpu.txt"
+  tail -16 "$OUT/export_fp8_2gpu.txt"
+  CUDA_VISIBLE_DEVICES=0 t 220 moe_gpu tests/gpu/test_moe_gpu.py
+  ;;
 s8b)  # call 2: three workers by default and the parts' workers started while the planner's finishes starting:
   # 8B FP8_DYNAMIC cold (and with two workers) against oneshot and model_free_ptq, W4A16 cold, tests/gpu/test_export_gpu.py
   rm -rf /tmp/export-bench
