@@ -77,6 +77,11 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 }
 
 case "${1:-tests}" in
+s8d)  # call 4: with peft marked absent where it is installed: the calibrated exports (llm-compressor's sequential
+  # pipeline, which checks for it) and torchao's, against their references on cuda
+  CUDA_VISIBLE_DEVICES=0 t 330 calibrated_gpu tests/gpu/test_calibrated_gpu.py
+  CUDA_VISIBLE_DEVICES=0 t 150 torchao_gpu tests/gpu/test_torchao_gpu.py
+  ;;
 s8c)  # call 3, two GPUs: 8B FP8_DYNAMIC with the default workers (three: two on the first GPU) and with one per GPU,
   # against oneshot; then the MoE tests on cuda (most of them with the default workers)
   rm -rf /tmp/export-bench
