@@ -98,7 +98,8 @@ class Scheduler:
 
     def __init__(self, slots: list[Slot], *, max_attempts: int, part_timeout: float, retry_delay: float,
                  sequential: bool, cancel: threading.Event, emit: Callable[[ev.Event], None],
-                 start_worker: Callable[[Slot, Callable[[], None]], Worker], on_written: Callable[[LayerWritten, Worker, int], None],
+                 start_worker: Callable[[Slot, Callable[[], None]], Worker],
+                 on_written: Callable[[LayerWritten, Worker, int], None],
                  on_heartbeat: Callable[[Heartbeat], None], recycle: Callable[[Worker], bool],
                  boundary: Callable[[int], Boundary | None] = lambda index: None):
         if sequential and len(slots) != 1:
