@@ -77,6 +77,12 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 }
 
 case "${1:-tests}" in
+s8e)  # call 5: 8B W4A16 cold (default workers) against model_free_ptq
+  rm -rf /tmp/export-bench
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --scheme W4A16 --skip kill,1w,oneshot,warm 2>&1 | quiet > "$OUT/export_w4a16.txt"
+  tail -10 "$OUT/export_w4a16.txt"
+  ;;
 s8d)  # call 4: with peft marked absent where it is installed: the calibrated exports (llm-compressor's sequential
   # pipeline, which checks for it) and torchao's, against their references on cuda
   CUDA_VISIBLE_DEVICES=0 t 330 calibrated_gpu tests/gpu/test_calibrated_gpu.py
