@@ -344,6 +344,7 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
         return 2
     global HEARTBEAT_SECONDS
     HEARTBEAT_SECONDS = hello.heartbeat_seconds
+    faults.worker = hello.worker
     beat = Beat(writer, parent_pid)
     beat.start()
     try:

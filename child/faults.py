@@ -18,6 +18,8 @@ action: sigkill | sigsegv | exit | raise | repeats | memoryerror | hang | stall 
         seconds (default 300) raise a RuntimeError instead)
         (hang stops heartbeats too; stall keeps them going, as a main thread stuck in a GIL-free C call would)
 index:  the layer it fires on (omit: every layer; -1 is the non-layer shard); start and config have no layer
+worker: the worker slot it fires in (Hello.worker; omit: every worker; the export plan's own worker, on GPUs, is
+        the slot after the last part's: resources.workers)
 once:   a marker file; the fault fires only while the file does not exist, and creates it when firing (so a
         restarted child goes on normally). The marker holds JSON: point, index, action, pid, time (epoch
         seconds), so a test can measure how long the supervisor took to notice. Omit to fire every time.
@@ -51,6 +53,7 @@ TENSOR_LOG = "SUPERVISOR_TEST_TENSOR_LOG"
 STAGE_HOST = "SUPERVISOR_TEST_STAGE_HOST"
 
 _specs: list[dict] = []
+worker: int | None = None  # this child's slot (Hello.worker), once it has its Hello
 _leak: list = []
 hanging = False  # set by a hang: the heartbeat thread stops beating, as in a deadlocked child
 
@@ -66,6 +69,8 @@ def _armed(s: dict, point: str, index: int | None) -> bool:
     if s.get("point") not in (point, "any"):
         return False
     if "index" in s and s["index"] != index:
+        return False
+    if "worker" in s and s["worker"] != worker:
         return False
     if s.get("after") and not os.path.exists(s["after"]):
         return False

@@ -201,16 +201,19 @@ def test_a_worker_killed_in_its_turn_on_the_device_does_not_stall_the_other(mode
     assert cli.output_bytes(tmp_path / "out") == one_worker["bytes"]
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_the_export_plan_is_judged_while_the_first_parts_run(one_worker, model, tmp_path, workers):
-    """The plan's worker waits, inside Describe, until layer 1's shard is in the output folder: the run finishes without
-    a retry only because parts are exported while the plan is judged (otherwise the wait runs out and the plan is
-    retried). The parts written before the verdict are journaled after it: every part once, the bytes one worker's,
-    verify passes. (That none is journaled before it: test_moe_cli's refusal with the plan beside the parts.)"""
+@pytest.mark.parametrize("workers, point", [(1, "plan"), (2, "plan"), (1, "start"), (2, "start")])
+def test_the_export_plan_is_judged_while_the_first_parts_run(one_worker, model, tmp_path, workers, point):
+    """The plan's worker waits, inside Describe ("plan") or before it is even ready ("start": its slot is the one after
+    the parts'), until layer 1's shard is in the output folder: the run finishes without a retry only because parts
+    are exported while the plan is judged, their workers started while the plan's finishes starting (otherwise the
+    wait runs out and the plan is retried). The parts written before the verdict are journaled after it: every part
+    once, the bytes one worker's, verify passes. (That none is journaled before it: test_moe_cli's refusal with the
+    plan beside the parts.)"""
     out = tmp_path / "out"
     job = cli.write_job(tmp_path / "job.toml", model, out, SCHEME, workers=workers)
-    env = faultkit.fault_env({"point": "plan", "action": "await", "path": str(out / layout.shard_name(1)),
-                              "timeout": 120, "once": str(tmp_path / "plan.json")})
+    fault = {"point": point, "action": "await", "path": str(out / layout.shard_name(1)), "timeout": 120,
+             "once": str(tmp_path / "plan.json")}
+    env = faultkit.fault_env({**fault, "worker": workers} if point == "start" else fault)
     env["SUPERVISOR_TEST_PLAN_BESIDE"] = "1"  # as on a GPU
     events = cli.events(cli.run("run", job, "--json", env=env))
     assert (tmp_path / "plan.json").exists()  # the plan did wait
