@@ -123,7 +123,7 @@ def write_shard(tensors: dict, output: str, tmp_dir: str, name: str,
         checkpoint("write_tmp")
         dest = os.path.join(output, name)
         t3 = time.perf_counter()
-        durable.replace(tmp, dest)
+        durable.replace(tmp, dest, drop_cache=True)  # measured: the next shard's save 0.09 -> 0.015 s (docs)
         timings.update(save=t1 - t0, hash=t2 - t1, sync=time.perf_counter() - t3)
     except BaseException:
         try:

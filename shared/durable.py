@@ -29,17 +29,22 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def fsync_file(path: str) -> None:
+def fsync_file(path: str, drop_cache: bool = False) -> None:
+    """fsync `path`; with `drop_cache`, then hand its pages (clean once synced) back to the kernel."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+        if drop_cache and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 
 
-def replace(tmp: str, dest: str) -> None:
-    """Make a complete, fsynced `tmp` appear at `dest` atomically and durably."""
-    fsync_file(tmp)
+def replace(tmp: str, dest: str, drop_cache: bool = False) -> None:
+    """Make a complete, fsynced `tmp` appear at `dest` atomically and durably. `drop_cache`: a file written once
+    and not read again soon (an export's shard) leaves the page cache once on disk, so the next file's writes take
+    its pages instead of new ones, and what others cache (the source checkpoint) is not pushed out for it."""
+    fsync_file(tmp, drop_cache)
     os.replace(tmp, dest)
     fsync_dir(os.path.dirname(os.path.abspath(dest)))
 
