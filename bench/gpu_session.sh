@@ -57,6 +57,17 @@ print(f"child.calibrate after them: {time.perf_counter() - t:.1f} s, cuda initia
 ' 2>&1 | grep "imports\|calibrate" | tee "$OUT/imports.txt"
 }
 
+warm_parent_imports() {  # warm_parent_imports MODULE...: the warm parent's imports timed twice, and which MODULEs came in
+  local mods; mods=$(printf '"%s",' "$@")
+  for i in 1 2; do
+    env PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1 timeout 120 python3 -c '
+import sys, time
+t = time.perf_counter(); from child.backend import preload; preload("compressed-tensors")
+heavy = [m for m in ('"$mods"') if sys.modules.get(m) is not None]
+print(f"warm parent imports: {time.perf_counter() - t:.2f} s; imported: {heavy}")' 2>&1 | grep "warm parent" | tee -a "$OUT/imports.txt"
+  done
+}
+
 preload_profile() {  # where the warm parent's imports go (as child/zygote.py does them), against oneshot's imports
   local envs="PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1"
   env $envs timeout 120 python3 -X importtime -c "from child.backend import preload; preload('compressed-tensors')" \
@@ -111,13 +122,7 @@ s8a)  # eighth session, call 1: the final code as a whole on one H200, peft out 
   # (twice), 8B FP8_DYNAMIC cold against oneshot and model_free_ptq with the default two workers and with three,
   # then W4A16 the same (the work against the disk's write floor by worker count)
   rm -rf /tmp/export-bench
-  for i in 1 2; do
-    env PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1 timeout 100 python3 -c '
-import sys, time
-t = time.perf_counter(); from child.backend import preload; preload("compressed-tensors")
-heavy = [m for m in ("peft", "triton", "sympy", "datasets", "pandas", "sklearn", "scipy") if sys.modules.get(m) is not None]
-print(f"warm parent imports: {time.perf_counter() - t:.2f} s; imported: {heavy}")' 2>&1 | grep "warm parent" | tee -a "$OUT/imports.txt"
-  done
+  warm_parent_imports peft triton sympy datasets pandas sklearn scipy
   CUDA_VISIBLE_DEVICES=0 timeout 300 python3 bench/export_bench.py --device cuda:0 --measure-error false \
     --workers 0,3 --skip kill,1w 2>&1 | quiet > "$OUT/export_fp8.txt"
   tail -18 "$OUT/export_fp8.txt"
@@ -144,13 +149,7 @@ s7d)  # call 4: what the marking of transformers' optional extras could break wh
 s7b)  # call 2: the warm parent's imports without transformers' optional extras; 8B FP8_DYNAMIC against oneshot and
   # model_free_ptq (cold, then forking from the kept parent), and W4A16, with the shorter start-up and tail
   rm -rf /tmp/export-bench
-  for i in 1 2; do
-    env PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1 timeout 120 python3 -c '
-import sys, time
-t = time.perf_counter(); from child.backend import preload; preload("compressed-tensors")
-heavy = [m for m in ("triton", "sympy", "datasets", "pandas", "sklearn", "scipy", "torchvision") if sys.modules.get(m) is not None]
-print(f"warm parent imports: {time.perf_counter() - t:.2f} s; imported: {heavy}")' 2>&1 | grep "warm parent" | tee -a "$OUT/imports.txt"
-  done
+  warm_parent_imports triton sympy datasets pandas sklearn scipy torchvision
   CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/export_bench.py --device cuda:0 --measure-error false \
     --skip kill,1w 2>&1 | quiet > "$OUT/export_fp8.txt"
   tail -14 "$OUT/export_fp8.txt"
