@@ -97,14 +97,20 @@ OVERLAP_MAX_LAYER_BYTES = 1 << 30
 GPU_WORKERS = 3  # measured on one H200, 8B-shaped (docs/benchmarks.md, eighth session): the work after start-up
 # against the disk's write floor, FP8_DYNAMIC 1.26x with two workers and 1.06x with three, W4A16 1.50x and 1.29x
 GPU_WORKERS_BIG_LAYERS = 2
+# CPU exports: one worker per CPU_CORES_PER_WORKER cores and at least CPU_WORKERS: one worker's save, hash and fsync,
+# and its Python between torch's calls, then overlap another's quantization. Measured on the 2-core VM, 8 layers of
+# 125 MB (docs/benchmarks.md, ninth session): first part to last part 3.75-4.0 s with one worker of two threads,
+# 2.83-3.07 s with two of one thread each.
+CPU_WORKERS = 2
+CPU_CORES_PER_WORKER = 4
 
 
 def worker_slots(devices: list[str], workers: int, layer_bytes: int) -> list[str]:
     """The device of each worker slot. `workers` > 0 is taken as asked (spread round-robin over `devices`);
     0 means on GPUs one per GPU and at least GPU_WORKERS in all (GPU_WORKERS_BIG_LAYERS for layers over
-    OVERLAP_MAX_LAYER_BYTES), those beyond one per GPU only as the host's free memory allows; on CPU as many as the
-    cores and the free memory allow: a worker wants ~4 cores to be worth its own process (torch's threads do the
-    rest). A worker wants ~1 GiB of private memory plus three layers (the one being quantized, its output, the next
+    OVERLAP_MAX_LAYER_BYTES), those beyond one per GPU only as the host's free memory allows; on CPU one per
+    CPU_CORES_PER_WORKER cores and at least CPU_WORKERS, as the free memory allows (they split the cores: torch's
+    threads do the rest). A worker wants ~1 GiB of private memory plus three layers (the one being quantized, its output, the next
     one read ahead)."""
     import psutil
 
@@ -114,7 +120,7 @@ def worker_slots(devices: list[str], workers: int, layer_bytes: int) -> list[str
         workers = max(len(devices), min(want, by_memory))
     if workers > 0:
         return [devices[i % len(devices)] for i in range(workers)]
-    by_cores = (os.cpu_count() or 1) // 4
+    by_cores = max(CPU_WORKERS, (os.cpu_count() or 1) // CPU_CORES_PER_WORKER)
     return ["cpu"] * max(1, min(by_cores, by_memory))
 
 

@@ -220,7 +220,8 @@ def test_workers_sharing_a_gpu_take_turns_only_when_a_layer_is_over_1_gib():
 
 
 def test_cpu_worker_slots_follow_cores_and_memory(monkeypatch):
-    """On CPU the default is one worker per 4 cores, fewer when memory cannot hold them, never none."""
+    """On CPU the default is one worker per 4 cores and at least two, fewer when memory cannot hold them, never
+    none."""
     import psutil
 
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
@@ -228,8 +229,14 @@ def test_cpu_worker_slots_follow_cores_and_memory(monkeypatch):
     assert devices.worker_slots(["cpu"], 0, 1 << 30) == ["cpu"] * 4  # 16 cores / 4; 64 GiB / 4 GiB = 16
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 9 << 30})())
     assert devices.worker_slots(["cpu"], 0, 1 << 30) == ["cpu"] * 2  # 9 GiB holds two workers of 4 GiB
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 13 << 30})())
+    assert devices.worker_slots(["cpu"], 0, 1 << 30) == ["cpu"] * 3  # 13 GiB holds three of the four
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert devices.worker_slots(["cpu"], 0, 1 << 30) == ["cpu"]
+    assert devices.worker_slots(["cpu"], 0, 1 << 30) == ["cpu"] * 2  # two cores: still two workers, a thread each
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 5 << 30})())
+    assert devices.worker_slots(["cpu"], 0, 1 << 30) == ["cpu"]  # room for one worker of 4 GiB only
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 1 << 30})())
+    assert devices.worker_slots(["cpu"], 0, 1 << 30) == ["cpu"]  # never none
 
 
 def test_warm_parent_answers_gpu_capability_from_nvml_only_while_importing(monkeypatch):

@@ -147,7 +147,8 @@ CRASHING_STUDIO = textwrap.dedent("""
     from supervisor import Supervisor, events as ev
     from tests.ref_studio import load
     model = load(sys.argv[1])
-    job = parse_job({"export": {"scheme": "%s", "output": sys.argv[2]}, "resources": {"device": "cpu"}})
+    job = parse_job({"export": {"scheme": "%s", "output": sys.argv[2]},
+                     "resources": {"device": "cpu", "workers": 1}})  # one worker: layer 0 is the first part written
     with Supervisor(job, model=model) as run:
         for e in run.events():
             if isinstance(e, ev.LayerWritten) and e.index == 0:

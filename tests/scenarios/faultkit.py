@@ -267,6 +267,9 @@ def reference(model: str, folder: str) -> dict:
 
 
 def job_file(folder: str, model: str, out: str, **resources) -> str:
+    """A job for one fault scenario: one worker unless asked (a fault and its retry then meet one worker's parts in
+    order; several workers under faults are tests/scenarios/test_workers.py's)."""
+    resources.setdefault("workers", 1)
     resources.setdefault("heartbeat_timeout", HEARTBEAT_TIMEOUT)
     resources.setdefault("startup_timeout", 120)
     return cli.write_job(os.path.join(folder, "job.toml"), model, out, SCHEME, **resources)

@@ -142,7 +142,7 @@ def test_a_failure_that_repeats_is_not_retried(tiny_models, tmp_path):
     """A layer failing with an error the child marks as certain to repeat ends the run at once: one attempt, no
     Retrying, exit 1, the message says why; a RuntimeError at the same point would be retried (test_faults)."""
     fault = {"SUPERVISOR_TEST_FAULT": json.dumps({"point": "quantize", "action": "repeats", "index": 1})}
-    _, proc, events = _run_json(tmp_path, tiny_models("llama"), "W4A16", check=False, env=fault)
+    _, proc, events = _run_json(tmp_path, tiny_models("llama"), "W4A16", check=False, env=fault, workers=1)
     assert proc.returncode == 1
     assert [e["index"] for e in events if e["type"] == "LayerStarted"] == [0, 1]
     assert not any(e["type"] == "Retrying" for e in events)

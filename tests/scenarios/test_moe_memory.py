@@ -26,7 +26,8 @@ def test_moe_memory_flat_and_no_tensor_of_a_finished_layer_kept(big_moe, tmp_pat
     """Last layer's peak RSS within 5% of the first's; after layer i the child holds exactly layer i+1's tensors
     (read ahead) plus a constant few bytes, the same for every layer."""
     log = tmp_path / "tensors.jsonl"
-    job = cli.write_job(tmp_path / "job.toml", big_moe, tmp_path / "out", "W4A16", torch_threads=1)
+    # one worker: after layer i it holds layer i+1, read ahead (parts in order)
+    job = cli.write_job(tmp_path / "job.toml", big_moe, tmp_path / "out", "W4A16", torch_threads=1, workers=1)
     events = cli.events(cli.run("run", job, "--json", env={"SUPERVISOR_TEST_TENSOR_LOG": str(log)}))
     peaks = {e["index"]: e["peak_rss"] for e in events if e["type"] == "LayerWritten"}
     assert sorted(peaks) == [-1] + list(range(LAYERS))

@@ -69,7 +69,8 @@ def export(tiny_models, tmp_path_factory):
     source = tiny_models("llama", layers=LAYERS)
     tmp = tmp_path_factory.mktemp("report")
     out, marker = tmp / "out", tmp / "hung"
-    job = cli.write_job(tmp / "job.toml", source, out, SCHEME, export={"measure_error": True})  # off on CPU by default
+    # measure_error: off on CPU by default; one worker: layer 2 hangs after 0 and 1 are journaled (parts in order)
+    job = cli.write_job(tmp / "job.toml", source, out, SCHEME, export={"measure_error": True}, workers=1)
     env = {**os.environ, "SUPERVISOR_TEST_FAULT": json.dumps({"point": "quantize", "action": "hang", "index": 2,
                                                                "once": str(marker)})}
     with open(tmp / "stdout", "w+") as stdout, open(tmp / "stderr", "w+") as stderr:

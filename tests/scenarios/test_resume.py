@@ -64,7 +64,7 @@ def test_rss_check_catches_a_leaking_layer_function(big_model, tmp_path):
 def test_child_sigkilled_then_rerun_is_byte_identical(big_model, reference, tmp_path):
     """A child SIGKILLed mid-export with no retries left fails the run; `run` again finishes identically."""
     out = tmp_path / "out"
-    job = cli.write_job(tmp_path / "job.toml", big_model, out, SCHEME, max_attempts=1)
+    job = cli.write_job(tmp_path / "job.toml", big_model, out, SCHEME, max_attempts=1, workers=1)  # parts in order
     first = cli.run("run", job, "--json", env=_fault(tmp_path, point="quantize", action="sigkill", index=3),
                     check=False)
     assert first.returncode == 1, first.stderr

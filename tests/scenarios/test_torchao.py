@@ -94,7 +94,7 @@ def test_killed_child_then_rerun_is_byte_identical(tiny_models, exported, tmp_pa
     scheme = "Int8DynamicActivationInt8Weight"
     uninterrupted = exported("llama", scheme)
     out = tmp_path / "out"
-    job = write_job(tmp_path / "job.toml", tiny_models("llama"), out, scheme, max_attempts=1)
+    job = write_job(tmp_path / "job.toml", tiny_models("llama"), out, scheme, max_attempts=1, workers=1)  # in order
     fault = {"SUPERVISOR_TEST_FAULT": json.dumps({"point": "after_rename", "action": "sigkill", "index": 0,
                                                   "once": str(tmp_path / "fired")})}
     first = cli.run("run", job, "--json", env=fault, check=False)
