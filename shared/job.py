@@ -60,7 +60,8 @@ class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     recycle_above_rss_mb: int = 0  # restart the worker when its RSS exceeds this (0: never)
     torch_threads: int = 0  # torch.set_num_threads in the child (0: leave torch's default)
     workers: int = 0  # worker processes exporting parts at once (0: one per GPU and three in all, as memory allows;
-    # two for layers over 1 GiB, taking turns on a shared GPU; on CPU, by cores and memory)
+    # two for layers over 1 GiB, taking turns on a shared GPU; an extra one its GPU cannot hold is left out; on CPU,
+    # one per 4 cores and two at least, as memory allows)
     # Host memory (GiB) the calibration activations of one layer (its inputs and outputs) may take; above it
     # they stay on disk under OUT/.export and are read back one sample at a time. 0: a quarter of the RAM.
     activation_ram_gb: float = 0.0

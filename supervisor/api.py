@@ -35,7 +35,7 @@ from shared.messages import (NON_LAYER, PROTOCOL_VERSION, CheckLoad, Describe, D
                              LayerWritten, LoadChecked)
 from supervisor import events as ev
 from supervisor import calibration, finalize, journal
-from supervisor.errors import (Cancelled, DeviceError, ExportFailed, InputError, JobError, OutputError, SourceError,
+from supervisor.errors import (Cancelled, ExportFailed, InputError, JobError, NoRoom, OutputError, SourceError,
                                SupervisorError)
 from supervisor.lock import Lock, probe
 from supervisor.source import SourceInfo, inspect
@@ -483,7 +483,9 @@ class Supervisor:
         # calibrated: each layer's inputs are the previous layer's outputs, so one worker, in order
         slots = [self.plan.devices[0]] if calibrated else devices.worker_slots(self.plan.devices, r.workers,
                                                                                self._layer_bytes)
-        slots = [Slot(id=i, device=d) for i, d in enumerate(slots)]
+        # a worker the default count added beyond one per GPU is left out if its GPU cannot hold it (NoRoom)
+        extra = r.workers <= 0 and not calibrated
+        slots = [Slot(id=i, device=d, optional=extra and d != "cpu" and d in slots[:i]) for i, d in enumerate(slots)]
         return Scheduler(slots, max_attempts=r.max_attempts, part_timeout=r.part_timeout,
                          retry_delay=self.retry_delay, sequential=calibrated, cancel=self._cancel, emit=self._emit,
                          start_worker=self._start_worker, on_written=self._record, on_heartbeat=self._on_heartbeat,
@@ -605,12 +607,12 @@ class Supervisor:
         t = time.monotonic()
         ready = w.start(self._cancel.is_set, self._on_heartbeat, on_hello)
         _check_layers(ready, plan.source)
+        self._check_gpu_room(ready, slot.device, sharing if slot.optional else 1)
         now = time.monotonic()
         if not slot.planner:  # the export plan's worker exports no part: not one of the run's workers to a reader
             self._emit(ev.WorkerStarted(pid=ready.pid, device=slot.device, seconds=round(now - t, 3), worker=slot.id,
                                         since_death=None if slot.died_at is None else round(now - slot.died_at, 3),
                                         gpu_free=ready.gpu_free, gpu_total=ready.gpu_total))
-        self._check_gpu_room(ready, slot.device)
         p = self._progress
         if p is not None and p.done == p.done_at_start:
             p.start = time.monotonic()  # rates measure exporting, not the first worker's imports
@@ -637,16 +639,22 @@ class Supervisor:
         for device in self.plan.devices:
             devices.check_free_memory(device, self._layer_need() + (512 << 20))  # + the child's context
 
-    def _check_gpu_room(self, ready, device: str | None = None) -> None:
-        """Refuse a GPU that cannot hold a layer: the worker measured its free memory after starting."""
+    def _check_gpu_room(self, ready, device: str | None = None, workers: int = 1) -> None:
+        """Refuse a GPU that cannot hold a layer: the worker measured its free memory after starting. `workers` > 1:
+        a worker the default count added (Slot.optional), which starts only where the GPU holds the layers of all
+        `workers` workers on it (they start side by side, so a worker's measurement may not yet see the others')."""
         device = device or self.plan.device
         if not ready.gpu_total:
             return
-        need = self._layer_need()
-        if ready.gpu_free < need:
-            raise DeviceError(f"{device} has {ready.gpu_free / 2**30:.1f} GiB free as the worker sees it, "
-                              f"a layer needs about {need / 2**30:.1f} GiB: free memory on that GPU (or hand the live "
-                              "model to Supervisor(model=...)), or set [resources] device to another one")
+        need = self._layer_need() * workers
+        if ready.gpu_free >= need:
+            return
+        free = f"{device} has {ready.gpu_free / 2**30:.1f} GiB free as the worker sees it"
+        if workers > 1:
+            raise NoRoom(f"{free}, {workers} workers' layers there need about {need / 2**30:.1f} GiB; going on "
+                         "with fewer (set [resources] workers to choose the count)")
+        raise NoRoom(f"{free}, a layer needs about {need / 2**30:.1f} GiB: free memory on that GPU (or hand the live "
+                     "model to Supervisor(model=...)), or set [resources] device to another one")
 
     def _on_log(self, stream: str, text: str, pid: int) -> None:
         """Called by the worker's log pump for every line: keep it, and stream it unless the reader is behind."""

@@ -11,6 +11,7 @@ The hierarchy (exit code in brackets)::
      │         └── FingerprintMismatch .......... [2]  it holds an export of a different job
      ├── LockedError ............................ [3]  another supervisor is exporting into the folder
      ├── DeviceError ............................ [2]  the requested device is missing or too full
+ │    └── NoRoom ............................ [2]  a worker's GPU cannot hold its layers
      ├── ExportFailed (RuntimeError) ............ [1]  a layer could not be exported after its attempts
      ├── OffloadError (RuntimeError) ............ [1]  the live model could not be released / restored
      ├── VerifyFailed ........................... [1]  `supervisor verify` found missing/corrupt shards
@@ -69,6 +70,11 @@ class DeviceError(SupervisorError, RuntimeError):
     """The requested device does not exist or has too little free memory."""
 
     exit_code = 2
+
+
+class NoRoom(DeviceError):
+    """A worker measured too little free memory on its GPU for its layers. A worker the default count added beyond
+    one per GPU is left out instead (the run goes on with the others: Scheduler); any other ends the run."""
 
 
 class ExportFailed(SupervisorError, RuntimeError):

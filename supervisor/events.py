@@ -52,6 +52,15 @@ class WorkerStarted(Event):
     gpu_total: int = 0
 
 
+class WorkerLeftOut(Event):
+    """A worker the default count added beyond one per GPU found too little free memory there (resources.workers =
+    0): the run goes on without it. Its slot exports nothing; the part it had taken goes back to the queue."""
+
+    worker: int
+    device: str
+    reason: str
+
+
 class LayerStarted(Event):
     index: int  # -1 is the non-layer shard
     attempt: int
@@ -123,8 +132,8 @@ class Cancelled(Event):
     message: str = "cancelled; run the same job again to resume"
 
 
-AnyEvent = Union[Started, MemoryReleased, PoolStarted, WorkerStarted, LayerStarted, LayerWritten, Progress, Retrying,
-                 ModelRestored, LogLine, Finished, Failed, Cancelled]
+AnyEvent = Union[Started, MemoryReleased, PoolStarted, WorkerStarted, WorkerLeftOut, LayerStarted, LayerWritten,
+                 Progress, Retrying, ModelRestored, LogLine, Finished, Failed, Cancelled]
 TERMINAL = (Finished, Failed, Cancelled)
 
 _json = msgspec.json.Encoder()

@@ -71,6 +71,8 @@ class Display:
             case ev.WorkerStarted():
                 again = "" if e.since_death is None else f", {e.since_death:.1f}s after the last one was lost"
                 p.console.print(f"worker {e.worker} (pid {e.pid}) on {e.device} ready in {e.seconds:.1f}s{again}")
+            case ev.WorkerLeftOut():
+                p.console.print(f"[yellow]worker {e.worker} on {e.device} left out: {e.reason}")
             case ev.Progress():
                 rate = f"{e.mb_per_s:,.1f} MB/s"
                 eta = "-" if e.eta_s is None else f"{e.eta_s:,.0f}s"

@@ -28,7 +28,7 @@ from typing import Callable
 from shared.messages import (NON_LAYER, Boundary, ConfigWritten, ExportLayer, Failed, Heartbeat, LayerWritten,
                              WriteConfig)
 from supervisor import events as ev
-from supervisor.errors import Cancelled, ExportFailed, SourceError, SupervisorError
+from supervisor.errors import Cancelled, ExportFailed, NoRoom, SourceError, SupervisorError
 from supervisor.worker import CancelledWait, Worker, WorkerLost
 
 ENOSPC = 28
@@ -58,6 +58,7 @@ class Slot:
     reserved: int | None = None  # the part this slot will take next (its read-ahead hint)
     died_at: float | None = None  # when its last worker was lost, for the restart-latency event
     planner: bool = False  # the export plan's worker (Scheduler.plan_beside): it exports no part
+    optional: bool = False  # added by the default count beyond one per GPU: left out when its GPU has no room (NoRoom)
 
 
 @dataclass
@@ -251,6 +252,11 @@ class Scheduler:
         except Cancelled:
             pass
         except BaseException as exc:  # noqa: BLE001 - fatal: stop every slot, raise it from run()
+            if isinstance(exc, NoRoom) and slot.optional:
+                # an extra worker its GPU cannot hold: the others go on; its part is back in the queue already
+                self._drop(slot, kill=True)
+                self.emit(ev.WorkerLeftOut(worker=slot.id, device=slot.device, reason=str(exc)))
+                return
             self._await_verdict()  # a refusal of the whole export comes first
             self._fail(exc)
         finally:
@@ -269,7 +275,10 @@ class Scheduler:
         msg = ExportLayer(index=index, attempt=attempt, prefetch=slot.reserved, boundary=self.boundary(index))
         try:
             reply, w = self._request(slot, msg, LayerWritten, index, attempt)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, NoRoom):  # its worker could not start there: the part was not attempted
+                with self._cond:
+                    self._q.attempts[index] = attempt - 1
             self._done(slot, index, requeue=True)
             raise
         if reply is None:  # failed, charged, announced; back to the queue

@@ -60,3 +60,40 @@ def test_live_model_memory_is_free_for_the_child(tiny_models, tmp_path):
     assert all(p.device.type == "cuda" for p in model.parameters())
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+def test_extra_workers_a_busy_gpu_cannot_hold_are_left_out(tmp_path):
+    """The default worker count (three on one GPU for layers up to 1 GiB) on a GPU that another process keeps nearly
+    full: the first worker starts, the two extra ones each measure less free memory than three workers' layers need
+    and are left out (WorkerLeftOut, killed), and the run finishes on the first worker with the bytes of a run that
+    asked for one worker.
+
+    Sizes: layers of 0.67 GB on average (the checkpoint over its layers), so a worker needs 1.55 GiB (2.5 layers) and
+    an extra one 4.66 GiB (three workers'); this process leaves 4.4 GiB free, so the first worker sees at least 2 GiB
+    however many CUDA contexts (~0.5 GiB each: three workers' and the export plan's) start beside it, and an extra one
+    at most 3.9 GiB."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=2, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "model")
+    del model
+    reference = cli.write_job(tmp_path / "one.toml", tmp_path / "model", tmp_path / "one", "FP8_DYNAMIC",
+                              device="cuda:0", workers=1)
+    job = cli.write_job(tmp_path / "job.toml", tmp_path / "model", tmp_path / "out", "FP8_DYNAMIC", device="cuda:0")
+    free, _ = torch.cuda.mem_get_info(0)
+    hog = torch.empty(free - int(4.4 * 2**30), dtype=torch.uint8, device="cuda:0")
+    try:
+        done = cli.events(cli.run("run", job, "--json"))
+        cli.run("run", reference)
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+    assert done[-1]["type"] == "Finished", done[-1]
+    left = [e for e in done if e["type"] == "WorkerLeftOut"]
+    assert sorted(e["worker"] for e in left) == [1, 2], left
+    assert all("3 workers' layers there need" in e["reason"] for e in left), left
+    assert {e["worker"] for e in done if e["type"] == "WorkerStarted"} == {0}
+    assert {e["worker"] for e in done if e["type"] == "LayerStarted"} == {0}
+    assert cli.output_bytes(tmp_path / "out") == cli.output_bytes(tmp_path / "one")
