@@ -88,6 +88,14 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 }
 
 case "${1:-tests}" in
+s9a)  # ninth session, call 1: an extra worker a busy GPU cannot hold is left out (tests/gpu/test_export_gpu.py),
+  # then 8B FP8_DYNAMIC cold with the default three workers and with four, against oneshot
+  CUDA_VISIBLE_DEVICES=0 t 240 export_gpu tests/gpu/test_export_gpu.py
+  rm -rf /tmp/export-bench
+  CUDA_VISIBLE_DEVICES=0 timeout 320 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --workers 0,4 --skip kill,1w,model_free_ptq 2>&1 | quiet > "$OUT/export_fp8.txt"
+  tail -18 "$OUT/export_fp8.txt"
+  ;;
 s8e)  # call 5: 8B W4A16 cold (default workers) against model_free_ptq
   rm -rf /tmp/export-bench
   CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/export_bench.py --device cuda:0 --measure-error false \
