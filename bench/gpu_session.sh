@@ -88,6 +88,11 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 }
 
 case "${1:-tests}" in
+s9b)  # call 2, one H200: the GPU tests whose workers the default count sets (MoE on cuda; a live model released
+  # for the workers: studio, offload), after the left-out worker's change
+  CUDA_VISIBLE_DEVICES=0 t 230 moe_gpu tests/gpu/test_moe_gpu.py
+  t 330 studio tests/gpu/test_studio_gpu.py tests/gpu/test_offload_gpu.py
+  ;;
 s9a)  # ninth session, call 1: an extra worker a busy GPU cannot hold is left out (tests/gpu/test_export_gpu.py),
   # then 8B FP8_DYNAMIC cold with the default three workers and with four, against oneshot
   CUDA_VISIBLE_DEVICES=0 t 240 export_gpu tests/gpu/test_export_gpu.py
