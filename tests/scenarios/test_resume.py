@@ -23,9 +23,10 @@ def big_model(tiny_models):
 
 @pytest.fixture(scope="module")
 def reference(big_model, tmp_path_factory):
-    """An uninterrupted export: its files' bytes and its events."""
+    """An uninterrupted export on one worker (its per-layer peaks are one process's): its files' bytes and its events.
+    The runs below use the default workers (two on a CPU) and must end with these bytes."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    job = cli.write_job(tmp / "job.toml", big_model, tmp / "out", SCHEME)
+    job = cli.write_job(tmp / "job.toml", big_model, tmp / "out", SCHEME, workers=1)
     proc = cli.run("run", job, "--json")
     return cli.output_bytes(tmp / "out"), cli.events(proc)
 
@@ -54,8 +55,9 @@ def test_child_peak_rss_does_not_grow_per_layer(reference):
 
 
 def test_rss_check_catches_a_leaking_layer_function(big_model, tmp_path):
-    """The same check fails on a child that leaks 20 MiB per layer (test-only fault), so it can catch a leak."""
-    job = cli.write_job(tmp_path / "job.toml", big_model, tmp_path / "out", SCHEME)
+    """The same check fails on a child that leaks 20 MiB per layer (test-only fault), so it can catch a leak (one
+    worker: with two, each leaks over half the layers only)."""
+    job = cli.write_job(tmp_path / "job.toml", big_model, tmp_path / "out", SCHEME, workers=1)
     env = {"SUPERVISOR_TEST_FAULT": json.dumps({"point": "quantize", "action": "leak", "bytes": 20 * 2**20})}
     first, last = _peaks(cli.events(cli.run("run", job, "--json", env=env)))
     assert last > first * RSS_TOLERANCE, (first, last)
