@@ -88,6 +88,12 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 }
 
 case "${1:-tests}" in
+s9c)  # call 3: 8B W4A16 cold (default three workers) against oneshot and model_free_ptq in one bench
+  rm -rf /tmp/export-bench
+  CUDA_VISIBLE_DEVICES=0 timeout 400 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --scheme W4A16 --skip kill,1w,warm 2>&1 | quiet > "$OUT/export_w4a16.txt"
+  tail -14 "$OUT/export_w4a16.txt"
+  ;;
 s9b)  # call 2, one H200: the GPU tests whose workers the default count sets (MoE on cuda; a live model released
   # for the workers: studio, offload), after the left-out worker's change
   CUDA_VISIBLE_DEVICES=0 t 230 moe_gpu tests/gpu/test_moe_gpu.py
