@@ -1,7 +1,7 @@
 """Side by side: `supervisor run` against llm-compressor's `oneshot` and `model_free_ptq` on one checkpoint.
 
-Builds a random bf16 Llama checkpoint (Llama-3-8B shape by default), warms the page cache and the import caches
-(so no tool pays a cold start the others do not), measures the disk's write speed (the floor), then runs each
+Builds a random bf16 Llama checkpoint (Llama-3-8B shape by default), warms the page cache, the import caches and,
+on a GPU, the quantization's compiled kernels (so no tool pays a cold start the others do not), measures the disk's write speed (the floor), then runs each
 tool in its own process, one after the other, sampling that process's whole tree with psutil (RSS and PSS: a
 worker forked from a warm parent shares its pages, which RSS counts twice) and nvidia-smi (GPU memory):
 
@@ -313,13 +313,46 @@ def build(args, path: str) -> int:
     return sum(os.path.getsize(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
 
 
-def warm(src: str) -> None:
+# The device kernels the quantization uses, compiled once before any tool runs: on a GPU, compressed-tensors quantizes
+# through a triton kernel (ImplBackend "_quantize"), which triton compiles at its first use and caches on disk
+# (~/.triton/cache). Without this, the first tool of a bench on a fresh machine (ours) compiles it and every tool
+# after it finds it cached. Layer 0 quantized once, through the same compressed-tensors calls every tool makes.
+WARM_KERNELS = r"""
+import glob, sys
+import torch
+from safetensors import safe_open
+from child.backend import hide_unused
+hide_unused("compressed-tensors")
+from child.quantize import LayerQuantizer
+src, scheme, device, ignore = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+names, layer = [], {}
+for fn in sorted(glob.glob(src + "/*.safetensors")):
+    with safe_open(fn, "pt") as f:
+        for k in f.keys():
+            names.append(k)
+            if ".layers.0." in k:
+                layer[k] = f.get_tensor(k).to(device)
+LayerQuantizer(src, scheme, ignore, device=device, tensor_names=names).quantize_layer(0, layer)
+if device.startswith("cuda"):
+    torch.cuda.synchronize()
+"""
+
+
+def warm(src: str, scheme: str | None = None, device: str = "cpu") -> None:
+    """The page cache (the checkpoint), the import caches and, on a GPU, the quantization's compiled kernels: so no
+    tool pays a cold start the others do not."""
     for fn in glob.glob(os.path.join(src, "*")):
         with open(fn, "rb") as f:
             while f.read(64 << 20):
                 pass
     subprocess.run([sys.executable, "-c", "import torch, transformers, llmcompressor, compressed_tensors"],
                    capture_output=True)
+    if scheme is not None and device.startswith("cuda"):
+        t = time.perf_counter()
+        r = subprocess.run([sys.executable, "-c", WARM_KERNELS, src, scheme, device, *IGNORE], capture_output=True,
+                           text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        print(f"device kernels warmed ({scheme}, layer 0 on {device}) in {time.perf_counter() - t:.1f} s"
+              + ("" if r.returncode == 0 else f": FAILED {r.stderr[-500:]}"), flush=True)
 
 
 def output_bytes(folder: str) -> int:
@@ -355,7 +388,7 @@ def main() -> None:
     t = time.perf_counter()
     size = build(args, src)
     print(f"checkpoint: {args.layers} layers, {size / 1e9:.2f} GB bf16, written in {time.perf_counter() - t:.1f} s")
-    warm(src)
+    warm(src, args.scheme, args.torch_device)
     floor = disk_write_speed(args.workdir)
     print(f"disk: {floor:.2f} GB/s write+fsync in {args.workdir}")
 

@@ -88,6 +88,17 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 }
 
 case "${1:-tests}" in
+s9d)  # call 4: the same benches with the quantization's triton kernels compiled before any tool runs (export_bench's
+  # warm step): 8B FP8_DYNAMIC and W4A16 cold against oneshot and model_free_ptq
+  rm -rf /tmp/export-bench
+  CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --skip kill,1w,warm 2>&1 | quiet > "$OUT/export_fp8.txt"
+  tail -14 "$OUT/export_fp8.txt"
+  rm -rf /tmp/export-bench
+  CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/export_bench.py --device cuda:0 --measure-error false \
+    --scheme W4A16 --skip kill,1w,warm 2>&1 | quiet > "$OUT/export_w4a16.txt"
+  tail -14 "$OUT/export_w4a16.txt"
+  ;;
 s9c)  # call 3: 8B W4A16 cold (default three workers) against oneshot and model_free_ptq in one bench
   rm -rf /tmp/export-bench
   CUDA_VISIBLE_DEVICES=0 timeout 400 python3 bench/export_bench.py --device cuda:0 --measure-error false \
