@@ -21,6 +21,14 @@ t() {  # t SECONDS NAME PYTEST-ARGS...: one pytest run, bounded, its whole outpu
   echo "== $name: $(tail -1 "$OUT/$name.txt")"
 }
 
+eb() {  # eb SECS NAME LINES ARGS...: bench/export_bench.py on cuda:0 (measure_error off, ARGS added), bounded, its
+  # output in $OUT/NAME.txt, its last LINES lines shown (the bench starts from an empty --workdir itself)
+  local secs=$1 name=$2 lines=$3; shift 3
+  CUDA_VISIBLE_DEVICES=0 timeout "$secs" python3 bench/export_bench.py --device cuda:0 --measure-error false "$@" 2>&1 \
+    | quiet > "$OUT/$name.txt"
+  tail -"$lines" "$OUT/$name.txt"
+}
+
 imports_check() {  # import as the warm parent does (child/zygote.py): does any import initialise CUDA?
   timeout 90 env PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1 python3 -c '
 import importlib, time, torch
@@ -90,20 +98,11 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 case "${1:-tests}" in
 s9d)  # call 4: the same benches with the quantization's triton kernels compiled before any tool runs (export_bench's
   # warm step): 8B FP8_DYNAMIC and W4A16 cold against oneshot and model_free_ptq
-  rm -rf /tmp/export-bench
-  CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --skip kill,1w,warm 2>&1 | quiet > "$OUT/export_fp8.txt"
-  tail -14 "$OUT/export_fp8.txt"
-  rm -rf /tmp/export-bench
-  CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --scheme W4A16 --skip kill,1w,warm 2>&1 | quiet > "$OUT/export_w4a16.txt"
-  tail -14 "$OUT/export_w4a16.txt"
+  eb 280 export_fp8 14 --skip kill,1w,warm
+  eb 280 export_w4a16 14 --scheme W4A16 --skip kill,1w,warm
   ;;
 s9c)  # call 3: 8B W4A16 cold (default three workers) against oneshot and model_free_ptq in one bench
-  rm -rf /tmp/export-bench
-  CUDA_VISIBLE_DEVICES=0 timeout 400 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --scheme W4A16 --skip kill,1w,warm 2>&1 | quiet > "$OUT/export_w4a16.txt"
-  tail -14 "$OUT/export_w4a16.txt"
+  eb 400 export_w4a16 14 --scheme W4A16 --skip kill,1w,warm
   ;;
 s9b)  # call 2, one H200: the GPU tests whose workers the default count sets (MoE on cuda; a live model released
   # for the workers: studio, offload), after the left-out worker's change
@@ -113,16 +112,10 @@ s9b)  # call 2, one H200: the GPU tests whose workers the default count sets (Mo
 s9a)  # ninth session, call 1: an extra worker a busy GPU cannot hold is left out (tests/gpu/test_export_gpu.py),
   # then 8B FP8_DYNAMIC cold with the default three workers and with four, against oneshot
   CUDA_VISIBLE_DEVICES=0 t 240 export_gpu tests/gpu/test_export_gpu.py
-  rm -rf /tmp/export-bench
-  CUDA_VISIBLE_DEVICES=0 timeout 320 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --workers 0,4 --skip kill,1w,model_free_ptq 2>&1 | quiet > "$OUT/export_fp8.txt"
-  tail -18 "$OUT/export_fp8.txt"
+  eb 320 export_fp8 18 --workers 0,4 --skip kill,1w,model_free_ptq
   ;;
 s8e)  # call 5: 8B W4A16 cold (default workers) against model_free_ptq
-  rm -rf /tmp/export-bench
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --scheme W4A16 --skip kill,1w,oneshot,warm 2>&1 | quiet > "$OUT/export_w4a16.txt"
-  tail -10 "$OUT/export_w4a16.txt"
+  eb 200 export_w4a16 10 --scheme W4A16 --skip kill,1w,oneshot,warm
   ;;
 s8d)  # call 4: with peft marked absent where it is installed: the calibrated exports (llm-compressor's sequential
   # pipeline, which checks for it) and torchao's, against their references on cuda
@@ -139,13 +132,8 @@ s8c)  # call 3, two GPUs: 8B FP8_DYNAMIC with the default workers (three: two on
   ;;
 s8b)  # call 2: three workers by default and the parts' workers started while the planner's finishes starting:
   # 8B FP8_DYNAMIC cold (and with two workers) against oneshot and model_free_ptq, W4A16 cold, tests/gpu/test_export_gpu.py
-  rm -rf /tmp/export-bench
-  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --workers 0,2 --skip kill,1w 2>&1 | quiet > "$OUT/export_fp8.txt"
-  tail -18 "$OUT/export_fp8.txt"
-  CUDA_VISIBLE_DEVICES=0 timeout 130 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --scheme W4A16 --skip kill,1w,model_free_ptq,warm 2>&1 | quiet > "$OUT/export_w4a16.txt"
-  tail -10 "$OUT/export_w4a16.txt"
+  eb 300 export_fp8 18 --workers 0,2 --skip kill,1w
+  eb 130 export_w4a16 10 --scheme W4A16 --skip kill,1w,model_free_ptq,warm
   CUDA_VISIBLE_DEVICES=0 t 120 export_gpu tests/gpu/test_export_gpu.py
   ;;
 s8a)  # eighth session, call 1: the final code as a whole on one H200, peft out of the warm parent: its imports
@@ -153,23 +141,15 @@ s8a)  # eighth session, call 1: the final code as a whole on one H200, peft out 
   # then W4A16 the same (the work against the disk's write floor by worker count)
   rm -rf /tmp/export-bench
   warm_parent_imports peft triton sympy datasets pandas sklearn scipy
-  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --workers 0,3 --skip kill,1w 2>&1 | quiet > "$OUT/export_fp8.txt"
-  tail -18 "$OUT/export_fp8.txt"
-  CUDA_VISIBLE_DEVICES=0 timeout 160 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --scheme W4A16 --workers 0,3 --skip kill,1w,model_free_ptq,warm 2>&1 | quiet > "$OUT/export_w4a16.txt"
-  tail -14 "$OUT/export_w4a16.txt"
+  eb 300 export_fp8 18 --workers 0,3 --skip kill,1w
+  eb 160 export_w4a16 14 --scheme W4A16 --workers 0,3 --skip kill,1w,model_free_ptq,warm
   ;;
 s7e)  # call 5: the export plan judged while the first parts run: 8B FP8_DYNAMIC and W4A16 against oneshot, and the
   # NVFP4 MoE refusal on cuda (the layers written meanwhile removed)
   rm -rf /tmp/export-bench
   CUDA_VISIBLE_DEVICES=0 t 60 moe_refused tests/gpu/test_moe_gpu.py -k refused
-  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --skip kill,1w,model_free_ptq 2>&1 | quiet > "$OUT/export_fp8.txt"
-  tail -14 "$OUT/export_fp8.txt"
-  CUDA_VISIBLE_DEVICES=0 timeout 130 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --scheme W4A16 --skip kill,1w,model_free_ptq,warm 2>&1 | quiet > "$OUT/export_w4a16.txt"
-  tail -10 "$OUT/export_w4a16.txt"
+  eb 170 export_fp8 14 --skip kill,1w,model_free_ptq
+  eb 130 export_w4a16 10 --scheme W4A16 --skip kill,1w,model_free_ptq,warm
   ;;
 s7d)  # call 4: what the marking of transformers' optional extras could break where they are installed: the
   # calibrated exports (datasets, the sequential pipeline) and torchao's, against their references on cuda
@@ -180,12 +160,8 @@ s7b)  # call 2: the warm parent's imports without transformers' optional extras;
   # model_free_ptq (cold, then forking from the kept parent), and W4A16, with the shorter start-up and tail
   rm -rf /tmp/export-bench
   warm_parent_imports triton sympy datasets pandas sklearn scipy torchvision
-  CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --skip kill,1w 2>&1 | quiet > "$OUT/export_fp8.txt"
-  tail -14 "$OUT/export_fp8.txt"
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --scheme W4A16 --skip kill,1w,model_free_ptq 2>&1 | quiet > "$OUT/export_w4a16.txt"
-  tail -13 "$OUT/export_w4a16.txt"
+  eb 280 export_fp8 14 --skip kill,1w
+  eb 200 export_w4a16 13 --scheme W4A16 --skip kill,1w,model_free_ptq
   ;;
 s7c)  # call 3, two GPUs: 8B FP8_DYNAMIC with one worker per GPU against oneshot, then the GPU tests that need two
   rm -rf /tmp/export-bench
@@ -199,9 +175,7 @@ s7a)  # seventh session, call 1: where the warm parent's imports go now, the pin
   preload_profile
   CUDA_VISIBLE_DEVICES=0 t 60 staging tests/test_staging.py
   CUDA_VISIBLE_DEVICES=0 t 220 moe_gpu tests/gpu/test_moe_gpu.py
-  CUDA_VISIBLE_DEVICES=0 timeout 230 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --skip kill,1w,model_free_ptq,warm 2>&1 | quiet > "$OUT/export_fp8.txt"
-  tail -12 "$OUT/export_fp8.txt"
+  eb 230 export_fp8 12 --skip kill,1w,model_free_ptq,warm
   ;;
 s6f)  # call 6: the first and second release again, the second lease taking the first one's places
   CUDA_VISIBLE_DEVICES=0 timeout 110 python3 bench/offload_bench.py --rounds 3 2>&1 | quiet > "$OUT/offload.txt"
@@ -220,13 +194,8 @@ s6c)  # call 3: the DeepSeek-V3-shaped MoE bench, outputs through the pinned buf
   ;;
 s6d)  # call 4: 8B FP8_DYNAMIC; W4A16 with two and three workers; the first release of a 16 GB model
   rm -rf /tmp/moe-bench
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --skip kill,1w,model_free_ptq 2>&1 | quiet > "$OUT/export_fp8.txt"
-  tail -14 "$OUT/export_fp8.txt"
-  rm -rf /tmp/export-bench
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --scheme W4A16 --workers 0,3 --skip kill,1w,model_free_ptq,oneshot,warm 2>&1 | quiet > "$OUT/w4a16_3w.txt"
-  tail -9 "$OUT/w4a16_3w.txt"
+  eb 200 export_fp8 14 --skip kill,1w,model_free_ptq
+  eb 150 w4a16_3w 9 --scheme W4A16 --workers 0,3 --skip kill,1w,model_free_ptq,oneshot,warm
   rm -rf /tmp/export-bench
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/offload_bench.py 2>&1 | quiet > "$OUT/offload.txt"
   tail -12 "$OUT/offload.txt"
@@ -240,10 +209,7 @@ s6b)  # call 2: the output's pinned buffer: profiles (dense and MoE), W4A16 8B b
   grep "==" "$OUT/layer_profile.txt"
   CUDA_VISIBLE_DEVICES=0 timeout 60 python3 bench/pool_fill_bench.py --gib 16 --pair 2>&1 | quiet | tail -4
   CUDA_VISIBLE_DEVICES=0 t 120 export_gpu tests/gpu/test_export_gpu.py -k equals_oneshot
-  rm -rf /tmp/export-bench
-  CUDA_VISIBLE_DEVICES=0 timeout 260 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --scheme W4A16 --skip kill,1w,model_free_ptq 2>&1 | quiet > "$OUT/export_w4a16.txt"
-  tail -16 "$OUT/export_w4a16.txt"
+  eb 260 export_w4a16 16 --scheme W4A16 --skip kill,1w,model_free_ptq
   ;;
 s6a)  # sixth session, call 1: where a first release's time goes (host memory made ready), where a layer's
   # quantize stage goes (W4A16 and FP8_DYNAMIC, one 8B-shaped layer on the GPU)
@@ -271,9 +237,7 @@ s5b)  # call 2: the DeepSeek-V3-shaped MoE bench on one GPU (two workers taking 
 s5c)  # call 3: 8B FP8_DYNAMIC on one GPU: cold, oneshot, model_free_ptq, and a run forking from the kept parent
   rm -rf /tmp/moe-bench
   warm_imports
-  CUDA_VISIBLE_DEVICES=0 timeout 560 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --skip kill,1w 2>&1 | quiet > "$OUT/export_fp8.txt"
-  tail -26 "$OUT/export_fp8.txt"
+  eb 560 export_fp8 26 --skip kill,1w
   ;;
 s5d)  # call 4: the same for W4A16
   CUDA_VISIBLE_DEVICES=0 timeout 560 python3 bench/export_bench.py --device cuda:0 --scheme W4A16 \
@@ -319,9 +283,7 @@ s4d)  # call 4: the worker killed at layer 20 with no retry left, then a second 
   ;;
 s4e)  # call 5: 8B FP8_DYNAMIC on one GPU: cold, oneshot, model_free_ptq, and a run forking from the kept parent
   rm -rf /tmp/calib-bench
-  CUDA_VISIBLE_DEVICES=0 timeout 560 python3 bench/export_bench.py --device cuda:0 --measure-error false \
-    --skip kill,1w 2>&1 | quiet > "$OUT/export_fp8_warm.txt"
-  tail -24 "$OUT/export_fp8_warm.txt"
+  eb 560 export_fp8_warm 24 --skip kill,1w
   ;;
 s1)  # third session, call 1: import profile, report recheck (GPU 1), offload bench, then the 32-layer GPTQ bench (ours)
   importtime
