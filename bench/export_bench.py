@@ -1,11 +1,12 @@
 """Side by side: `supervisor run` against llm-compressor's `oneshot` and `model_free_ptq` on one checkpoint.
 
 Builds a random bf16 Llama checkpoint (Llama-3-8B shape by default), warms the page cache, the import caches and,
-on a GPU, the quantization's compiled kernels (so no tool pays a cold start the others do not), measures the disk's write speed (the floor), then runs each
-tool in its own process, one after the other, sampling that process's whole tree with psutil (RSS and PSS: a
-worker forked from a warm parent shares its pages, which RSS counts twice) and nvidia-smi (GPU memory):
+on a GPU, the quantization's compiled kernels (so no tool pays a cold start the others do not), measures the disk's
+write speed (the floor), then runs each tool in its own process, one after the other, sampling that process's whole
+tree with psutil (RSS and PSS: a worker forked from a warm parent shares its pages, which RSS counts twice) and
+nvidia-smi (GPU memory):
 
-  supervisor       `supervisor run job.toml --json`, resources.workers as given (default: one per GPU)
+  supervisor       `supervisor run job.toml --json`, resources.workers as given (default: 0, the job's default)
   supervisor-1w    the same with workers = 1 (only when the default would use more)
   oneshot          from_pretrained + oneshot(QuantizationModifier) + save_pretrained(save_compressed=True)
   model_free_ptq   llm-compressor's model_free_ptq, 1 worker, the same ignore list (embeddings named explicitly)
@@ -318,21 +319,17 @@ def build(args, path: str) -> int:
 # (~/.triton/cache). Without this, the first tool of a bench on a fresh machine (ours) compiles it and every tool
 # after it finds it cached. Layer 0 quantized once, through the same compressed-tensors calls every tool makes.
 WARM_KERNELS = r"""
-import glob, sys
+import sys
 import torch
-from safetensors import safe_open
 from child.backend import hide_unused
 hide_unused("compressed-tensors")
 from child.quantize import LayerQuantizer
+from child.source import Checkpoint
 src, scheme, device, ignore = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
-names, layer = [], {}
-for fn in sorted(glob.glob(src + "/*.safetensors")):
-    with safe_open(fn, "pt") as f:
-        for k in f.keys():
-            names.append(k)
-            if ".layers.0." in k:
-                layer[k] = f.get_tensor(k).to(device)
-LayerQuantizer(src, scheme, ignore, device=device, tensor_names=names).quantize_layer(0, layer)
+checkpoint = Checkpoint(src)
+q = LayerQuantizer(src, scheme, ignore, device=device, tensor_names=checkpoint.all_names())
+layer = checkpoint.read(checkpoint.layer_names(q.layer_prefix, 0))
+q.quantize_layer(0, {k: v.to(device) for k, v in layer.items()})
 if device.startswith("cuda"):
     torch.cuda.synchronize()
 """
@@ -373,7 +370,7 @@ def main() -> None:
     ap.add_argument("--scheme", default="FP8_DYNAMIC")
     ap.add_argument("--device", default="cuda", help="the job's resources.device: cuda (every GPU), cuda:N, cpu")
     ap.add_argument("--workers", default="0", help="resources.workers for the supervisor runs: one run per value "
-                    "of a comma-separated list (0: the default, one per GPU); the first is the one compared")
+                    "of a comma-separated list (0: the job default); the first is the one compared")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "export-bench"))
     ap.add_argument("--skip", default="", help="comma-separated tools to skip: oneshot,model_free_ptq,kill,1w,warm")
     ap.add_argument("--measure-error", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
