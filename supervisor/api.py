@@ -484,8 +484,8 @@ class Supervisor:
         slots = [self.plan.devices[0]] if calibrated else devices.worker_slots(self.plan.devices, r.workers,
                                                                                self._layer_bytes)
         # a worker the default count added beyond one per GPU is left out if its GPU cannot hold it (NoRoom)
-        extra = r.workers <= 0 and not calibrated
-        slots = [Slot(id=i, device=d, optional=extra and d != "cpu" and d in slots[:i]) for i, d in enumerate(slots)]
+        slots = [Slot(id=i, device=d, optional=r.workers <= 0 and d != "cpu" and d in slots[:i])
+                 for i, d in enumerate(slots)]
         return Scheduler(slots, max_attempts=r.max_attempts, part_timeout=r.part_timeout,
                          retry_delay=self.retry_delay, sequential=calibrated, cancel=self._cancel, emit=self._emit,
                          start_worker=self._start_worker, on_written=self._record, on_heartbeat=self._on_heartbeat,

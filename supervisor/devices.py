@@ -110,8 +110,8 @@ def worker_slots(devices: list[str], workers: int, layer_bytes: int) -> list[str
     0 means on GPUs one per GPU and at least GPU_WORKERS in all (GPU_WORKERS_BIG_LAYERS for layers over
     OVERLAP_MAX_LAYER_BYTES), those beyond one per GPU only as the host's free memory allows; on CPU one per
     CPU_CORES_PER_WORKER cores and at least CPU_WORKERS, as the free memory allows (they split the cores: torch's
-    threads do the rest). A worker wants ~1 GiB of private memory plus three layers (the one being quantized, its output, the next
-    one read ahead)."""
+    threads do the rest). A worker wants ~1 GiB of private memory plus three layers (the one being quantized, its
+    output, the next one read ahead)."""
     import psutil
 
     by_memory = psutil.virtual_memory().available // ((1 << 30) + 3 * max(layer_bytes, 1))

@@ -11,7 +11,7 @@ The hierarchy (exit code in brackets)::
      │         └── FingerprintMismatch .......... [2]  it holds an export of a different job
      ├── LockedError ............................ [3]  another supervisor is exporting into the folder
      ├── DeviceError ............................ [2]  the requested device is missing or too full
- │    └── NoRoom ............................ [2]  a worker's GPU cannot hold its layers
+     │    └── NoRoom ............................ [2]  a worker's GPU cannot hold its layers
      ├── ExportFailed (RuntimeError) ............ [1]  a layer could not be exported after its attempts
      ├── OffloadError (RuntimeError) ............ [1]  the live model could not be released / restored
      ├── VerifyFailed ........................... [1]  `supervisor verify` found missing/corrupt shards
