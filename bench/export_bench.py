@@ -246,6 +246,28 @@ def timeline(events: list[dict], wall: float) -> str:
     return f"timeline, s from the run's start: {text}{rest} (wall {wall:.1f})"
 
 
+def work_against_floor(events: list[dict], floor: float) -> str:
+    """The work after start-up (first part started → last part written) against the write floor of the bytes the
+    workers wrote; the non-layer part, when the supervisor copied it during the imports (supervisor/verbatim.py,
+    its stages copy/hash/sync), is shown apart: its bytes were written before the first part."""
+    written = [e for e in events if e["type"] == "LayerWritten"]
+    starts = [e["t"] for e in events if e["type"] == "LayerStarted"]
+    if not written or not starts:
+        return "work: no part written"
+    ahead = [e for e in written if "copy" in e.get("stages", {})]
+    by_workers = [e for e in written if e not in ahead]
+    work = max(e["t"] for e in by_workers) - min(starts) if by_workers else 0.0
+    nbytes = sum(e["nbytes"] for e in by_workers)
+    text = (f"work: first part to last part {work:.2f} s, writing {nbytes / 1e9:.2f} GB (floor {nbytes / 1e9 / floor:.2f}"
+            f" s: {work / max(nbytes / 1e9 / floor, 1e-9):.2f}x)")
+    for e in ahead:
+        st = e["stages"]
+        text += (f"; the non-layer part ({e['nbytes'] / 1e9:.2f} GB) copied ahead by the supervisor: copy "
+                 f"{st.get('copy', 0):.2f} s, hash {st.get('hash', 0):.2f} s, sync {st.get('sync', 0):.2f} s, "
+                 f"journaled at {e['t']:.2f} s")
+    return text
+
+
 def run_script(script: str, args, src: str, out: str, ignore: list[str]) -> dict:
     proc, wall, tree = timed([sys.executable, "-c", script, src, out, args.scheme, args.torch_device,
                               json.dumps(ignore)])
@@ -443,6 +465,7 @@ def main() -> None:
     print()
     print(f"written: {out_bytes / 1e9:.2f} GB; write floor {out_bytes / 1e9 / floor:.2f} s in all, "
           f"{out_bytes / 1e9 / floor / (args.layers + 1):.3f} s per part")
+    print(work_against_floor(sup["events"], floor))
     print(f"supervisor: imports {sup['imports']:.1f} s in the warm parent; {sup['workers']} worker(s), "
           f"{'forked from it' if sup['forking'] else 'spawned fresh (the imports touched CUDA)'}")
     for name, r in rows:

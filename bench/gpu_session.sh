@@ -96,6 +96,15 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 }
 
 case "${1:-tests}" in
+s10a)  # tenth session, call 1: the non-layer part written by the supervisor during the imports
+  # (supervisor/verbatim.py): 8B FP8_DYNAMIC and W4A16 cold against oneshot and model_free_ptq, kernels warmed
+  eb 280 export_fp8 16 --skip kill,1w,warm
+  eb 280 export_w4a16 16 --scheme W4A16 --skip kill,1w,warm
+  ;;
+s10b)  # call 2: the GPU export tests (the copy on cuda runs among them), then FP8_DYNAMIC again
+  CUDA_VISIBLE_DEVICES=0 t 240 export_gpu tests/gpu/test_export_gpu.py
+  eb 280 export_fp8_2 16 --skip kill,1w,warm
+  ;;
 s9d)  # call 4: the same benches with the quantization's triton kernels compiled before any tool runs (export_bench's
   # warm step): 8B FP8_DYNAMIC and W4A16 cold against oneshot and model_free_ptq
   eb 280 export_fp8 14 --skip kill,1w,warm

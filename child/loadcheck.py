@@ -26,7 +26,7 @@ import sys
 
 from safetensors import safe_open
 
-from child.source import SAFETENSORS_DTYPES
+from shared.layout import SAFETENSORS_DTYPES
 from shared.load_verdict import problems
 from shared.messages import LoadReport
 

@@ -27,6 +27,7 @@ import torch
 from child.backend import Refused
 from child.staging import plain_to_host
 from shared import tensor_names
+from shared.layout import SHARD_METADATA
 
 __all__ = ["NameOnlyQuantizer"]
 
@@ -66,7 +67,7 @@ class NameOnlyQuantizer:
         return self._process(tensors)
 
     def serialize(self, tensors: dict) -> tuple[dict, dict[str, str]]:
-        return tensors, {"format": "pt"}
+        return tensors, dict(SHARD_METADATA)
 
     def begin(self, index: int, boundary) -> None:
         """Data-free: no state crosses layers."""

@@ -69,6 +69,7 @@ from child import quant_error
 from child.naming import NameMap, find_decoder_layers
 from child.staging import plain_to_host
 from shared.job import DEFAULT_IGNORE as _JOB_DEFAULT_IGNORE
+from shared.layout import SHARD_METADATA
 
 __all__ = [
     "DEFAULT_IGNORE",
@@ -140,7 +141,7 @@ class LayerQuantizer:
         return out
 
     def serialize(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        return tensors, {"format": "pt"}  # what transformers' save_pretrained writes into every shard
+        return tensors, dict(SHARD_METADATA)  # what transformers' save_pretrained writes into every shard
 
     def describe(self) -> str:
         return f"{type(self._skeleton).__name__} (transformers' model class, experts linearized as oneshot does)"

@@ -20,12 +20,9 @@ from typing import Protocol
 from safetensors import safe_open
 
 from shared import tensor_names
+from shared.layout import SAFETENSORS_DTYPES
 
 INDEX = "model.safetensors.index.json"
-# safetensors dtype names -> torch attribute names
-SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
-           "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
-           "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
 
 
 def _inside(folder: str, name: str) -> str:

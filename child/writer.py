@@ -20,9 +20,8 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from shared import durable
+from shared.layout import SHARD_METADATA
 
-# safetensors writes this metadata too when transformers saves; keep it so shards look like any HF shard.
-METADATA = {"format": "pt"}
 # safetensors (Rust) reports a failed write as SafetensorError with the errno only in its text, e.g.
 # "Error while serializing: I/O error: No space left on device (os error 28)" (measured, safetensors 0.8).
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")
@@ -115,7 +114,7 @@ def write_shard(tensors: dict, output: str, tmp_dir: str, name: str,
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     try:
         t0 = time.perf_counter()
-        _save(tensors, tmp, METADATA if metadata is None else metadata)
+        _save(tensors, tmp, SHARD_METADATA if metadata is None else metadata)
         os.chmod(tmp, 0o644)  # safetensors creates 0600 files; shards are meant to be shared like any checkpoint
         t1 = time.perf_counter()
         digest = digest_written(tmp, tensors)

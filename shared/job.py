@@ -111,7 +111,7 @@ def is_calibrated(job: Job) -> bool:
                                                                                  job.export.method)
 
 
-def _ignores_lm_head(ignore: list[str]) -> bool:
+def ignores_lm_head(ignore: list[str]) -> bool:
     return any(p == "lm_head" or (p.startswith("re:") and re.fullmatch(p[3:], "lm_head")) for p in ignore)
 
 
@@ -194,7 +194,7 @@ def _check_calibration(job: Job) -> None:
     if e.method == "awq" and e.scheme in schemes.PER_TENSOR_WEIGHTS:
         raise JobSyntaxError(f"method = \"awq\" needs per-channel or grouped weight scales and scheme {e.scheme!r} "
                              "has one scale per tensor; use gptq or rtn, or another scheme")
-    if not _ignores_lm_head(effective_ignore(job)):
+    if not ignores_lm_head(effective_ignore(job)):
         raise JobSyntaxError("calibrated exports quantize the decoder layers only; keep \"lm_head\" in "
                              "[export] ignore")
 

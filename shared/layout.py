@@ -8,7 +8,8 @@
                                         boundary/ (calibrated exports: the newest layer's input activations)
 
 Everything that is not part of the model lives under `.export/`, so the rest of the folder is exactly what a
-loader reads and is byte-identical from run to run. Owns names only; never touches the disk.
+loader reads and is byte-identical from run to run. Owns names (and what every shard's header says) only; never
+touches the disk.
 """
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ STAGING = "staging"  # config.json staging before it is moved into place
 BOUNDARY = "boundary"  # calibration activations entering the next layer (only the newest is kept)
 INDEX = "model.safetensors.index.json"
 NON_LAYER_FILE = "model-non-layer.safetensors"
+# the `__metadata__` of every compressed-tensors shard, as transformers' save_pretrained writes it into each of its own
+SHARD_METADATA = {"format": "pt"}
+# safetensors dtype names -> torch's (the attribute names, and the dtype strings safetensors.torch serializes with)
+SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+                      "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
+                      "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+                      "F8_E8M0": "float8_e8m0fnu"}
 
 
 def shard_name(index: int) -> str:

@@ -34,7 +34,7 @@ from shared.load_verdict import problems as load_problems
 from shared.messages import (NON_LAYER, PROTOCOL_VERSION, CheckLoad, Describe, Described, Failed, Heartbeat, Hello,
                              LayerWritten, LoadChecked)
 from supervisor import events as ev
-from supervisor import calibration, finalize, journal
+from supervisor import calibration, finalize, journal, verbatim
 from supervisor.errors import (Cancelled, ExportFailed, InputError, JobError, NoRoom, OutputError, SourceError,
                                SupervisorError)
 from supervisor.lock import Lock, probe
@@ -189,6 +189,10 @@ class Supervisor:
         self._journal: journal.Journal | None = None
         self._scheduler: Scheduler | None = None
         self._plan_load = None  # the loader's verdict on the predicted output (shared.messages.LoadReport)
+        self._described: Described | None = None  # the export plan, once judged good
+        self._judged = threading.Event()  # set with it
+        self._copy: verbatim.Copy | None = None  # the non-layer part written ahead by this process
+        self._closing = threading.Event()  # the run is over: a copy still waiting for the verdict gives up
         self._zygote: Zygote | None = None
         self._zygote_lock = threading.Lock()
         self._spawner: ThreadPoolExecutor | None = None
@@ -340,6 +344,10 @@ class Supervisor:
             if self._journal is not None:
                 steps.callback(self._journal.close)
                 self._journal = None
+            if self._copy is not None:  # before the journal closes: it journals through it
+                self._closing.set()
+                steps.callback(self._copy.join)
+                self._copy = None
             if self._spawner is not None:
                 steps.callback(self._spawner.shutdown, wait=True)
                 self._spawner = None
@@ -423,9 +431,10 @@ class Supervisor:
         if not todo and st.finalized is not None and not redo and not journal.verify_files(out, journal.not_shards(st.finalized.files, done)):
             return ev.Finished(output=out, parts=len(parts), nbytes=sum(r.nbytes for r in done.values()),
                                seconds=0.0, already_complete=True)
-        self._preflight()
         self._progress = _Progress(total=len(parts), done=len(done), source_bytes=plan.source.nbytes)
         self._done = done
+        self._copy_ahead(todo)
+        self._preflight()
         self._scheduler.run(todo)
         self._finalize(done)
         total_bytes = sum(r.nbytes for r in done.values())
@@ -445,6 +454,8 @@ class Supervisor:
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
         self._start_zygote()
         self._scheduler = self._make_scheduler()
+        if self._copy is not None:
+            self._scheduler.hand_off(NON_LAYER)
         on_gpus = self._scheduler.slots[0].device != "cpu" or os.environ.get(PLAN_BESIDE_ENV) == "1"
         if self.plan.calibration is not None or not self._zygote.forkable or not on_gpus:
             self._judge()
@@ -463,6 +474,29 @@ class Supervisor:
         problem = load_problems(described.load)
         if problem:
             raise SourceError(f"{what} would not load in transformers: {problem}")
+        self._described = described
+        self._judged.set()
+
+    # ---- the non-layer part written ahead, while the workers' libraries import (supervisor.verbatim) -------------
+    def _copy_ahead(self, todo: list[int]) -> None:
+        part = verbatim.plan(self.job, self.plan.source) if NON_LAYER in todo else None
+        if part is not None:
+            self._copy = verbatim.Copy(part, self.plan.output, self._await_plan, self._settle_copy)
+            self._copy.start()
+
+    def _await_plan(self) -> Described | None:
+        """The export plan once judged good; None when the run stops first (refused, failed, cancelled)."""
+        while not self._judged.wait(0.1):
+            if self._cancel.is_set() or self._closing.is_set() or (
+                    self._scheduler is not None and self._scheduler.stopping):
+                return None
+        return self._described
+
+    def _settle_copy(self, reply: LayerWritten | None, why: str) -> None:
+        if reply is not None:
+            self._scheduler.landed(reply)
+        else:
+            self._scheduler.take_back(NON_LAYER)
 
     def _source_changed(self, index: int, rec: journal.Shard) -> str | None:
         """A live model's part whose tensors differ from those its shard was made from (a re-run after a crash
@@ -686,8 +720,9 @@ class Supervisor:
         if p is not None and hb.index is not None:
             self._emit(p.event(worker_rss=hb.rss, stage=hb.stage, index=hb.index))
 
-    def _record(self, reply: LayerWritten, w: Worker, retries: int) -> None:
-        """Journal a written part (the scheduler calls this one part at a time, with its failed attempts)."""
+    def _record(self, reply: LayerWritten, w: Worker | None, retries: int) -> None:
+        """Journal a written part (the scheduler calls this one part at a time, with its failed attempts; `w` None:
+        the non-layer part this process copied itself)."""
         path = os.path.join(self.plan.output, reply.file)
         if reply.file != layout.shard_name(reply.index) or not os.path.isfile(path) \
                 or os.path.getsize(path) != reply.nbytes:
@@ -705,8 +740,9 @@ class Supervisor:
             spent, self._boundary = self._boundary, reply.boundary
             if spent is not None:  # it fed this layer; _check_boundary held the new one to the next layer's name
                 self._discard(os.path.join(self.plan.output, spent.file))
-        w.layers_done += 1
-        w.rss = reply.rss
+        if w is not None:
+            w.layers_done += 1
+            w.rss = reply.rss
         self._emit(ev.LayerWritten(index=reply.index, file=reply.file, nbytes=reply.nbytes,
                                    seconds=round(reply.seconds, 3), peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
                                    retries=retries, quant_error=reply.quant_error, stages=reply.stages))

@@ -77,7 +77,9 @@ class LayerWritten(Event):
     retries: int = 0  # failed attempts before the one that wrote it
     quant_error: dict[str, float] = {}  # module -> relative error of its dequantized weight vs the source
     stages: dict[str, float] = {}  # seconds per stage in the worker: read, inputs, quantize, error, save, hash, sync,
-    # boundary, cleanup (inputs, boundary: a calibrated layer's activations in and out)
+    # boundary, cleanup (inputs, boundary: a calibrated layer's activations in and out); copy, hash, sync: the
+    # non-layer part written by the supervisor itself during the workers' imports (supervisor/verbatim.py; it has
+    # no LayerStarted)
 
 
 class Progress(Event):

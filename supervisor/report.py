@@ -51,8 +51,9 @@ COLUMNS = (
     Column("seconds", "time s", lambda r: r.seconds, ".2f", sum),
     Column("source_bytes", "in MiB", lambda r: r.source_bytes / MIB, ".2f", sum),
     Column("nbytes", "out MiB", lambda r: r.nbytes / MIB, ".2f", sum),
-    Column("peak_rss", "peak RSS MiB", lambda r: r.peak_rss / MIB, ".0f", max),
-    Column("peak_gpu", "peak GPU MiB", lambda r: r.peak_gpu / MIB, ".0f", max),
+    # "-": no worker wrote the part (the non-layer part the supervisor copied itself, supervisor/verbatim.py)
+    Column("peak_rss", "peak RSS MiB", lambda r: r.peak_rss / MIB if r.peak_rss else None, ".0f", max),
+    Column("peak_gpu", "peak GPU MiB", lambda r: r.peak_gpu / MIB if r.peak_rss else None, ".0f", max),
     Column("retries", "retries", lambda r: r.retries, "d", sum),
     Column("quant_error", "max rel. error", _max_error, ".4f", max),
 )

@@ -7,6 +7,7 @@
       a part that failed ─▶ back to the queue (attempt + 1); its slot backs off, then starts a fresh worker
       a part out of attempts, a full disk, a worker that sees another model ─▶ abort: every slot stops, raise
       a failure the child marks as certain to repeat (Failed.retry False) ─▶ abort at once, no retry
+      a part handed off (hand_off) ─▶ the caller writes it (supervisor.verbatim) ─▶ landed (journaled) | take_back
 
 Each slot owns one worker process at a time and sends it one part at a time, so every failure is charged to
 exactly the part that was in flight (a worker with several parts in flight could not say which one killed it).
@@ -93,14 +94,14 @@ class Scheduler:
 
     `start_worker(slot, on_hello)` returns a ready Worker for the slot (its checks may raise SupervisorError: fatal),
     calling `on_hello()` once the child exists, before its Ready.
-    `on_written(reply, worker, retries)` journals a part (retries: its failed attempts before this one); it is
-    called under one lock, from the slot's thread.
+    `on_written(reply, worker, retries)` journals a part (retries: its failed attempts before this one; worker None:
+    a part the caller wrote itself, see hand_off); it is called under one lock, from the slot's thread.
     """
 
     def __init__(self, slots: list[Slot], *, max_attempts: int, part_timeout: float, retry_delay: float,
                  sequential: bool, cancel: threading.Event, emit: Callable[[ev.Event], None],
                  start_worker: Callable[[Slot, Callable[[], None]], Worker],
-                 on_written: Callable[[LayerWritten, Worker, int], None],
+                 on_written: Callable[[LayerWritten, Worker | None, int], None],
                  on_heartbeat: Callable[[Heartbeat], None], recycle: Callable[[Worker], bool],
                  boundary: Callable[[int], Boundary | None] = lambda index: None):
         if sequential and len(slots) != 1:
@@ -123,6 +124,7 @@ class Scheduler:
         self._held_written: list[tuple[LayerWritten, Worker, int]] = []  # parts written, to journal after it
         self._planning: threading.Thread | None = None
         self._planner_up = threading.Event()  # the planner's child exists (or the plan ended)
+        self._handed: set[int] = set()  # parts handed off to the caller (hand_off)
 
     # ---- the export plan, judged while the first parts run --------------------------------------------------
     def plan_beside(self, plan: Callable[[Slot], None]) -> None:
@@ -189,11 +191,48 @@ class Scheduler:
             if self.cancel.is_set():
                 return
 
+    # ---- a part the caller writes itself (supervisor.verbatim: the non-layer part, copied while workers start) --
+    def hand_off(self, index: int) -> None:
+        """Before run(): part `index` is the caller's to write; no slot takes it unless take_back() returns it. It
+        counts as running, so the slots wait for it before they finish."""
+        with self._cond:
+            self._handed.add(index)
+            self._q.running.add(index)
+
+    def landed(self, reply: LayerWritten) -> None:
+        """A handed-off part is written and in place: journal it as a slot's part is (on_written, one at a time,
+        never while the plan is being judged: the caller settles after the verdict). A run that is stopping does
+        not journal it; the next run redoes it."""
+        try:
+            with self._record:
+                if not self._stopping():
+                    self.on_written(reply, None, 0)
+        except BaseException as exc:  # noqa: BLE001 - fatal, as from a slot (a journal on a full disk)
+            self._fail(exc)
+        with self._cond:
+            self._q.running.discard(reply.index)
+            self._cond.notify_all()
+
+    def take_back(self, index: int) -> None:
+        """A handed-off part the caller did not write: a slot exports it, with no attempt charged."""
+        with self._cond:
+            self._q.running.discard(index)
+            self._q.put(index)
+            self._cond.notify_all()
+
+    @property
+    def stopping(self) -> bool:
+        """The run is cancelled or ending on an error: nothing more starts."""
+        return self._stopping()
+
     # ---- the parts -----------------------------------------------------------------------------------------
     def run(self, todo: list[int]) -> None:
-        """Export every part in `todo`; raises the first fatal error, Cancelled, or ExportFailed."""
-        for i in todo:
-            self._q.put(i)
+        """Export every part in `todo` (those handed off are the caller's); raises the first fatal error, Cancelled,
+        or ExportFailed."""
+        with self._cond:
+            for i in todo:
+                if i not in self._handed:  # landed already, or the caller's still, or back in the queue
+                    self._q.put(i)
         threads = [threading.Thread(target=self._slot_main, args=(s,), name=f"slot-{s.id}", daemon=True)
                    for s in self.slots]
         for t in threads:

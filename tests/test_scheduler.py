@@ -1,5 +1,6 @@
 """The scheduler's own decisions, with stand-in workers: a worker the default count added beyond one per GPU that
-finds no room on its GPU is left out and the run goes on; a worker the run cannot do without ends it.
+finds no room on its GPU is left out and the run goes on; a worker the run cannot do without ends it; a part handed
+off to the caller (the non-layer part the supervisor copies itself) is never given to a slot unless taken back.
 
 The real workers' side of it (a child measuring its GPU's free memory) is tests/gpu/test_export_gpu.py's."""
 from __future__ import annotations
@@ -40,10 +41,11 @@ class StandIn:
         pass
 
 
-def _run(slots: list[Slot], no_room: set[int]):
+def _run(slots: list[Slot], no_room: set[int], caller=None):
     """Run PARTS on `slots`; a worker started for a slot in `no_room` finds its GPU full (as api._check_gpu_room
-    says it, after the child started). Returns the events, the parts written by each slot with their retries,
-    and the stand-ins refused."""
+    says it, after the child started). `caller(scheduler, layers_written)`: handed NON_LAYER before the run, and
+    called on a thread of its own (layers_written: an Event set once every layer is journaled). Returns the events,
+    the parts written by each slot (None: by the caller) with their retries, and the stand-ins refused."""
     events, written, refused = [], {}, []
     lock = threading.Lock()
     tried, all_started = set(), threading.Event()
@@ -61,13 +63,20 @@ def _run(slots: list[Slot], no_room: set[int]):
             raise NoRoom(f"{slot.device} has 1.0 GiB free as the worker sees it")
         return w
 
+    layers_written = threading.Event()
+
     def on_written(reply, w, retries):
         with lock:
-            written.setdefault(w.slot.id, []).append((reply.index, retries))
+            written.setdefault(None if w is None else w.slot.id, []).append((reply.index, retries))
+            if sum(i != NON_LAYER for parts in written.values() for i, _ in parts) == len(PARTS) - 1:
+                layers_written.set()
 
     s = Scheduler(slots, max_attempts=3, part_timeout=0.0, retry_delay=0.0, sequential=False,
                   cancel=threading.Event(), emit=events.append, start_worker=start_worker, on_written=on_written,
                   on_heartbeat=lambda hb: None, recycle=lambda w: False)
+    if caller is not None:
+        s.hand_off(NON_LAYER)
+        threading.Thread(target=caller, args=(s, layers_written), daemon=True).start()
     try:
         s.run(list(PARTS))
     finally:
@@ -106,3 +115,36 @@ def test_a_worker_the_run_cannot_do_without_ends_it():
     with pytest.raises(NoRoom, match="1.0 GiB free") as caught:
         _run(slots, no_room={1})
     assert caught.value.exit_code == 2
+
+
+def _two_slots() -> list[Slot]:
+    return [Slot(0, "cpu"), Slot(1, "cpu")]
+
+
+def test_a_part_handed_off_is_the_callers_and_the_run_waits_for_it():
+    """The caller lands the non-layer part only after every layer is journaled: no slot ever starts it, run() does not
+    return before it lands, and it is journaled once, as the caller's (no worker, no retries)."""
+    landed = threading.Event()
+
+    def caller(s, layers_written):
+        assert layers_written.wait(60)
+        s.landed(LayerWritten(index=NON_LAYER, file="part--1", digest="x:0", nbytes=1, seconds=0.0))
+        landed.set()
+
+    events, written, _ = _run(_two_slots(), set(), caller)
+    assert landed.is_set()  # run() returned after it, not before
+    assert written[None] == [(NON_LAYER, 0)]
+    assert sorted(i for slot in (0, 1) for i, _ in written.get(slot, [])) == list(range(len(PARTS) - 1))
+    assert not any(isinstance(e, ev.LayerStarted) and e.index == NON_LAYER for e in events)
+
+
+def test_a_part_taken_back_is_exported_by_a_slot_with_no_attempt_charged():
+    """The caller gives the part back (its copy does not match the plan): a slot exports it, as attempt 1."""
+    def caller(s, layers_written):
+        assert layers_written.wait(60)
+        s.take_back(NON_LAYER)
+
+    events, written, _ = _run(_two_slots(), set(), caller)
+    assert None not in written
+    assert sorted(i for parts in written.values() for i, _ in parts) == sorted(PARTS)
+    assert [e.attempt for e in events if isinstance(e, ev.LayerStarted) and e.index == NON_LAYER] == [1]

@@ -123,8 +123,16 @@ def _faults_on(p: RunPlan, part) -> int:
     return sum(1 for v in p.expect.values() if v == part)
 
 
+# The supervisor writes the non-layer part itself when the export plan keeps it unchanged (supervisor/verbatim.py);
+# a fault aimed at a worker's non-layer part needs a worker to write it, so such runs switch that copy off.
+NO_COPY_AHEAD_ENV = "SUPERVISOR_TEST_NO_COPY_AHEAD"
+
+
 def fault_env(faults) -> dict[str, str]:
-    return {FAULT_ENV: json.dumps(faults)}
+    env = {FAULT_ENV: json.dumps(faults)}
+    if any(f.get("index") == -1 for f in (faults if isinstance(faults, list) else [faults])):
+        env[NO_COPY_AHEAD_ENV] = "1"
+    return env
 
 
 def read_marker(path: str) -> dict | None:
