@@ -77,30 +77,9 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 
 def digest_written(path: str, tensors: dict, algo: str = durable.ALGO) -> str:
-    """The digest of the safetensors file at `path`, which was just written from `tensors`: its header is read
-    back (a few KB) and the data section hashed from memory in the header's offset order. Falls back to
-    hashing the file when the layout is not the contiguous one safetensors writes."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        (n,) = struct.unpack("<Q", head)
-        header_bytes = f.read(n)
-    header = json.loads(header_bytes)
-    spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name)
-                   for name, info in header.items() if name != "__metadata__")
-    pos = 0
-    for start, end, name in spans:
-        t = tensors.get(name)
-        if start != pos or t is None or t.numel() * t.element_size() != end - start:
-            return durable.hash_file(path, algo)
-        pos = end
-    if 8 + n + pos != os.path.getsize(path):
-        return durable.hash_file(path, algo)
-    h = durable.hasher(algo)
-    h.update(head)
-    h.update(header_bytes)
-    for _, _, name in spans:
-        h.update(_bytes_of(tensors[name]))
-    return f"{algo}:{h.hexdigest()}"
+    """The digest of the safetensors file at `path`, which was just written from `tensors`: hashed from their
+    memory (shared.durable.digest_safetensors), not by reading the file back."""
+    return durable.digest_safetensors(path, lambda name: _bytes_of(tensors[name]) if name in tensors else None, algo)
 
 
 def write_shard(tensors: dict, output: str, tmp_dir: str, name: str,

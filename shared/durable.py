@@ -13,7 +13,10 @@ nothing beside the write. Bare hex digests (journals of earlier versions) are sh
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import struct
+from typing import Callable
 
 import xxhash
 
@@ -83,6 +86,35 @@ def hash_file(path: str, algo: str = ALGO) -> str:
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
+    return f"{algo}:{h.hexdigest()}"
+
+
+def digest_safetensors(path: str, data: Callable[[str], object], algo: str = ALGO) -> str:
+    """The digest of the safetensors file at `path`, just written from bytes the caller still holds: its header is
+    read back (a few KB) and each tensor's bytes, `data(name)` (a bytes-like object, or None), hashed from memory in
+    the header's offset order, so the file is not read a second time. Falls back to hashing the file when the layout
+    is not the contiguous one safetensors writes, or a tensor's bytes are not at hand or not its size."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        (n,) = struct.unpack("<Q", head)
+        header_bytes = f.read(n)
+    header = json.loads(header_bytes)
+    spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name)
+                   for name, info in header.items() if name != "__metadata__")
+    views, pos = [], 0
+    for start, end, name in spans:
+        view = data(name)
+        if start != pos or view is None or memoryview(view).nbytes != end - start:
+            return hash_file(path, algo)
+        views.append(view)
+        pos = end
+    if 8 + n + pos != os.path.getsize(path):
+        return hash_file(path, algo)
+    h = hasher(algo)
+    h.update(head)
+    h.update(header_bytes)
+    for view in views:
+        h.update(view)
     return f"{algo}:{h.hexdigest()}"
 
 

@@ -111,32 +111,15 @@ class Part:
         return digest, {"copy": round(t1 - t0, 4), "hash": round(t2 - t1, 4), "sync": round(t3 - t2, 4)}
 
     def _digest(self, path: str, maps: dict[str, mmap.mmap]) -> str:
-        """The digest of the file just written, its data hashed from the source's mapped bytes in file order (as
-        child.writer.digest_written hashes a worker's shard from memory); the file itself if its layout surprises."""
-        with open(path, "rb") as f:
-            head = f.read(8)
-            (n,) = struct.unpack("<Q", head)
-            header_bytes = f.read(n)
-        header = json.loads(header_bytes)
+        """The digest of the file just written, its data hashed from the source's mapped bytes (as a worker's shard
+        is hashed from its tensors' memory: shared.durable.digest_safetensors)."""
         by_name = {t.name: t for t in self.tensors}
-        spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name)
-                       for name, info in header.items() if name != "__metadata__")
-        pos = 0
-        for start, end, name in spans:
+
+        def data(name: str):
             t = by_name.get(name)
-            if start != pos or t is None or t.nbytes != end - start:
-                return durable.hash_file(path)
-            pos = end
-        if 8 + n + pos != os.path.getsize(path) or len(spans) != len(by_name):
-            return durable.hash_file(path)
-        h = durable.hasher()
-        h.update(head)
-        h.update(header_bytes)
-        for _, _, name in spans:
-            t = by_name[name]
-            with memoryview(maps[t.file]) as view:
-                h.update(view[t.start:t.start + t.nbytes])
-        return f"{durable.ALGO}:{h.hexdigest()}"
+            return None if t is None else memoryview(maps[t.file])[t.start:t.start + t.nbytes]
+
+        return durable.digest_safetensors(path, data)
 
 
 def plan(job: Job, source) -> Part | None:
