@@ -3,6 +3,7 @@
     caller ──job──▶ Supervisor.__init__   validate job, source, output, fingerprint (writes nothing)
                     .start / __enter__    lock OUT, release the live model's GPU memory, start the run thread
                     run thread            journal → parts to do → worker(s) → journal each shard → finalize
+                                          (the non-layer part copied meanwhile when it passes as is: verbatim)
                                           finally: stop the worker, restore the live model, unlock, terminal event
                     .events()             typed events (supervisor.events) until Finished | Failed | Cancelled
                     .cancel()             from any thread: stop soon, leave a resumable state
@@ -487,16 +488,21 @@ class Supervisor:
     def _await_plan(self) -> Described | None:
         """The export plan once judged good; None when the run stops first (refused, failed, cancelled)."""
         while not self._judged.wait(0.1):
-            if self._cancel.is_set() or self._closing.is_set() or (
-                    self._scheduler is not None and self._scheduler.stopping):
+            scheduler = self._scheduler  # _cleanup may drop it meanwhile
+            if self._cancel.is_set() or self._closing.is_set() or (scheduler is not None and scheduler.stopping):
                 return None
         return self._described
 
     def _settle_copy(self, reply: LayerWritten | None, why: str) -> None:
+        """The copy's outcome to the scheduler (`why`: the reason a worker exports the part instead). A run that is
+        ending meanwhile has no scheduler left, or one that journals nothing more (Scheduler.landed)."""
+        scheduler = self._scheduler
+        if scheduler is None:
+            return
         if reply is not None:
-            self._scheduler.landed(reply)
+            scheduler.landed(reply)
         else:
-            self._scheduler.take_back(NON_LAYER)
+            scheduler.take_back(NON_LAYER)
 
     def _source_changed(self, index: int, rec: journal.Shard) -> str | None:
         """A live model's part whose tensors differ from those its shard was made from (a re-run after a crash

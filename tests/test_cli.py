@@ -31,7 +31,8 @@ def test_run_help_shows_a_valid_job_file():
 
 def test_report_bad_input_and_an_old_journal(tmp_path):
     """A folder without a journal, or an --html path in a missing folder: one line, exit 2, no file; a journal
-    written before the report's fields existed still reports (zeros, no error)."""
+    written before the report's fields existed still reports (zeros, "-" for the peaks no worker reported; no
+    error)."""
     proc = cli.run("report", tmp_path, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "holds no export journal" in proc.stderr
     (tmp_path / ".export").mkdir()
@@ -49,4 +50,4 @@ def test_report_bad_input_and_an_old_journal(tmp_path):
         f.write('{"type":"Shard","index":0,"file":"model-layer-00000.safetensors","digest":"xxh3-128:00",'
                 '"nbytes":3145728,"seconds":1.5}\n')
     rows = [ln.split() for ln in cli.run("report", tmp_path).stdout.splitlines() if ln.split()[:1] == ["0"]]
-    assert rows == [["0", "1.50", "0.00", "3.00", "0", "0", "0", "-", "-"]]
+    assert rows == [["0", "1.50", "0.00", "3.00", "-", "-", "0", "-", "-"]]
