@@ -110,6 +110,9 @@ s10c)  # call 3: the GPU export tests after their fix (six layers for the busy G
   CUDA_VISIBLE_DEVICES=0 t 240 export_gpu tests/gpu/test_export_gpu.py
   eb 280 export_w4a16_2 16 --scheme W4A16 --skip kill,1w,warm
   ;;
+s10d)  # call 4: the MoE families on cuda against oneshot, their non-layer parts now the supervisor's copy
+  CUDA_VISIBLE_DEVICES=0 t 230 moe_gpu tests/gpu/test_moe_gpu.py
+  ;;
 s9d)  # call 4: the same benches with the quantization's triton kernels compiled before any tool runs (export_bench's
   # warm step): 8B FP8_DYNAMIC and W4A16 cold against oneshot and model_free_ptq
   eb 280 export_fp8 14 --skip kill,1w,warm
