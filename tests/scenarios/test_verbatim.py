@@ -65,10 +65,8 @@ def test_the_copied_part_is_the_bytes_a_worker_writes(case, sharded_mixed, tiny_
     assert os.listdir(os.path.join(copied, ".export", "tmp")) == []
 
 
-def test_a_worker_exports_the_part_when_the_plan_quantizes_any_of_it(tiny_models, tmp_path):
-    """An architecture transformers does not know is exported by tensor names; with only lm_head ignored, its
-    embedding table is quantized like any Linear weight (model_free_ptq's rule). The copy, made before the plan was
-    known, is dropped and a worker writes the part."""
+def _mystery(tiny_models, tmp_path) -> str:
+    """A Llama checkpoint under a model_type transformers does not know: exported by tensor names."""
     source = str(tmp_path / "mystery")
     shutil.copytree(tiny_models("llama"), source)
     with open(os.path.join(source, "config.json")) as f:
@@ -76,6 +74,21 @@ def test_a_worker_exports_the_part_when_the_plan_quantizes_any_of_it(tiny_models
     config.update(model_type="mystery", architectures=["MysteryForCausalLM"])
     with open(os.path.join(source, "config.json"), "w") as f:
         json.dump(config, f)
+    return source
+
+
+def test_an_export_by_tensor_names_copies_the_part_too(tiny_models, tmp_path):
+    """By names, the default ignore list keeps the embeddings dense as well as lm_head: the copy stands."""
+    copied, worker = _export_both_ways(tmp_path, _mystery(tiny_models, tmp_path), "W4A16")
+    assert cli.output_bytes(copied) == cli.output_bytes(worker)
+    assert set(_non_layer_record(copied)["stages"]) == {"copy", "hash", "sync"}
+
+
+def test_a_worker_exports_the_part_when_the_plan_quantizes_any_of_it(tiny_models, tmp_path):
+    """An architecture transformers does not know is exported by tensor names; with only lm_head ignored, its
+    embedding table is quantized like any Linear weight (model_free_ptq's rule). The copy, made before the plan was
+    known, is dropped and a worker writes the part."""
+    source = _mystery(tiny_models, tmp_path)
     copied, worker = _export_both_ways(tmp_path, source, "FP8_DYNAMIC", ignore=["lm_head"])
     assert cli.output_bytes(copied) == cli.output_bytes(worker)
     assert "quantize" in _non_layer_record(copied)["stages"]
