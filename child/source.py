@@ -11,7 +11,6 @@ supervisor refuses such sources before a child starts; this is the second line o
 """
 from __future__ import annotations
 
-import json
 import os
 from collections import defaultdict
 from collections.abc import Collection
@@ -19,10 +18,8 @@ from typing import Protocol
 
 from safetensors import safe_open
 
-from shared import tensor_names
+from shared import checkpoint, tensor_names
 from shared.layout import SAFETENSORS_DTYPES
-
-INDEX = "model.safetensors.index.json"
 
 
 def _inside(folder: str, name: str) -> str:
@@ -100,18 +97,7 @@ class NamedTensors:
 class Checkpoint(NamedTensors):
     def __init__(self, folder: str):
         self.folder = folder
-        self.weight_map: dict[str, str] = {}  # tensor name -> file name
-        index = os.path.join(folder, INDEX)
-        if os.path.exists(index):
-            with open(index) as f:
-                self.weight_map = dict(json.load(f)["weight_map"])
-        else:
-            for fn in sorted(os.listdir(folder)):
-                if fn.endswith(".safetensors"):
-                    with safe_open(_inside(folder, fn), "pt") as f:
-                        for k in f.keys():
-                            self.weight_map[k] = fn
-
+        self.weight_map = checkpoint.weight_map(folder)  # tensor name -> file name
         self._names = self.weight_map.keys()
 
     def meta(self, names: list[str]) -> dict:

@@ -13,12 +13,12 @@ nothing beside the write. Bare hex digests (journals of earlier versions) are sh
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import struct
 from typing import Callable
 
 import xxhash
+
+from shared import checkpoint
 
 _CHUNK = 8 * 1024 * 1024
 ALGO = "xxh3-128"
@@ -94,11 +94,7 @@ def digest_safetensors(path: str, data: Callable[[str], object], algo: str = ALG
     read back (a few KB) and each tensor's bytes, `data(name)` (a bytes-like object, or None), hashed from memory in
     the header's offset order, so the file is not read a second time. Falls back to hashing the file when the layout
     is not the contiguous one safetensors writes, or a tensor's bytes are not at hand or not its size."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        (n,) = struct.unpack("<Q", head)
-        header_bytes = f.read(n)
-    header = json.loads(header_bytes)
+    header, head = checkpoint.header(path)
     spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name)
                    for name, info in header.items() if name != "__metadata__")
     views, pos = [], 0
@@ -108,11 +104,10 @@ def digest_safetensors(path: str, data: Callable[[str], object], algo: str = ALG
             return hash_file(path, algo)
         views.append(view)
         pos = end
-    if 8 + n + pos != os.path.getsize(path):
+    if len(head) + pos != os.path.getsize(path):
         return hash_file(path, algo)
     h = hasher(algo)
     h.update(head)
-    h.update(header_bytes)
     for view in views:
         h.update(view)
     return f"{algo}:{h.hexdigest()}"

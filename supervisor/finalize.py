@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 
-from shared import durable, layout
+from shared import checkpoint, durable, layout
 from shared.messages import NON_LAYER
 
 # Weights and the index are produced by the export; config.json is rewritten with quantization_config.
@@ -24,19 +23,11 @@ def shard_files(num_layers: int) -> list[str]:
     return [layout.shard_name(i) for i in range(num_layers)] + [layout.shard_name(NON_LAYER)]
 
 
-def _header(path: str) -> dict:
-    # The safetensors format: 8-byte little-endian header length, then the JSON header. Reading only the
-    # header avoids mapping tensors (and needs no dtype table: data_offsets give each tensor's exact size).
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n))
-
-
 def write_index(output: str, files: list[str]) -> None:
     weight_map: dict[str, str] = {}
     total = 0
     for fn in files:
-        for name, info in _header(os.path.join(output, fn)).items():
+        for name, info in checkpoint.header(os.path.join(output, fn))[0].items():
             if name == "__metadata__":
                 continue
             start, end = info["data_offsets"]

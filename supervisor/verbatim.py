@@ -25,7 +25,6 @@ Owns this copy only: it never imports torch, never quantizes, and journals only 
 from __future__ import annotations
 
 import ctypes
-import json
 import mmap
 import os
 import struct
@@ -36,7 +35,7 @@ from typing import Callable
 
 from safetensors import TensorSpec, serialize_file
 
-from shared import durable, layout, tensor_names
+from shared import checkpoint, durable, layout, tensor_names
 from shared.job import Job, effective_ignore, ignores_lm_head, is_calibrated
 from shared.messages import NON_LAYER, Described, LayerWritten
 
@@ -135,44 +134,31 @@ def plan(job: Job, source) -> Part | None:
     if not names:
         return None
     try:
-        where = _locate(source.path, source.files, names)
+        where = _locate(source.path, names)
     except (OSError, ValueError, KeyError, TypeError, struct.error):
         return None  # a layout this copy does not know: the worker reads it as usual
     return Part(source.path, tuple(where[n] for n in names)) if where is not None else None
 
 
-def _locate(folder: str, files: list[str], names: list[str]) -> dict[str, Tensor] | None:
-    """Where each tensor's bytes lie, read from the safetensors headers; the file a name comes from is the one the
-    worker reads it from (child.source.Checkpoint: the index's weight_map, else the last file in name order)."""
-    index = os.path.join(folder, layout.INDEX)
-    if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-    else:
-        weight_map = {}
-        for fn in sorted(files):
-            weight_map.update(dict.fromkeys(_header(os.path.join(folder, fn))[1], fn))
+def _locate(folder: str, names: list[str]) -> dict[str, Tensor] | None:
+    """Where each tensor's bytes lie, read from the safetensors headers of the files the worker reads them from
+    (shared.checkpoint.weight_map, as child.source.Checkpoint); None when a dtype is not one safetensors.torch
+    writes under a torch name."""
+    weight_map = checkpoint.weight_map(folder)
     wanted: dict[str, list[str]] = {}
     for n in names:
         wanted.setdefault(weight_map[n], []).append(n)
     out = {}
     for fn, keys in wanted.items():
-        data_start, header = _header(os.path.join(folder, fn))
+        header, head = checkpoint.header(os.path.join(folder, fn))
         for k in keys:
             info = header[k]
             dtype = layout.SAFETENSORS_DTYPES.get(info["dtype"])
             if dtype is None:
                 return None
             begin, end = info["data_offsets"]
-            out[k] = Tensor(k, fn, dtype, tuple(info["shape"]), data_start + begin, end - begin)
+            out[k] = Tensor(k, fn, dtype, tuple(info["shape"]), len(head) + begin, end - begin)
     return out
-
-
-def _header(path: str) -> tuple[int, dict]:
-    """(where the data section starts, the header) of a safetensors file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return 8 + n, json.loads(f.read(n))
 
 
 class Copy:

@@ -39,6 +39,7 @@ import time
 from typing import Callable
 
 from shared import durable
+from supervisor import verbatim
 from supervisor.logpump import LogPump, OnLine
 from supervisor.worker import CancelledWait, describe_exit
 
@@ -48,7 +49,7 @@ DEFAULT_KEEP_WARM = 300.0
 # Read after the fork (the worker's own environment), by the supervisor only, or by nothing at import: a run that
 # differs only in these reuses a kept zygote. Everything else in the environment is part of the key.
 _NOT_IN_KEY = {"PWD", "OLDPWD", "_", "SHLVL", "COLUMNS", "LINES", "SUPERVISOR_TEST_FAULT",
-               "SUPERVISOR_TEST_TENSOR_LOG", "SUPERVISOR_TEST_NO_COPY_AHEAD", KEEP_WARM_ENV}
+               "SUPERVISOR_TEST_TENSOR_LOG", verbatim.OFF_ENV, KEEP_WARM_ENV}
 _LIBRARIES = ("torch", "transformers", "compressed-tensors", "llmcompressor", "accelerate", "safetensors",
               "torchao", "msgspec", "peft")
 _kept_procs: list[subprocess.Popen] = []  # kept zygotes this process started: never collected while they run
