@@ -215,6 +215,22 @@ def run_supervisor(args, src: str, out: str, work: str, workers: int, env: dict 
             "stderr": proc.stderr}
 
 
+def per_layer_table(events: list[dict]) -> str:
+    """The run's parts in the order they were written: which worker, when it started and was written (event times),
+    and its seconds by stage, so a slow first part per worker (a per-process start cost) reads apart from a slow
+    pace (contention)."""
+    started = {e["index"]: e for e in events if e["type"] == "LayerStarted"}
+    written = [e for e in events if e["type"] == "LayerWritten"]
+    names = list(dict.fromkeys(k for e in written for k in e.get("stages", {})))
+    lines = ["| part | worker | started s | written s | " + " | ".join(names) + " |",
+             "| --- " * (4 + len(names)) + "|"]
+    for e in written:
+        s = started.get(e["index"], {})
+        lines.append(f"| {e['index']} | {s.get('worker', '-')} | {s.get('t', float('nan')):.2f} | {e['t']:.2f} | "
+                     + " | ".join(f"{e.get('stages', {}).get(k, 0.0):.3f}" for k in names) + " |")
+    return "\n".join(lines)
+
+
 def mean_stages(layers: list[dict]) -> dict[str, float]:
     """Stage name -> mean seconds over these LayerWritten events."""
     stages: dict[str, float] = {}
@@ -395,6 +411,8 @@ def main() -> None:
                     "of a comma-separated list (0: the job default); the first is the one compared")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "export-bench"))
     ap.add_argument("--skip", default="", help="comma-separated tools to skip: oneshot,model_free_ptq,kill,1w,warm")
+    ap.add_argument("--per-layer", action="store_true", help="also print each supervisor run's parts one per row: worker, "
+                    "start and end (s from the run's start), seconds by stage")
     ap.add_argument("--measure-error", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
                     help="[export] measure_error = true|false (default: the job default, on a GPU only)")
     args = ap.parse_args()
@@ -474,6 +492,9 @@ def main() -> None:
                   + ", ".join(f"{k} {v:.3f}" for k, v in r["stages"].items()))
         if r.get("events"):
             print(f"{name}: {timeline(r['events'], r['wall'])}")
+    for name, r in rows if args.per_layer else ():
+        if r.get("events"):
+            print(f"{name}, part by part:\n{per_layer_table(r['events'])}")
     if one:
         print(f"ratio wall supervisor / oneshot: {sup['wall'] / one['wall']:.2f}")
         print("ours vs oneshot:", compare(os.path.join(args.workdir, "sup"), os.path.join(args.workdir, "oneshot")))

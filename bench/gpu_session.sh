@@ -96,6 +96,11 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 }
 
 case "${1:-tests}" in
+s11a)  # eleventh session, call 1: where W4A16's quantize stage goes with three workers on one GPU, part by part
+  # (a per-process first-part cost, or a steady pace slowed by the other workers), against one worker; then FP8_DYNAMIC
+  eb 300 export_w4a16 90 --scheme W4A16 --skip kill,1w,warm,model_free_ptq --workers 0,1 --per-layer
+  eb 200 export_fp8 50 --skip kill,1w,warm,model_free_ptq,oneshot --per-layer
+  ;;
 s10a)  # tenth session, call 1: the non-layer part written by the supervisor during the imports
   # (supervisor/verbatim.py): 8B FP8_DYNAMIC and W4A16 cold against oneshot and model_free_ptq, kernels warmed
   eb 280 export_fp8 16 --skip kill,1w,warm
