@@ -96,6 +96,14 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 }
 
 case "${1:-tests}" in
+s11b)  # call 2: a fresh worker's first part and a read-ahead copy beside the quantize stage (bench/first_part.py)
+  # (each scheme twice: a fresh machine's first process compiles the Triton kernels, the second finds them cached)
+  for run in W4A16.1 W4A16.2 FP8_DYNAMIC.1 FP8_DYNAMIC.2; do
+    CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/first_part.py --device cuda:0 --scheme ${run%.*} 2>&1 | quiet \
+      > "$OUT/first_part_$run.txt"
+    echo "== $run"; grep "imports\|context\|LayerQuantizer\|first quantize\|alone\|with the next" "$OUT/first_part_$run.txt"
+  done
+  ;;
 s11a)  # eleventh session, call 1: where W4A16's quantize stage goes with three workers on one GPU, part by part
   # (a per-process first-part cost, or a steady pace slowed by the other workers), against one worker; then FP8_DYNAMIC
   eb 300 export_w4a16 90 --scheme W4A16 --skip kill,1w,warm,model_free_ptq --workers 0,1 --per-layer
