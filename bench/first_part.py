@@ -4,7 +4,8 @@
    `export_bench.py --per-layer`): where it goes, by cProfile of that first call in a fresh process;
 2. the next part read ahead onto the device while this one is quantized (child/__main__.py's prefetch thread): the
    quantize call alone, then with another layer's mapped tensors copied to the device in a thread at the same time,
-   on the default stream and on a stream of the thread's own.
+   on the default stream and on a stream of the thread's own, the quantize stage's output taken off the GPU as a
+   worker does (child/staging.py).
 
     python bench/first_part.py --device cuda:0 --scheme W4A16
     python bench/first_part.py --device cpu --hidden 512 --intermediate 1536     # dry run on a CPU machine
@@ -99,27 +100,43 @@ def main() -> None:
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(20)
         print("\n".join(line for line in s.getvalue().splitlines() if line.strip())[:5000])
 
-        def quantize() -> float:
-            sync()
+        from child.staging import HostStaging
+
+        staging = HostStaging(str(device))
+        device_wide = [False]
+
+        def to_host(tensors: dict) -> dict:
+            out = staging.to_host(tensors)
+            if device_wide[0]:
+                torch.cuda.synchronize(device)  # what the worker's staging did before 2026-12-01
+            return out
+
+        qs = LayerQuantizer(tmp, args.scheme, ["lm_head"], device=str(device), tensor_names=names, to_host=to_host)
+
+        def quantize() -> float:  # as a worker's quantize stage: the output in its pinned buffer, its stream synced
             t = time.perf_counter()
-            q.quantize_layer(0, on_device)
-            sync()
+            qs.quantize_layer(0, on_device)
             return time.perf_counter() - t
 
-        print("alone: " + " ".join(f"{quantize():.3f}" for _ in range(args.rounds)))
+        quantize()
+        print("alone, output into the pinned buffer: " + " ".join(f"{quantize():.3f}" for _ in range(args.rounds)))
         if not cuda:
             return
 
         def copy(stream) -> None:
-            with torch.cuda.stream(stream) if stream is not None else torch.cuda.stream(torch.cuda.current_stream()):
+            with torch.cuda.stream(stream):
                 out = {k: v.to(device) for k, v in mapped[1].items()}
-            (stream or torch.cuda.current_stream()).synchronize()
+            stream.synchronize()
             del out
 
-        for label, make in (("default stream", lambda: None), ("a stream of its own", torch.cuda.Stream)):
+        for label, own, wide in (("default stream, device-wide synchronize (the worker before)", False, True),
+                                 ("default stream, the quantize's stream synchronized", False, False),
+                                 ("a stream of its own, the quantize's stream synchronized (the worker now)", True,
+                                  False)):
+            device_wide[0] = wide
             walls, copies = [], []
             for _ in range(args.rounds):
-                stream = make()
+                stream = torch.cuda.Stream(device) if own else torch.cuda.current_stream(device)
                 done = []
                 th = threading.Thread(target=lambda: (copy(stream), done.append(time.perf_counter())))
                 sync()

@@ -218,6 +218,36 @@ def _stop_listening(listener: socket.socket, path: str, info: str, bound: int) -
     listener.close()
 
 
+def _hash_triton_ahead() -> threading.Thread | None:
+    """Start computing Triton's own key in a thread beside the imports; None where Triton is not installed.
+
+    A process's first Triton kernel launch (compressed-tensors quantizes with Triton kernels on a GPU) hashes
+    Triton's sources and its ~400 MB libtriton.so to key the on-disk kernel cache (`triton.runtime.cache.triton_key`,
+    cached per process): 0.6 s of every fresh worker's first part on an H200 machine (2026-12-01,
+    bench/first_part.py), against 0.1 s for the quantization itself. It needs no GPU, so the warm parent computes it
+    once, while the main thread imports (hashing and file reads release the GIL), and every worker forked after it
+    inherits the answer. Any failure leaves the worker to compute it itself, as before."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("triton") is None:
+            return None
+    except (ImportError, ValueError):
+        return None
+
+    def run() -> None:
+        try:
+            from triton.runtime.cache import triton_key
+
+            triton_key()
+        except Exception:  # noqa: BLE001 - a head start only
+            pass
+
+    thread = threading.Thread(target=run, name="triton-key", daemon=True)
+    thread.start()
+    return thread
+
+
 def _restore_triton_detection() -> None:
     os.environ.pop("TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION", None)
     try:
@@ -290,8 +320,11 @@ def _imports(fmt: str) -> tuple[float, bool]:
 
     from child.backend import preload
 
+    hashing = _hash_triton_ahead()
     with _capability_from_nvml(torch):
         preload(fmt)
+    if hashing is not None:
+        hashing.join()  # no thread may be running at a fork
     _restore_triton_detection()
     from child import faults
 
