@@ -2,10 +2,10 @@
 
 1. the first part a fresh worker quantizes (0.70-0.78 s on an H200 against 0.08 s for the next ones, 2026-12-01,
    `export_bench.py --per-layer`): where it goes, by cProfile of that first call in a fresh process;
-2. the next part read ahead onto the device while this one is quantized (child/__main__.py's prefetch thread): the
-   quantize call alone, then with another layer's mapped tensors copied to the device in a thread at the same time,
-   on the default stream and on a stream of the thread's own, the quantize stage's output taken off the GPU as a
-   worker does (child/staging.py).
+2. the next part copied onto the device while this one is quantized (what child/__main__.py's prefetch thread did
+   until 2026-12-01; it now copies after the quantize stage): the quantize call alone, then with another layer's
+   mapped tensors copied to the device in a thread at the same time, on the default stream and on a stream of the
+   thread's own, the output taken off the GPU as a worker does (child/staging.py).
 
     python bench/first_part.py --device cuda:0 --scheme W4A16
     python bench/first_part.py --device cpu --hidden 512 --intermediate 1536     # dry run on a CPU machine
@@ -108,7 +108,7 @@ def main() -> None:
         def to_host(tensors: dict) -> dict:
             out = staging.to_host(tensors)
             if device_wide[0]:
-                torch.cuda.synchronize(device)  # what the worker's staging did before 2026-12-01
+                torch.cuda.synchronize(device)  # what the worker's staging did until 2026-12-01
             return out
 
         qs = LayerQuantizer(tmp, args.scheme, ["lm_head"], device=str(device), tensor_names=names, to_host=to_host)
@@ -129,10 +129,8 @@ def main() -> None:
             stream.synchronize()
             del out
 
-        for label, own, wide in (("default stream, device-wide synchronize (the worker before)", False, True),
-                                 ("default stream, the quantize's stream synchronized", False, False),
-                                 ("a stream of its own, the quantize's stream synchronized (the worker now)", True,
-                                  False)):
+        for label, own, wide in (("default stream, the device synchronized after the quantize stage", False, True),
+                                 ("default stream", False, False), ("a stream of its own", True, False)):
             device_wide[0] = wide
             walls, copies = [], []
             for _ in range(args.rounds):

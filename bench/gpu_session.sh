@@ -101,10 +101,11 @@ s11c)  # call 3: after the read-ahead's own stream and the warm parent's Triton 
   eb 290 export_w4a16 80 --scheme W4A16 --skip kill,1w,warm --workers 0,1 --per-layer
   eb 290 export_fp8 80 --skip kill,1w,warm --workers 0,1 --per-layer
   ;;
-s11d)  # call 4: the GPU export and staging tests after those changes, then W4A16 and FP8_DYNAMIC once more
-  CUDA_VISIBLE_DEVICES=0 t 240 export_gpu tests/gpu/test_export_gpu.py tests/test_staging.py
-  eb 170 export_w4a16_2 16 --scheme W4A16 --skip kill,1w,warm,model_free_ptq
-  eb 170 export_fp8_2 16 --skip kill,1w,warm,model_free_ptq
+s11d)  # call 4: the read-ahead's copy after the quantize stage instead of beside it: 8B W4A16 and FP8_DYNAMIC cold
+  # against oneshot, part by part; then the GPU export and staging tests
+  eb 190 export_w4a16_2 80 --scheme W4A16 --skip kill,1w,warm,model_free_ptq --per-layer
+  eb 190 export_fp8_2 80 --skip kill,1w,warm,model_free_ptq --per-layer
+  CUDA_VISIBLE_DEVICES=0 t 200 export_gpu tests/gpu/test_export_gpu.py tests/test_staging.py
   ;;
 s11b)  # call 2: a fresh worker's first part and a read-ahead copy beside the quantize stage (bench/first_part.py)
   # (each scheme twice: a fresh machine's first process compiles the Triton kernels, the second finds them cached)

@@ -146,7 +146,6 @@ class Exporter:
         self.prefix = self.backend.layer_prefix
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self._ahead: dict[int, Future] = {}
-        self._read_stream = None  # the read-ahead's CUDA stream, made on first use (_to_device)
 
     def _names(self, index: int) -> list[str]:
         if index == NON_LAYER:
@@ -155,51 +154,46 @@ class Exporter:
 
     def _read(self, index: int) -> tuple[dict, str]:
         fut = self._ahead.pop(index, None)
-        tensors, digest = fut.result() if fut is not None else self._load(index)
-        if self._read_stream is not None:
-            import torch
+        return fut.result() if fut is not None else self._load(index)
 
-            # read on the read-ahead's stream, used on this thread's: the allocator must not hand their memory to
-            # the next read-ahead before this thread's kernels are done with it
-            stream = torch.cuda.current_stream(self.device)
-            for t in tensors.values():
-                if t.is_cuda:
-                    t.record_stream(stream)
-        return tensors, digest
-
-    def _load(self, index: int) -> tuple[dict, str]:
-        """Part `index`'s tensors, for a layer on a GPU already on the device. safetensors hands out tensors that
-        map the file, so the bytes are only read (page faults, then the copy to the GPU) when first touched:
-        doing that here, in the prefetch thread, overlaps it with the quantization of the part before
+    def _load(self, index: int, *, onto_device: bool = True) -> tuple[dict, str]:
+        """Part `index`'s tensors, for a layer on a GPU already on the device (unless `onto_device` is False).
+        safetensors hands out tensors that map the file, so the bytes are only read (page faults, then the copy to
+        the GPU) when first touched: doing that in the prefetch thread overlaps it with the part before
         (measured on an H200: a 436 MB layer spent ~0.2 s of its 0.43 s "quantize" stage reading)."""
         names = self._names(index)
         tensors, digest = self.source.read(names), self.source.digest(names)  # the digest: of the source bytes
+        return (self._onto_device(index, tensors) if onto_device else tensors), digest
+
+    def _onto_device(self, index: int, tensors: dict) -> dict:
         if index != NON_LAYER and self.device.startswith("cuda") and self.backend.reads_to_device \
                 and not self.device_lock and self.source.nbytes(tensors) <= DEVICE_READ_AHEAD_MAX:
-            tensors = self._to_device(tensors)
-        return tensors, digest
-
-    def _to_device(self, tensors: dict) -> dict:
-        """`tensors` copied to the GPU on a stream of the read-ahead's own, finished when this returns. On the
-        default stream the part being quantized meanwhile queued its kernels behind this copy and, when it
-        synchronized to take its output off the GPU, waited for all of it: measured on an H200 (2026-12-01,
-        `bench/export_bench.py --per-layer`), an 8B-shaped layer's quantize stage took 0.07-0.09 s beside a
-        read-ahead and 0.016 s for the last layer, which has none."""
-        import torch
-
-        if self._read_stream is None:
-            self._read_stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(self._read_stream):
-            out = {k: v.to(self.device) for k, v in tensors.items()}
-        self._read_stream.synchronize()
-        return out
+            return {k: v.to(self.device) for k, v in tensors.items()}
+        return tensors
 
     def _prefetch(self, index: int | None) -> None:
-        # Overlap reading the next layer with quantizing this one; keep at most one layer in flight.
+        """Start reading part `index` (the next one) in the background, beside this part's quantize stage; its copy
+        to the GPU waits for _prefetch_onto_device. Keeps at most one part in flight."""
         for stale in [k for k in self._ahead if k != index]:
             self._ahead.pop(stale).cancel()
         if index is not None and index not in self._ahead:
-            self._ahead[index] = self._pool.submit(self._load, index)
+            self._ahead[index] = self._pool.submit(self._load, index, onto_device=False)
+
+    def _prefetch_onto_device(self, index: int | None) -> None:
+        """Once this part's quantize stage is over: copy the part read ahead to the GPU, beside this part's write.
+        Beside the quantize stage the copy held it up, on the default stream or on one of its own: measured on an
+        H200 (2026-12-01, `bench/export_bench.py --per-layer`), an 8B-shaped layer's quantize stage took 0.07-0.09 s
+        beside the copy and 0.016 s for the last layer, which has none to copy. (The prefetch thread runs one task at
+        a time, in order: the read has finished when the copy starts.)"""
+        read = self._ahead.get(index) if index is not None else None
+        if read is None:
+            return
+
+        def copy() -> tuple[dict, str]:
+            tensors, digest = read.result()
+            return self._onto_device(index, tensors), digest
+
+        self._ahead[index] = self._pool.submit(copy)
 
     @contextlib.contextmanager
     def _device_stage(self, index: int):
@@ -265,6 +259,7 @@ class Exporter:
             del tensors
             out = {k: v.to("cpu") for k, v in out.items()}  # pass-through tensors may still be on the device
         t2 = time.perf_counter()
+        self._prefetch_onto_device(msg.prefetch)
         error_seconds = quant_error.spent
         errors = quant_error.take()
         faults.hit("quantize", index, writer)

@@ -65,9 +65,8 @@ class HostStaging:
             offset += aligned(n)
             out[k] = view
         for device in {v.device for v in staged.values() if v.device.type == "cuda"}:
-            # the copies were asynchronous: done before anyone reads the views. This thread's stream only, where
-            # they were queued: a device-wide synchronize also waited for the next part's read-ahead copy (another
-            # stream, child/__main__.py), measured as most of a GPU worker's quantize stage
+            # the copies were asynchronous: done before anyone reads the views (the stream they were queued on,
+            # not every stream of the device)
             torch.cuda.current_stream(device).synchronize()
         return out
 
