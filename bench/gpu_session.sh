@@ -96,6 +96,12 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
 }
 
 case "${1:-tests}" in
+s11e)  # call 5, two GPUs: 8B FP8_DYNAMIC with the default workers (three, over both GPUs) against oneshot
+  rm -rf /tmp/export-bench
+  timeout 250 python3 bench/export_bench.py --device cuda --measure-error false --skip kill,1w,warm,model_free_ptq \
+    2>&1 | quiet > "$OUT/export_fp8_2gpu.txt"
+  tail -14 "$OUT/export_fp8_2gpu.txt"
+  ;;
 s11c)  # call 3: after the read-ahead's own stream and the warm parent's Triton key: 8B W4A16 and FP8_DYNAMIC cold
   # against oneshot and model_free_ptq, part by part, one worker beside the default three
   eb 290 export_w4a16 80 --scheme W4A16 --skip kill,1w,warm --workers 0,1 --per-layer
