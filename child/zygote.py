@@ -232,13 +232,15 @@ def _hash_triton_ahead() -> threading.Thread | None:
     try:
         if importlib.util.find_spec("triton") is None:
             return None
-    except (ImportError, ValueError):
+        # imported here, not in the thread (Triton is imported anyway: compressed-tensors imports it), so the thread
+        # imports at most Triton's own subpackages (pkgutil.walk_packages), which nothing the main thread imports
+        # needs while it holds them
+        from triton.runtime.cache import triton_key
+    except Exception:  # noqa: BLE001 - an unusable Triton: its own importer reports it, as before
         return None
 
     def run() -> None:
         try:
-            from triton.runtime.cache import triton_key
-
             triton_key()
         except Exception:  # noqa: BLE001 - a head start only
             pass
