@@ -183,8 +183,8 @@ class Exporter:
         """Once this part's quantize stage is over: copy the part read ahead to the GPU, beside this part's write.
         Beside the quantize stage the copy held it up, on the default stream or on one of its own: measured on an
         H200 (2026-12-01, `bench/export_bench.py --per-layer`), an 8B-shaped layer's quantize stage took 0.07-0.11 s
-        beside the copy and 0.016-0.025 s for the last layer, which has none to copy (after it: 0.012-0.035 s). (The prefetch thread runs one task at
-        a time, in order: the read has finished when the copy starts.)"""
+        beside the copy and 0.016-0.025 s for the last layer, which has none to copy; after it, 0.012-0.035 s.
+        (The prefetch thread runs one task at a time, in order: the read has finished when the copy starts.)"""
         read = self._ahead.get(index) if index is not None else None
         if read is None:
             return
