@@ -502,6 +502,7 @@ class Supervisor:
         if reply is not None:
             scheduler.landed(reply)
         else:
+            self._emit(ev.CopyDeclined(index=NON_LAYER, reason=why))
             scheduler.take_back(NON_LAYER)
 
     def _source_changed(self, index: int, rec: journal.Shard) -> str | None:

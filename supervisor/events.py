@@ -61,6 +61,14 @@ class WorkerLeftOut(Event):
     reason: str
 
 
+class CopyDeclined(Event):
+    """The part the supervisor copied ahead (the non-layer part, supervisor/verbatim.py) is not used: the export plan
+    changes some of it, or the copy failed. A worker exports the part instead, as with no copy; only time is lost."""
+
+    index: int
+    reason: str
+
+
 class LayerStarted(Event):
     index: int  # -1 is the non-layer shard
     attempt: int
@@ -134,8 +142,8 @@ class Cancelled(Event):
     message: str = "cancelled; run the same job again to resume"
 
 
-AnyEvent = Union[Started, MemoryReleased, PoolStarted, WorkerStarted, WorkerLeftOut, LayerStarted, LayerWritten,
-                 Progress, Retrying, ModelRestored, LogLine, Finished, Failed, Cancelled]
+AnyEvent = Union[Started, MemoryReleased, PoolStarted, WorkerStarted, WorkerLeftOut, CopyDeclined, LayerStarted,
+                 LayerWritten, Progress, Retrying, ModelRestored, LogLine, Finished, Failed, Cancelled]
 TERMINAL = (Finished, Failed, Cancelled)
 
 _json = msgspec.json.Encoder()

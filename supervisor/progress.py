@@ -73,6 +73,9 @@ class Display:
                 p.console.print(f"worker {e.worker} (pid {e.pid}) on {e.device} ready in {e.seconds:.1f}s{again}")
             case ev.WorkerLeftOut():
                 p.console.print(f"[yellow]worker {e.worker} on {e.device} left out: {e.reason}")
+            case ev.CopyDeclined():
+                p.console.print(f"{_part(e.index)}: a worker exports it, its copy made ahead is not used: {e.reason}",
+                                style="dim")
             case ev.Progress():
                 rate = f"{e.mb_per_s:,.1f} MB/s"
                 eta = "-" if e.eta_s is None else f"{e.eta_s:,.0f}s"

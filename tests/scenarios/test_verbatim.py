@@ -30,9 +30,13 @@ def _export_both_ways(tmp_path, source, scheme, **job) -> tuple[str, str]:
     for name, env in (("copied", None), ("worker", OFF)):
         out = str(tmp_path / name)
         job_path = cli.write_job(tmp_path / f"{name}.toml", source, out, scheme, **job)
-        cli.run("run", job_path, "--json", env=env)
+        _declined[out] = [e for e in cli.events(cli.run("run", job_path, "--json", env=env))
+                          if e["type"] == "CopyDeclined"]
         outs.append(out)
     return outs[0], outs[1]
+
+
+_declined: dict[str, list[dict]] = {}  # output folder -> the CopyDeclined events of the run that wrote it
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +67,7 @@ def test_the_copied_part_is_the_bytes_a_worker_writes(case, sharded_mixed, tiny_
     assert set(_non_layer_record(copied)["stages"]) == {"copy", "hash", "sync"}
     assert "quantize" in _non_layer_record(worker)["stages"]
     assert os.listdir(os.path.join(copied, ".export", "tmp")) == []
+    assert _declined[copied] == [] and _declined[worker] == []  # used; and never made with the copy off
 
 
 def _mystery(tiny_models, tmp_path) -> str:
@@ -92,6 +97,9 @@ def test_a_worker_exports_the_part_when_the_plan_quantizes_any_of_it(tiny_models
     copied, worker = _export_both_ways(tmp_path, source, "FP8_DYNAMIC", ignore=["lm_head"])
     assert cli.output_bytes(copied) == cli.output_bytes(worker)
     assert "quantize" in _non_layer_record(copied)["stages"]
+    # the run said why (the CLI shows the same line)
+    assert [(e["index"], e["reason"]) for e in _declined[copied]] == [
+        (-1, "the export plan quantizes 'model.embed_tokens.weight'")]
     from safetensors import safe_open
 
     with safe_open(os.path.join(copied, "model-non-layer.safetensors"), "np") as f:
