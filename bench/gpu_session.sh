@@ -95,7 +95,23 @@ print(f"oneshot imports: {time.perf_counter() - t:.2f} s")' 2>&1 | grep "oneshot
   head -25 "$OUT/importtime.txt"; tail -4 "$OUT/importtime.txt"
 }
 
+triton_key_check() {  # the warm parent's imports as child/zygote.py does them: forkable, and Triton's key cached?
+  timeout 120 python3 -c '
+import time
+from child.zygote import _imports
+seconds, forkable = _imports("compressed-tensors")
+import torch, triton.runtime.cache as c
+print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialised {torch.cuda.is_initialized()}, "
+      f"Triton key cached: {c.triton_key.cache_info().currsize == 1}")' 2>&1 | grep "warm parent" | tee "$OUT/triton_key.txt"
+}
+
 case "${1:-tests}" in
+s12a)  # next session, call 1: the final form of the Triton key (its module imported on the warm parent's main
+  # thread) checked, then 8B W4A16 and FP8_DYNAMIC cold against oneshot and model_free_ptq, part by part
+  triton_key_check
+  eb 250 export_w4a16 40 --scheme W4A16 --skip kill,1w,warm --per-layer
+  eb 250 export_fp8 40 --skip kill,1w,warm --per-layer
+  ;;
 s11e)  # call 5, two GPUs: 8B FP8_DYNAMIC with the default workers (three, over both GPUs) against oneshot
   rm -rf /tmp/export-bench
   timeout 250 python3 bench/export_bench.py --device cuda --measure-error false --skip kill,1w,warm,model_free_ptq \
