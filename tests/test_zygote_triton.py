@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import functools
 import importlib.machinery
+import os
+import subprocess
 import sys
+import textwrap
 import types
 
 from child import zygote
@@ -56,3 +59,50 @@ def test_a_failing_key_leaves_the_worker_to_compute_it(monkeypatch):
     thread = zygote._hash_triton_ahead()
     thread.join(timeout=30)
     assert not thread.is_alive()  # it ended quietly: the imports go on and report ready
+
+
+# In a fresh interpreter (the imports change its environment and freeze its objects): a stand-in Triton whose key
+# logs the pid of each process that computes it, the libraries' imports replaced by a wait for that key (so the key
+# must be computed beside them, not after), then a fork, as the zygote forks a worker, whose first kernel asks for it.
+_THROUGH_IMPORTS = textwrap.dedent("""
+    import functools, importlib.machinery, os, sys, threading, types
+    log = sys.argv[1]
+
+    @functools.lru_cache
+    def triton_key():
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        computed.set()
+        return "3.x-abc"
+
+    computed = threading.Event()
+    triton = types.ModuleType("triton")
+    triton.__spec__ = importlib.machinery.ModuleSpec("triton", None, is_package=True)
+    triton.__path__ = []
+    runtime, cache = types.ModuleType("triton.runtime"), types.ModuleType("triton.runtime.cache")
+    cache.triton_key, runtime.cache, triton.runtime = triton_key, cache, runtime
+    sys.modules.update({"triton": triton, "triton.runtime": runtime, "triton.runtime.cache": cache})
+
+    import child.backend
+    child.backend.preload = lambda fmt: print("beside the imports:", computed.wait(timeout=30))
+    from child import zygote
+
+    zygote._imports("compressed-tensors")
+    print("parent", os.getpid())
+    pid = os.fork()
+    if pid == 0:
+        triton_key()
+        os._exit(0)
+    os.waitpid(pid, 0)
+""")
+
+
+def test_the_warm_parent_computes_the_key_beside_its_imports_and_its_forks_inherit_it(tmp_path):
+    log = tmp_path / "computed"
+    proc = subprocess.run([sys.executable, "-c", _THROUGH_IMPORTS, str(log)], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "beside the imports: True" in lines
+    parent = next(line.split()[1] for line in lines if line.startswith("parent "))
+    assert log.read_text().split() == [parent]  # computed once, by the warm parent; the fork found it cached
