@@ -12,7 +12,6 @@ from child.__main__ import Beat, Exporter
 from shared import layout
 from shared.job import parse_job
 from shared.messages import PROTOCOL_VERSION, ExportLayer, Hello
-from tests.models import load_tensors
 
 
 class _NoWire:
@@ -67,7 +66,6 @@ def test_the_next_part_goes_onto_the_device_only_after_this_parts_quantize_stage
         name = layout.shard_name(index)
         with open(tmp_path / "ahead" / name, "rb") as a, open(tmp_path / "plain" / name, "rb") as b:
             assert a.read() == b.read(), name
-    assert load_tensors(str(tmp_path / "ahead"))  # the shards hold tensors
 
 
 def test_a_part_whose_quantize_stage_failed_is_read_again_from_what_was_read_ahead(tiny_models, tmp_path):
