@@ -14,7 +14,7 @@ import json
 import os
 import struct
 
-INDEX = "model.safetensors.index.json"
+from shared.layout import INDEX
 
 
 def header(path: str) -> tuple[dict, bytes]:

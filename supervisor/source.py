@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from safetensors import SafetensorError, safe_open
 
 from shared import tensor_names
+from shared.layout import INDEX
 from supervisor.errors import SourceError
 
-INDEX = "model.safetensors.index.json"
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.pth")
 
 
