@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -44,13 +45,13 @@ class Column:
     title: str
     value: Callable[[journal.Shard], float | None]
     fmt: str  # format spec of a cell
-    total: Callable  # sum or max, for the totals row
+    total: Callable  # sum (math.fsum: exact, whatever the parts' order) or max, for the totals row
 
 
 COLUMNS = (
-    Column("seconds", "time s", lambda r: r.seconds, ".2f", sum),
-    Column("source_bytes", "in MiB", lambda r: r.source_bytes / MIB, ".2f", sum),
-    Column("nbytes", "out MiB", lambda r: r.nbytes / MIB, ".2f", sum),
+    Column("seconds", "time s", lambda r: r.seconds, ".2f", math.fsum),
+    Column("source_bytes", "in MiB", lambda r: r.source_bytes / MIB, ".2f", math.fsum),
+    Column("nbytes", "out MiB", lambda r: r.nbytes / MIB, ".2f", math.fsum),
     # "-": no worker wrote the part (the non-layer part the supervisor copied itself, supervisor/verbatim.py)
     Column("peak_rss", "peak RSS MiB", lambda r: r.peak_rss / MIB if r.peak_rss else None, ".0f", max),
     Column("peak_gpu", "peak GPU MiB", lambda r: r.peak_gpu / MIB if r.peak_rss else None, ".0f", max),
