@@ -371,8 +371,9 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
     try:
         faults.hit("start", None, writer)  # inside: an exception while starting is reported like a real one
         from child.backend import hide_unused
+        from shared.job import warm_profile
 
-        hide_unused(hello.job.export.format)  # a spawned worker imports its libraries now (a forked one has them)
+        hide_unused(warm_profile(hello.job))  # a spawned worker imports its libraries now (a forked one has them)
         exporter = Exporter(hello, beat)
     except Exception as exc:  # noqa: BLE001 - every failure crosses the pipe as data
         writer.send(_failed(None, exc))

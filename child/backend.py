@@ -23,6 +23,9 @@ Owns that choice only; it never reads the source or writes shards itself.
 """
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import types
 from typing import Callable, Protocol
 
 from shared.job import Job, is_calibrated
@@ -67,11 +70,13 @@ class Backend(Protocol):
         """What drives the export, for `supervisor plan`: the model class, or the tensor-name rules."""
 
 
-# The modules each format's backend imports: the warm parent (child.zygote) imports them once, before forking.
+# The modules each warm profile's backend imports (shared.job.warm_profile: the format, "+calibration" for a
+# calibrated export): the warm parent (child.zygote) imports them once, before forking.
 _MODULES: dict[str, tuple[str, ...]] = {
+    "compressed-tensors": ("child.quantize", "child.name_only", "child.loadcheck"),
     # child.calibrate is left out: one of its imports initialised CUDA on the H200 machine (2026-11-30), which
     # would make forked workers unusable there; a calibrated export runs one worker, which imports it itself.
-    "compressed-tensors": ("child.quantize", "child.name_only", "child.loadcheck"),
+    "compressed-tensors+calibration": ("child.quantize", "child.name_only", "child.loadcheck"),
     "torchao": ("child.torchao_backend",),
 }
 
@@ -90,11 +95,22 @@ _MODULES: dict[str, tuple[str, ...]] = {
 # our code do not; peft uses sklearn only inside one adapter type's clustering, AdaMSS, which no export here builds).
 _OPTIONAL_EXTRAS = ("sklearn", "scipy", "torchvision", "torchaudio", "peft")
 _UNUSED: dict[str, tuple[str, ...]] = {"compressed-tensors": ("torchao", *_OPTIONAL_EXTRAS),
+                                       "compressed-tensors+calibration": ("torchao", *_OPTIONAL_EXTRAS),
                                        "torchao": _OPTIONAL_EXTRAS}
 
+# Libraries a data-free worker never uses but that its libraries import unconditionally, so they cannot be marked
+# absent: llm-compressor's package __init__ imports its entrypoints, whose dataset arguments and typing import
+# `datasets` (with pandas and pyarrow): 0.7 s of the warm parent's 5.7-6.4 s on this repo's CPU machine, the same
+# for oneshot and model_free_ptq, which import it whole. Their imports get a placeholder (_Unloaded): every name
+# in it is an inert class, enough for annotations and isinstance checks; calling one or reading its attributes
+# raises an error that names the library. A calibrated export (its samples go through datasets.Dataset,
+# child/samples.py) has a warm profile of its own, without the placeholder.
+_UNLOADED: dict[str, tuple[str, ...]] = {"compressed-tensors": ("datasets",)}
 
-def hide_unused(fmt: str) -> None:
-    """Mark the libraries `fmt` never uses as absent in this process, before anything imports transformers.
+
+def hide_unused(profile: str) -> None:
+    """Mark the libraries a worker of warm profile `profile` never uses as absent in this process, and serve the
+    ones it never uses but must import (_UNLOADED) as placeholders, before anything imports transformers.
 
     `sys.modules[name] = None` is Python's own "not installed" marker: importlib.util.find_spec then answers None
     (so transformers' is_torchao_available() is False and its torchao quantizer imports nothing) and an import
@@ -104,8 +120,53 @@ def hide_unused(fmt: str) -> None:
 
     if "transformers" in sys.modules:
         return
-    for name in _UNUSED.get(fmt, ()):
+    for name in _UNUSED.get(profile, ()):
         sys.modules.setdefault(name, None)
+    for name in _UNLOADED.get(profile, ()):
+        if name not in sys.modules and not any(isinstance(f, _Unloaded) and f.name == name for f in sys.meta_path):
+            sys.meta_path.insert(0, _Unloaded(name))
+
+
+class _UnloadedType(type):
+    """The class of every name in an _Unloaded module: a class, so annotations, unions, isinstance checks and
+    subclasses work; using one (calling it, reading an attribute it lacks) raises, naming the library."""
+
+    def _why(cls, what: str) -> str:
+        return (f"{what}: this worker's warm parent does not load {cls.__module__.split('.')[0]!r} (a data-free "
+                "export never uses it; child/backend.py _UNLOADED)")
+
+    def __call__(cls, *args, **kwargs):
+        raise RuntimeError(cls._why(f"{cls.__module__}.{cls.__qualname__}(...)"))
+
+    def __getattr__(cls, attr: str):
+        raise AttributeError(cls._why(f"{cls.__module__}.{cls.__qualname__}.{attr}"))
+
+
+class _UnloadedModule(types.ModuleType):
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):  # Python's own probes (__file__, __version__, ...): absent, as for a bare module
+            raise AttributeError(attr)
+        placeholder = _UnloadedType(attr, (), {"__module__": self.__name__, "__qualname__": attr})
+        setattr(self, attr, placeholder)  # the same class on every import
+        return placeholder
+
+
+class _Unloaded(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """An import finder that answers `name` and its submodules with placeholder modules (_UnloadedModule)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        if fullname == self.name or fullname.startswith(self.name + "."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _UnloadedModule(spec.name)
+
+    def exec_module(self, module) -> None:
+        pass
 
 
 def allow(name: str) -> None:
@@ -117,15 +178,14 @@ def allow(name: str) -> None:
         del sys.modules[name]
 
 
-def preload(fmt: str) -> None:
-    """Import what a worker for `fmt` will need (never touching CUDA), so forked workers start warm."""
-    import importlib
-
-    hide_unused(fmt)
+def preload(profile: str) -> None:
+    """Import what a worker of warm profile `profile` (shared.job.warm_profile) will need (never touching CUDA), so
+    forked workers start warm."""
+    hide_unused(profile)
     import child.source  # noqa: F401 - safetensors
     import child.writer  # noqa: F401 - torch, safetensors
 
-    for name in _MODULES.get(fmt, ()):
+    for name in _MODULES.get(profile, ()):
         importlib.import_module(name)
 
 

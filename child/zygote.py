@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parent-pid", type=int, default=0)
     ap.add_argument("--listen", help="kept warm: the Unix socket path to serve runs on")
     ap.add_argument("--idle", type=float, default=300.0, help="kept warm: seconds without a run before exiting")
-    ap.add_argument("--format", default="compressed-tensors")
+    ap.add_argument("--format", default="compressed-tensors",
+                    help="the warm profile (shared.job.warm_profile): what the workers import")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides how we stop, not the terminal
     if args.listen:

@@ -111,6 +111,14 @@ def is_calibrated(job: Job) -> bool:
                                                                                  job.export.method)
 
 
+def warm_profile(job: Job) -> str:
+    """What a worker of this job imports, as the warm parent names it (child/zygote.py, child/backend.preload): the
+    format, and "+calibration" for a calibrated export, whose samples go through `datasets` (a data-free warm parent
+    leaves that library unloaded). Part of a kept warm parent's key, so a data-free one never serves a calibrated
+    export."""
+    return job.export.format + ("+calibration" if is_calibrated(job) else "")
+
+
 def ignores_lm_head(ignore: list[str]) -> bool:
     return any(p == "lm_head" or (p.startswith("re:") and re.fullmatch(p[3:], "lm_head")) for p in ignore)
 

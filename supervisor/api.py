@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from shared import durable, layout
-from shared.job import Job, JobSyntaxError, is_calibrated, parse_toml
+from shared.job import Job, JobSyntaxError, is_calibrated, parse_toml, warm_profile
 from shared.load_verdict import problems as load_problems
 from shared.messages import (NON_LAYER, PROTOCOL_VERSION, CheckLoad, Describe, Described, Failed, Heartbeat, Hello,
                              LayerWritten, LoadChecked)
@@ -585,7 +585,7 @@ class Supervisor:
         if self.plan.devices == ["cpu"]:
             env = devices.child_env("cpu", env)
         log = layout.state_path(self.plan.output, layout.LOGS, "zygote.log")
-        z = Zygote(env, log, self.job.export.format, self.job.resources.startup_timeout, pass_fds=self._pool_fds,
+        z = Zygote(env, log, warm_profile(self.job), self.job.resources.startup_timeout, pass_fds=self._pool_fds,
                    on_log=self._on_log, keep_warm=keep_warm_seconds(self.job.resources.keep_warm))
         t = time.monotonic()
         try:

@@ -98,3 +98,40 @@ def test_peft_stays_out_of_a_worker_until_an_adapter_is_merged():
     lines = run("with")
     assert lines[0] == "peft imported False"
     assert lines[1] == "merged True <class 'module'>", lines
+
+
+DATASETS_PROBE = ("import sys\n"
+                  "from child.backend import preload\n"
+                  "preload(sys.argv[1])\n"
+                  "import llmcompressor, datasets\n"
+                  "from datasets import Dataset\n"
+                  "print('heavy', sorted(m for m in ('pandas', 'pyarrow') if m in sys.modules))\n"
+                  "print('isinstance', isinstance([], Dataset))\n"
+                  "uses = [lambda: Dataset.from_dict({'x': [1]})]\n"
+                  "if '+' not in sys.argv[1]:  # the real one would look for a dataset on the Hub\n"
+                  "    uses.append(lambda: datasets.load_dataset('json'))\n"
+                  "for use in uses:\n"
+                  "    try:\n"
+                  "        print('used', type(use()).__name__)\n"
+                  "    except (AttributeError, RuntimeError) as exc:\n"
+                  "        print('refused', type(exc).__name__, exc)\n")
+
+
+def test_a_data_free_warm_parent_leaves_datasets_unloaded_and_a_calibrated_one_loads_it():
+    """llm-compressor imports `datasets` (and pandas, pyarrow) at its package import; a data-free export never uses
+    it. Its warm profile serves a placeholder: llm-compressor imports, annotations and isinstance checks work, and
+    any use names the library instead of misbehaving. A calibrated export's profile loads the real library (its
+    samples go through Dataset.from_dict). Each in a fresh interpreter, as the warm parent is."""
+    def run(profile: str) -> list[str]:
+        proc = subprocess.run([sys.executable, "-c", DATASETS_PROBE, profile], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return [ln for ln in proc.stdout.splitlines() if ln.startswith(("heavy", "isinstance", "used", "refused"))]
+
+    free = run("compressed-tensors")
+    assert free[:2] == ["heavy []", "isinstance False"], free
+    assert free[2].startswith("refused AttributeError datasets.Dataset.from_dict: this worker's warm parent does "
+                              "not load 'datasets'"), free
+    assert free[3].startswith("refused RuntimeError datasets.load_dataset(...): this worker's warm parent"), free
+    calibrated = run("compressed-tensors+calibration")
+    assert calibrated[:3] == ["heavy ['pandas', 'pyarrow']", "isinstance False", "used Dataset"], calibrated

@@ -191,6 +191,28 @@ def test_another_environment_gets_another_parent(model, runtime, tmp_path):
     assert {p["pid"] for p in zygote.kept_parents()} == {a["pid"], b["pid"]}
 
 
+def test_a_calibrated_run_never_forks_from_a_data_free_parent(model, runtime, tmp_path):
+    """A data-free run's kept parent leaves `datasets` unloaded (child/backend.py); a calibrated export reads its
+    samples through it, so it gets a parent of its own profile, and finishes; each kept parent then serves the
+    runs of its own profile."""
+    from tests.ref_calib import token_rows, write_jsonl
+
+    free = faultkit.run("run", _job(tmp_path, model, "f", keep_warm=120), "--json", env=runtime)
+    assert free.rc == 0, free.stderr
+    calib = dict(dataset=write_jsonl(tmp_path / "calib.jsonl", token_rows(8)), samples=8, seq_len=16)
+    job = cli.write_job(tmp_path / "c.toml", model, tmp_path / "c", SCHEME, method="gptq", workers=1, keep_warm=120,
+                        calibration=calib)
+    calibrated = faultkit.run("run", job, "--json", env=runtime)
+    assert calibrated.rc == 0, calibrated.stderr
+    a, c = free.of("PoolStarted")[0], calibrated.of("PoolStarted")[0]
+    assert c["reused"] is False and c["pid"] != a["pid"]
+    assert {(p["pid"], p["format"]) for p in zygote.kept_parents()} == {
+        (a["pid"], "compressed-tensors"), (c["pid"], "compressed-tensors+calibration")}
+    again = faultkit.run("run", _job(tmp_path, model, "f2", keep_warm=120), "--json", env=runtime)
+    assert again.rc == 0, again.stderr
+    assert again.of("PoolStarted")[0]["pid"] == a["pid"]
+
+
 def test_keep_warm_must_not_be_negative(model, tmp_path):
     job = _job(tmp_path, model, "neg", keep_warm=-1)
     cli.assert_refused(job, "keep_warm", tmp_path)
