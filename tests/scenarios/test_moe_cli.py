@@ -93,11 +93,11 @@ def test_plan_lists_parts_and_refuses_gpt_oss_experts(moe_models, tmp_path):
 @pytest.mark.parametrize("workers, beside", [(1, False), (1, True), (2, True)])
 def test_nvfp4_moe_is_refused_before_any_layer(moe_models, tmp_path, workers, beside):
     """GLM-4.5-style NVFP4A16: exit 2, one line naming the dropped expert global scales and the fix, no layer
-    journaled, the new output folder left absent: with the plan judged first (a CPU export's default) and beside
-    the first parts (a GPU export's), with one worker and two. Beside the parts, the plan's worker waits until layer
+    journaled, the new output folder left absent: with the plan judged first (a host without memory for one more
+    worker, a calibrated export's) and beside the first parts (the default), with one worker and two. Beside the parts, the plan's worker waits until layer
     0's shard is on disk before it answers, so a layer is always written ahead of the refusal: it is not journaled
     (no LayerWritten) and it is removed with the folder."""
-    env = None
+    env = {"SUPERVISOR_TEST_PLAN_BESIDE": "0"}  # judged first even where the host could hold one more worker
     if beside:
         env = faultkit.fault_env({"point": "plan", "action": "await", "timeout": 120,
                                   "path": str(tmp_path / "out" / layout.shard_name(0))})
