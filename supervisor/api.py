@@ -733,8 +733,8 @@ class Supervisor:
             self._emit(p.event(worker_rss=hb.rss, stage=hb.stage, index=hb.index))
 
     def _record(self, reply: LayerWritten, w: Worker | None, retries: int) -> None:
-        """Journal a written part (the scheduler calls this one part at a time, with its failed attempts; `w` None:
-        the non-layer part this process copied itself)."""
+        """Journal a written part (the scheduler calls this one part at a time, with its failed attempts; `w`, the
+        worker that wrote it, is the scheduler's to account: None for the non-layer part this process copied)."""
         path = os.path.join(self.plan.output, reply.file)
         if reply.file != layout.shard_name(reply.index) or not os.path.isfile(path) \
                 or os.path.getsize(path) != reply.nbytes:
@@ -752,9 +752,6 @@ class Supervisor:
             spent, self._boundary = self._boundary, reply.boundary
             if spent is not None:  # it fed this layer; _check_boundary held the new one to the next layer's name
                 self._discard(os.path.join(self.plan.output, spent.file))
-        if w is not None:
-            w.layers_done += 1
-            w.rss = reply.rss
         self._emit(ev.LayerWritten(index=reply.index, file=reply.file, nbytes=reply.nbytes,
                                    seconds=round(reply.seconds, 3), peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
                                    retries=retries, quant_error=reply.quant_error, stages=reply.stages))

@@ -94,8 +94,10 @@ class Scheduler:
 
     `start_worker(slot, on_hello)` returns a ready Worker for the slot (its checks may raise SupervisorError: fatal),
     calling `on_hello()` once the child exists, before its Ready.
-    `on_written(reply, worker, retries)` journals a part (retries: its failed attempts before this one; worker None:
-    a part the caller wrote itself, see hand_off); it is called under one lock, from the slot's thread.
+    `on_written(reply, worker, retries)` journals a part (retries: its failed attempts before this one; worker: the
+    one that wrote it, None for a part the caller wrote itself, see hand_off); it is called under one lock, from the
+    slot's thread, or the planner's for parts written ahead of the plan's verdict. `recycle(worker)` is asked after
+    each part the worker wrote (its layers_done and rss updated then).
     """
 
     def __init__(self, slots: list[Slot], *, max_attempts: int, part_timeout: float, retry_delay: float,
@@ -323,11 +325,11 @@ class Scheduler:
         if reply is None:  # failed, charged, announced; back to the queue
             self._done(slot, index, requeue=True)
             return
-        if self._hold(reply, w, attempt - 1):  # journaled once the plan is judged; the slot goes on meanwhile
-            self._done(slot, index, requeue=False)
-            return
-        with self._record:
-            self.on_written(reply, w, attempt - 1)
+        w.layers_done += 1  # counted when written, journaled now or after the plan's verdict: recycling (by
+        w.rss = reply.rss  # count or by RSS) applies to the parts written ahead of the verdict too
+        if not self._hold(reply, w, attempt - 1):  # else journaled once the plan is judged; the slot goes on
+            with self._record:
+                self.on_written(reply, w, attempt - 1)
         self._done(slot, index, requeue=False)
         if self.recycle(w):
             self._drop(slot, kill=False)

@@ -25,6 +25,7 @@ class StandIn:
         self.slot = slot
         self.all_started = all_started
         self.killed = False
+        self.layers_done, self.rss = 0, 0  # the scheduler's accounting, as on a Worker
 
     def request(self, msg, stopping, on_heartbeat, timeout=0.0):
         assert isinstance(msg, ExportLayer)

@@ -17,6 +17,8 @@ import time
 import psutil
 import pytest
 
+from shared import layout
+from shared.messages import NON_LAYER
 from tests.scenarios import cli, faultkit
 
 LAYERS = 3
@@ -273,8 +275,13 @@ def _recycle_by_rss(model: str, folder: str, ref: dict) -> dict:
 def _recycle_by_count(model: str, folder: str) -> dict:
     out = os.path.join(folder, "out")
     job = faultkit.job_file(folder, model, out, recycle_after_layers=2)
-    # every part by a worker (the supervisor's copy of the non-layer part switched off), so the four split 2 + 2
-    return {"run": faultkit.run("run", job, "--json", env={faultkit.NO_COPY_AHEAD_ENV: "1"}), "out": out}
+    # every part by a worker (the supervisor's copy of the non-layer part switched off), so the four split 2 + 2;
+    # the export plan, judged beside the parts, answers only once the last part (the non-layer one) is on disk, so
+    # every part is written ahead of the verdict and journaled after it: recycling counts them when written
+    env = faultkit.fault_env({"point": "plan", "action": "await", "timeout": 120,
+                              "path": os.path.join(out, layout.shard_name(NON_LAYER))})
+    env.update({faultkit.NO_COPY_AHEAD_ENV: "1", "SUPERVISOR_TEST_PLAN_BESIDE": "1"})
+    return {"run": faultkit.run("run", job, "--json", env=env), "out": out}
 
 
 NEEDS = {  # test -> the exports it reads
@@ -452,8 +459,11 @@ def test_disk_full_run_resumes_once_space_is_back(runs):
     e = runs["enospc"]
     again = e["again"]
     assert again.rc == 0, again.stderr
-    # layer 0, and the non-layer part the supervisor copied itself (journaled before layer 1's failure)
-    assert again.of("Started")[0]["resumed"] == len(e["full"].of("LayerWritten")) == 2
+    # what was journaled before layer 1's failure, and only that: layer 0 always; the non-layer part the supervisor
+    # copied itself when the export plan was judged before the failure (beside the parts it may come after)
+    journaled = {x["index"] for x in e["full"].of("LayerWritten")}
+    assert 0 in journaled and journaled <= {0, -1}, journaled
+    assert again.of("Started")[0]["resumed"] == len(journaled)
     assert cli.output_bytes(e["out"]) == runs["reference"]["bytes"]
 
 
@@ -504,7 +514,8 @@ def test_output_in_an_unwritable_folder_is_refused_before_any_work(model, tmp_pa
 
 # ---- worker recycling ----------------------------------------------------------------------------------------
 def _rss_seen(r) -> list[int]:
-    return [e["worker_rss"] for e in r.of("Progress") if e["worker_rss"]] + \
+    """The parts' workers' RSS (not the export plan's worker: it exports no part, is never recycled, and ends)."""
+    return [e["worker_rss"] for e in r.of("Progress") if e["worker_rss"] and e["stage"] != "plan"] + \
         [e["peak_rss"] for e in r.of("LayerWritten")]
 
 
@@ -521,18 +532,19 @@ def test_recycling_by_rss_contains_a_leaking_layer_function(runs):
 
 
 def test_recycling_after_n_layers_gives_each_worker_n_layers(runs):
-    """recycle_after_layers = 2: every worker exports exactly 2 parts, a fresh one writes config.json; identical."""
+    """recycle_after_layers = 2: every worker exports exactly 2 parts, a fresh one writes config.json; identical.
+    Every part is written before the export plan's verdict (held until then): counted all the same."""
     c = runs["count"]
     r = c["run"]
     assert r.rc == 0, r.stderr
-    per_worker, n = [], 0
-    for e in r.events:
-        if e["type"] == "WorkerStarted":
+    per_worker = []
+    for e in r.events:  # both come as they happen (LayerWritten waits for the verdict)
+        if e["type"] == "WorkerStarted" and e["worker"] == 0:  # the one slot's (not the export plan's worker)
             per_worker.append(0)
-        elif e["type"] == "LayerWritten":
+        elif e["type"] == "LayerStarted":
             per_worker[-1] += 1
-            n += 1
-    assert n == PARTS and per_worker == [2, 2, 0], per_worker
+    assert len(r.of("LayerWritten")) == PARTS and not r.of("Retrying")
+    assert per_worker == [2, 2, 0], per_worker
     assert cli.output_bytes(c["out"]) == runs["reference"]["bytes"]
 
 
