@@ -239,6 +239,20 @@ def test_cpu_worker_slots_follow_cores_and_memory(monkeypatch):
     assert devices.worker_slots(["cpu"], 0, 1 << 30) == ["cpu"]  # never none
 
 
+def test_the_plan_is_judged_beside_cpu_parts_only_when_memory_holds_one_worker_more(monkeypatch):
+    """A worker of 1 GiB-layers wants 4 GiB: beside two CPU workers the planner needs 12 GiB free in all; on GPUs it
+    always runs beside."""
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 12 << 30})())
+    assert devices.room_for_planner(["cpu", "cpu"], 1 << 30)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": (12 << 30) - 1})())
+    assert not devices.room_for_planner(["cpu", "cpu"], 1 << 30)
+    assert devices.room_for_planner(["cpu"], 1 << 30)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 1 << 30})())
+    assert devices.room_for_planner(["cuda:0", "cuda:0", "cuda:0"], 1 << 30)
+
+
 def test_warm_parent_answers_gpu_capability_from_nvml_only_while_importing(monkeypatch):
     """child.zygote: while the backend's libraries import, torch.cuda.get_device_capability answers from NVML (no
     CUDA context; torchao asks at import), falls back to torch's own function where NVML cannot answer, and is

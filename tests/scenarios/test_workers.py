@@ -216,7 +216,7 @@ def test_the_export_plan_is_judged_while_the_first_parts_run(one_worker, model, 
     fault = {"point": point, "action": "await", "path": str(out / layout.shard_name(1)), "timeout": 120,
              "once": str(tmp_path / "plan.json")}
     env = faultkit.fault_env({**fault, "worker": workers} if point == "start" else fault)
-    env["SUPERVISOR_TEST_PLAN_BESIDE"] = "1"  # as on a GPU
+    env["SUPERVISOR_TEST_PLAN_BESIDE"] = "1"  # whatever the host's free memory (devices.room_for_planner)
     events = cli.events(cli.run("run", job, "--json", env=env))
     assert (tmp_path / "plan.json").exists()  # the plan did wait
     assert not _of(events, "Retrying"), _of(events, "Retrying")
@@ -224,3 +224,30 @@ def test_the_export_plan_is_judged_while_the_first_parts_run(one_worker, model, 
     assert written == sorted(list(range(LAYERS)) + [-1])
     assert cli.output_bytes(out) == one_worker["bytes"]
     assert cli.run("verify", out).returncode == 0
+
+
+@pytest.mark.parametrize("room, first", [(False, True), (True, False)])
+def test_a_cpu_host_without_memory_for_one_more_worker_judges_the_plan_first(one_worker, model, tmp_path, monkeypatch,
+                                                                              room, first):
+    """Without the free memory for the planner beside two CPU workers (devices.room_for_planner), the export plan is
+    judged before any part: its one failed attempt is retried before the first LayerStarted. With the room, it is
+    judged beside the parts: held until layer 1's shard is on disk, it is retried only if no part ran meanwhile."""
+    monkeypatch.delenv("SUPERVISOR_TEST_PLAN_BESIDE", raising=False)
+    monkeypatch.setattr(devices, "room_for_planner", lambda slots, layer_bytes: room)
+    out = tmp_path / "out"
+    fault = {"point": "plan", "action": "raise", "once": str(tmp_path / "fired.json")}
+    if not first:  # the plan waits for a part; judged first it would wait out the timeout and be retried
+        fault = {"point": "plan", "action": "await", "path": str(out / layout.shard_name(1)), "timeout": 60,
+                 "once": str(tmp_path / "fired.json")}
+    monkeypatch.setenv("SUPERVISOR_TEST_FAULT", json.dumps(fault))
+    sup = Supervisor(cli.write_job(tmp_path / "job.toml", model, out, SCHEME, workers=2))
+    sup.start()
+    events = list(sup.events())
+    assert isinstance(events[-1], ev.Finished), events[-1]
+    retried = [i for i, e in enumerate(events) if isinstance(e, ev.Retrying)]
+    started = [i for i, e in enumerate(events) if isinstance(e, ev.LayerStarted)]
+    if first:
+        assert len(retried) == 1 and events[retried[0]].index is None and retried[0] < started[0]
+    else:
+        assert not retried
+    assert cli.output_bytes(out) == one_worker["bytes"]
