@@ -70,13 +70,11 @@ class Backend(Protocol):
         """What drives the export, for `supervisor plan`: the model class, or the tensor-name rules."""
 
 
-# The modules each warm profile's backend imports (shared.job.warm_profile: the format, "+calibration" for a
-# calibrated export): the warm parent (child.zygote) imports them once, before forking.
+# The modules each format's backend imports: the warm parent (child.zygote) imports them once, before forking.
 _MODULES: dict[str, tuple[str, ...]] = {
-    "compressed-tensors": ("child.quantize", "child.name_only", "child.loadcheck"),
     # child.calibrate is left out: one of its imports initialised CUDA on the H200 machine (2026-11-30), which
     # would make forked workers unusable there; a calibrated export runs one worker, which imports it itself.
-    "compressed-tensors+calibration": ("child.quantize", "child.name_only", "child.loadcheck"),
+    "compressed-tensors": ("child.quantize", "child.name_only", "child.loadcheck"),
     "torchao": ("child.torchao_backend",),
 }
 
@@ -95,7 +93,6 @@ _MODULES: dict[str, tuple[str, ...]] = {
 # our code do not; peft uses sklearn only inside one adapter type's clustering, AdaMSS, which no export here builds).
 _OPTIONAL_EXTRAS = ("sklearn", "scipy", "torchvision", "torchaudio", "peft")
 _UNUSED: dict[str, tuple[str, ...]] = {"compressed-tensors": ("torchao", *_OPTIONAL_EXTRAS),
-                                       "compressed-tensors+calibration": ("torchao", *_OPTIONAL_EXTRAS),
                                        "torchao": _OPTIONAL_EXTRAS}
 
 # Libraries a data-free worker never uses but that its libraries import unconditionally, so they cannot be marked
@@ -104,8 +101,14 @@ _UNUSED: dict[str, tuple[str, ...]] = {"compressed-tensors": ("torchao", *_OPTIO
 # for oneshot and model_free_ptq, which import it whole. Their imports get a placeholder (_Unloaded): every name
 # in it is an inert class, enough for annotations and isinstance checks; calling one or reading its attributes
 # raises an error that names the library. A calibrated export (its samples go through datasets.Dataset,
-# child/samples.py) has a warm profile of its own, without the placeholder.
+# child/samples.py) has a warm profile of its own, "compressed-tensors+calibration", without the placeholder.
+# _MODULES and _UNUSED are by format (a warm profile's part before "+"), _UNLOADED by warm profile.
 _UNLOADED: dict[str, tuple[str, ...]] = {"compressed-tensors": ("datasets",)}
+
+
+def _format(profile: str) -> str:
+    """A warm profile's format (shared.job.warm_profile): "compressed-tensors+calibration" -> "compressed-tensors"."""
+    return profile.partition("+")[0]
 
 
 def hide_unused(profile: str) -> None:
@@ -120,7 +123,7 @@ def hide_unused(profile: str) -> None:
 
     if "transformers" in sys.modules:
         return
-    for name in _UNUSED.get(profile, ()):
+    for name in _UNUSED.get(_format(profile), ()):
         sys.modules.setdefault(name, None)
     for name in _UNLOADED.get(profile, ()):
         if name not in sys.modules and not any(isinstance(f, _Unloaded) and f.name == name for f in sys.meta_path):
@@ -185,7 +188,7 @@ def preload(profile: str) -> None:
     import child.source  # noqa: F401 - safetensors
     import child.writer  # noqa: F401 - torch, safetensors
 
-    for name in _MODULES.get(profile, ()):
+    for name in _MODULES.get(_format(profile), ()):
         importlib.import_module(name)
 
 
