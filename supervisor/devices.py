@@ -126,7 +126,7 @@ def worker_slots(devices: list[str], workers: int, layer_bytes: int) -> list[str
 def room_for_planner(slots: list[str], layer_bytes: int) -> bool:
     """Whether the export plan's worker may run beside the parts' workers (Scheduler.plan_beside): always on GPUs (it
     holds a CUDA context and one module's probe there); on a CPU when the host's free memory holds one worker more
-    than `slots` has, by worker_slots' measure (~1 GiB plus three layers each)."""
+    than `slots` has, each wanting _worker_bytes."""
     if any(d != "cpu" for d in slots):
         return True
     import psutil
