@@ -106,6 +106,15 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s13a)  # thirteenth session, call 2: the GPU tests of what the twelfth session changed (datasets left unloaded in a
+  # data-free warm parent, a calibrated run's warm profile of its own): the export tests, then the calibrated ones
+  CUDA_VISIBLE_DEVICES=0 t 200 export_gpu tests/gpu/test_export_gpu.py tests/test_staging.py
+  CUDA_VISIBLE_DEVICES=0 t 340 calibrated_gpu tests/gpu/test_calibrated_gpu.py
+  ;;
+s13b)  # call 3: the MoE tests on cuda, then 8B FP8_DYNAMIC cold against oneshot and model_free_ptq once more
+  CUDA_VISIBLE_DEVICES=0 t 230 moe_gpu tests/gpu/test_moe_gpu.py
+  eb 280 export_fp8 16 --skip kill,1w,warm
+  ;;
 s12a)  # next session, call 1: the final form of the Triton key (its module imported on the warm parent's main
   # thread) checked, then 8B W4A16 and FP8_DYNAMIC cold against oneshot and model_free_ptq, part by part
   triton_key_check
