@@ -106,6 +106,9 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s13c)  # call 4: 8B FP8_DYNAMIC cold against oneshot once more (the last device time of the session)
+  eb 240 export_fp8 16 --skip kill,1w,warm,model_free_ptq
+  ;;
 s13a)  # thirteenth session, call 2: the GPU tests of what the twelfth session changed (datasets left unloaded in a
   # data-free warm parent, a calibrated run's warm profile of its own): the export tests, then the calibrated ones
   # (200 s was too short for the export tests on a fresh machine, which compiles the kernels first: 4 of 11 ran)
