@@ -28,7 +28,7 @@ import importlib.machinery
 import types
 from typing import Callable, Protocol
 
-from shared.job import Job, is_calibrated
+from shared.job import Job, is_calibrated, profile_format
 from shared.messages import Boundary
 
 
@@ -102,13 +102,8 @@ _UNUSED: dict[str, tuple[str, ...]] = {"compressed-tensors": ("torchao", *_OPTIO
 # in it is an inert class, enough for annotations and isinstance checks; calling one or reading its attributes
 # raises an error that names the library. A calibrated export (its samples go through datasets.Dataset,
 # child/samples.py) has a warm profile of its own, "compressed-tensors+calibration", without the placeholder.
-# _MODULES and _UNUSED are by format (a warm profile's part before "+"), _UNLOADED by warm profile.
+# _MODULES and _UNUSED are by format (shared.job.profile_format), _UNLOADED by warm profile.
 _UNLOADED: dict[str, tuple[str, ...]] = {"compressed-tensors": ("datasets",)}
-
-
-def _format(profile: str) -> str:
-    """A warm profile's format (shared.job.warm_profile): "compressed-tensors+calibration" -> "compressed-tensors"."""
-    return profile.partition("+")[0]
 
 
 def hide_unused(profile: str) -> None:
@@ -123,7 +118,7 @@ def hide_unused(profile: str) -> None:
 
     if "transformers" in sys.modules:
         return
-    for name in _UNUSED.get(_format(profile), ()):
+    for name in _UNUSED.get(profile_format(profile), ()):
         sys.modules.setdefault(name, None)
     for name in _UNLOADED.get(profile, ()):
         if name not in sys.modules and not any(isinstance(f, _Unloaded) and f.name == name for f in sys.meta_path):
@@ -188,7 +183,7 @@ def preload(profile: str) -> None:
     import child.source  # noqa: F401 - safetensors
     import child.writer  # noqa: F401 - torch, safetensors
 
-    for name in _MODULES.get(_format(profile), ()):
+    for name in _MODULES.get(profile_format(profile), ()):
         importlib.import_module(name)
 
 

@@ -116,7 +116,15 @@ def warm_profile(job: Job) -> str:
     format, and "+calibration" for a calibrated export, whose samples go through `datasets` (a data-free warm parent
     leaves that library unloaded). Part of a kept warm parent's key, so a data-free one never serves a calibrated
     export."""
-    return job.export.format + ("+calibration" if is_calibrated(job) else "")
+    return job.export.format + (_CALIBRATION if is_calibrated(job) else "")
+
+
+def profile_format(profile: str) -> str:
+    """A warm profile's format: "compressed-tensors+calibration" -> "compressed-tensors"."""
+    return profile.removesuffix(_CALIBRATION)
+
+
+_CALIBRATION = "+calibration"  # the mark a calibrated export's warm profile carries (warm_profile)
 
 
 def ignores_lm_head(ignore: list[str]) -> bool:
