@@ -106,9 +106,6 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
-s13c)  # call 4: 8B FP8_DYNAMIC cold against oneshot once more (the last device time of the session)
-  eb 240 export_fp8 16 --skip kill,1w,warm,model_free_ptq
-  ;;
 s13a)  # thirteenth session, call 2: the GPU tests of what the twelfth session changed (datasets left unloaded in a
   # data-free warm parent, a calibrated run's warm profile of its own): the export tests, then the calibrated ones
   # (200 s was too short for the export tests on a fresh machine, which compiles the kernels first: 4 of 11 ran)
@@ -120,6 +117,9 @@ s13b)  # call 3: the export tests s13a's 200 s did not reach (a fresh machine co
   CUDA_VISIBLE_DEVICES=0 t 150 export_gpu_rest tests/gpu/test_export_gpu.py tests/test_staging.py -k "busy_gpu or staged or buffer or pinned or host_tensors"
   CUDA_VISIBLE_DEVICES=0 t 230 moe_gpu tests/gpu/test_moe_gpu.py
   eb 200 export_fp8 16 --skip kill,1w,warm
+  ;;
+s13c)  # call 4: 8B FP8_DYNAMIC cold against oneshot once more (the last device time of the session)
+  eb 240 export_fp8 16 --skip kill,1w,warm,model_free_ptq
   ;;
 s12a)  # next session, call 1: the final form of the Triton key (its module imported on the warm parent's main
   # thread) checked, then 8B W4A16 and FP8_DYNAMIC cold against oneshot and model_free_ptq, part by part
