@@ -1,58 +1,39 @@
 """The embedding API: `Supervisor(job, model=...)`, its events and cancel; the CLI calls the same thing.
 
-    caller ──job──▶ Supervisor.__init__   validate job, source, output, fingerprint (writes nothing)
-                    .start / __enter__    lock OUT, release the live model's GPU memory, start the run thread
-                    run thread            journal → parts to do → worker(s) → journal each shard → finalize
-                                          (the non-layer part copied meanwhile when it passes as is: verbatim)
-                                          finally: stop the worker, restore the live model, unlock, terminal event
+    caller ──job──▶ Supervisor.__init__   validate job, source, output, fingerprint (prepare: writes nothing)
+                    .start / __enter__    the run (supervisor.run.Run): lock OUT, release the live model's GPU
+                                          memory, start its thread (journal → parts → worker(s) → finalize)
                     .events()             typed events (supervisor.events) until Finished | Failed | Cancelled
                     .cancel()             from any thread: stop soon, leave a resumable state
                     __exit__              cancel if still running, join, restore (idempotent) on every path
+                    describe(job)         the export plan and the loader's verdict, from one CPU worker
+                    export(job)           a Supervisor run to the end, blocking
 
-Owns the run's control flow and retry policy. It never quantizes (the child does), never parses the wire
-format (shared.framing), and imports torch only when a live model is handed to it (supervisor.offload).
+Owns the public surface and the validation before anything is written (prepare). The run's steps, its retry
+policy and its clean-up are supervisor.run's; this module never drives a scheduler or a worker pool itself.
 """
 from __future__ import annotations
 
-import collections
-import contextlib
 import os
 import queue
-import shutil
 import tempfile
-import threading
-import time
-import traceback as tb
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import msgspec
-
-from shared import durable, layout
-from shared.job import Job, JobSyntaxError, is_calibrated, parse_toml, warm_profile
-from shared.load_verdict import problems as load_problems
-from shared.messages import (NON_LAYER, PROTOCOL_VERSION, CheckLoad, Describe, Described, Failed, Heartbeat, Hello,
-                             LayerWritten, LoadChecked)
+from shared import layout
+from shared.job import Job, JobSyntaxError, is_calibrated, parse_toml
+from shared.messages import PROTOCOL_VERSION, Describe, Described, Failed, Hello
 from supervisor import events as ev
-from supervisor import calibration, finalize, journal, verbatim
-from supervisor.errors import (Cancelled, ExportFailed, InputError, JobError, NoRoom, OutputError, SourceError,
-                               SupervisorError)
-from supervisor.lock import Lock, probe
+from supervisor import calibration, journal
+from supervisor.errors import Cancelled, ExportFailed, InputError, JobError, OutputError
+from supervisor.lock import probe
+# Plan and the LOG_* bounds are the run's; importable from here as they were before it had a module of its own
+from supervisor.run import LOG_KEEP, LOG_QUEUED_MAX, Plan, Run, check_layers  # noqa: F401
 from supervisor.source import SourceInfo, inspect
-from supervisor.scheduler import Scheduler, Slot, for_good
-from supervisor.worker import CancelledWait, Worker, WorkerLost, spawn
-from supervisor.zygote import Zygote, ZygoteLost, keep_warm_seconds
+from supervisor.scheduler import for_good
+from supervisor.worker import Worker, WorkerLost
 
 if TYPE_CHECKING:  # supervisor.live imports torch; a plan for a checkpoint never needs it
     from supervisor.live import Saved
-
-ENOSPC = 28
-# Test-only: "1" judges the export plan beside the first parts, "0" before them, whatever the host's free memory
-# (tests/scenarios run both orderings on the CPU machine).
-PLAN_BESIDE_ENV = "SUPERVISOR_TEST_PLAN_BESIDE"
-LOG_KEEP = 2000  # child log lines kept for a UI that connects late (recent_logs())
-LOG_QUEUED_MAX = 1000  # LogLine events waiting unread at most; past that a flood is counted, not queued
 
 
 def load_job(path: str | os.PathLike) -> Job:
@@ -79,21 +60,6 @@ def load_job(path: str | os.PathLike) -> Job:
         job.calibration.dataset = os.path.normpath(os.path.join(base, os.path.expanduser(job.calibration.dataset)))
     return job
 
-
-@dataclass
-class Plan:
-    job: Job
-    output: str
-    source: SourceInfo
-    fingerprint: str
-    state: journal.State
-    device: str  # the first of `devices`
-    devices: list[str]  # every device the workers use ("cpu" or "cuda:N", the supervisor's numbering)
-    calibration: calibration.Calibration | None = None  # calibrated jobs: the validated data, for the child
-    # the source is the live model handed to Supervisor (its pool), not a folder: its names, as the fingerprint
-    # saw them (supervisor.live.Saved; tensors are looked up again by path after the release moves them)
-    live: Saved | None = None
-    fresh: bool = False  # the output folder did not exist or was empty: a refused run leaves it that way
 
 
 def _is_within(path: str, folder: str) -> bool:
@@ -163,6 +129,7 @@ def _live_source(model, output: str) -> tuple[SourceInfo, dict, Saved]:
     return (*live.describe(saved, layout.state_path(output, live.CONFIG_DIR)), saved)
 
 
+
 class Supervisor:
     """Runs one export in a supervised child; see the module docstring for the life cycle."""
 
@@ -176,643 +143,52 @@ class Supervisor:
         self.model = model
         self.tokenizer = tokenizer
         self.retry_delay = retry_delay
-        self._pool, self._own_pool = pool, False
-        self._live = None  # live.Saved while a live model is the source: its tensors, now in the pool
-        self._pool_spec = None  # shared.messages.Pool sent to every worker
-        self._logs: collections.deque = collections.deque(maxlen=LOG_KEEP)
-        self._log_lock = threading.Lock()
-        self._logs_queued = self._logs_dropped = 0
-        self._events: queue.Queue = queue.Queue()
-        self._cancel = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._lock: Lock | None = None
-        self._handle = None  # offload handle while the live model is released
-        self._journal: journal.Journal | None = None
-        self._scheduler: Scheduler | None = None
-        self._plan_load = None  # the loader's verdict on the predicted output (shared.messages.LoadReport)
-        self._described: Described | None = None  # the export plan, once judged good
-        self._judged = threading.Event()  # set with it
-        self._copy: verbatim.Copy | None = None  # the non-layer part written ahead by this process
-        self._closing = threading.Event()  # the run is over: a copy still waiting for the verdict gives up
-        self._zygote: Zygote | None = None
-        self._zygote_lock = threading.Lock()
-        self._spawner: ThreadPoolExecutor | None = None
-        self._deleter: ThreadPoolExecutor | None = None  # unlinks spent boundary files off the critical path
-        self._done: dict[int, journal.Shard] = {}
-        self._t0 = time.monotonic()
-        self._terminal: ev.Event | None = None
-        self._error: BaseException | None = None
-        self._cleanup_lock = threading.Lock()
-        self._started = False
-        self._progress: _Progress | None = None
-        self._boundary = None  # calibrated: the journaled inputs of the next layer to export
-        self._output_existed = os.path.isdir(self.plan.output)
+        self._run = Run(self.plan, model, tokenizer=tokenizer, pool=pool, retry_delay=retry_delay)
 
-    # ---- public API --------------------------------------------------------------------------------------
     def __enter__(self) -> "Supervisor":
         self.start()
         return self
 
     def __exit__(self, exc_type, exc, tb_) -> bool:
-        if self._thread is not None and self._thread.is_alive():
-            self.cancel()
-            self._thread.join()
-        self._cleanup()
+        if self._run.running:
+            self._run.cancel()
+            self._run.join()
+        self._run.cleanup()
         return False
 
     def start(self) -> None:
-        if self._started:
-            return
-        self._started = True
-        out = self.plan.output
-        try:
-            for d in (out, layout.state_dir(out), layout.state_path(out, layout.LOGS),
-                      layout.state_path(out, layout.TMP)):
-                os.makedirs(d, exist_ok=True)
-        except OSError as exc:
-            raise OutputError(f"cannot create output {out!r}: {exc.strerror}") from exc
-        self._lock = Lock(out)
-        self._lock.acquire()
-        try:
-            self._release_model()
-            self._precheck_gpu()
-        except BaseException:
-            self._cleanup()
-            raise
-        self._thread = threading.Thread(target=self._run, name="supervisor-run", daemon=True)
-        self._thread.start()
+        self._run.start()
 
     def events(self, timeout: float | None = None):
         """Yield events until the terminal one (Finished, Failed or Cancelled), which is yielded last."""
         while True:
             try:
-                e = self._events.get(timeout=0.1 if timeout is None else timeout)
+                e = self._run.next_event(0.1 if timeout is None else timeout)
             except queue.Empty:
                 if timeout is not None:
                     return
                 continue
-            if isinstance(e, ev.LogLine):
-                with self._log_lock:
-                    self._logs_queued -= 1
             yield e
             if isinstance(e, ev.TERMINAL):
                 return
 
     def recent_logs(self) -> list[ev.LogLine]:
         """The child's last LOG_KEEP lines (stdout and stderr), oldest first, whether or not events() saw them."""
-        return list(self._logs)
+        return self._run.recent_logs()
 
     def cancel(self) -> None:
         """Stop the export soon (from any thread); what was written stays and a re-run resumes."""
-        self._cancel.set()
+        self._run.cancel()
 
     def wait(self) -> ev.Finished:
         """Block until the run ends; return Finished or raise the error that ended it."""
-        if self._thread is not None:
-            self._thread.join()
-        self._cleanup()
-        if isinstance(self._terminal, ev.Finished):
-            return self._terminal
-        if self._error is not None:
-            raise self._error
+        self._run.join()
+        self._run.cleanup()
+        if isinstance(self._run.terminal, ev.Finished):
+            return self._run.terminal
+        if self._run.error is not None:
+            raise self._run.error
         raise Cancelled("export cancelled before it finished; run it again to resume")
-
-    # ---- run thread --------------------------------------------------------------------------------------
-    def _emit(self, e: ev.Event) -> None:
-        e.t = round(time.monotonic() - self._t0, 3)
-        self._events.put(e)
-
-    def _run(self) -> None:
-        terminal: ev.Event
-        try:
-            try:
-                terminal = self._export()
-            except OSError as exc:
-                if exc.errno != ENOSPC:
-                    raise
-                # The supervisor's own writes (journal, index, side files) on a full disk: same story as a shard.
-                raise ExportFailed(f"disk full while writing into {self.plan.output!r} ({exc.filename or 'journal'}):"
-                                   " free some space and run again to resume") from exc
-        except (Cancelled, CancelledWait) as exc:
-            self._error = exc if isinstance(exc, Cancelled) else Cancelled(
-                "export cancelled; run the same job again to resume")
-            terminal = ev.Cancelled()
-        except SupervisorError as exc:
-            self._error = exc
-            terminal = ev.Failed(kind=type(exc).__name__, message=str(exc), index=getattr(exc, "index", None),
-                                 traceback=getattr(exc, "traceback", ""), exit_code=exc.exit_code)
-        except BaseException as exc:  # noqa: BLE001 - an internal bug still restores the model and unlocks
-            self._error = exc
-            terminal = ev.Failed(kind=type(exc).__name__, message=f"internal error: {exc}",
-                                 traceback="".join(tb.format_exception(exc)), exit_code=1)
-        try:
-            self._cleanup()
-            if isinstance(self._error, InputError):
-                self._discard_fresh_output()
-        except BaseException as exc:  # noqa: BLE001
-            self._error = exc
-            terminal = ev.Failed(kind=type(exc).__name__, message=str(exc),
-                                 traceback="".join(tb.format_exception(exc)))
-        self._terminal = terminal
-        self._flush_dropped_logs()  # the reader learns of a flood it missed before the run's last event
-        self._emit(terminal)
-
-    def _discard_fresh_output(self) -> None:
-        """Bad input found by a worker (before any part is journaled): leave a new output folder as it was, absent or
-        empty, so the fixed job runs there without a 'holds another export' refusal. Only a folder this run created
-        (or found empty) and whose journal holds no part is removed; a killed run's journal header stays, so a re-run
-        resumes."""
-        out = self.plan.output
-        if not self.plan.fresh or journal.read(out).shards:
-            return
-        shutil.rmtree(layout.state_dir(out), ignore_errors=True)
-        for fn in finalize.shard_files(self.plan.source.num_layers):  # written ahead of the plan's verdict: in a
-            durable.unlink_quietly(os.path.join(out, fn))  # folder that was new or empty, every shard is this run's
-        if not self._output_existed:
-            with contextlib.suppress(OSError):
-                os.rmdir(out)
-
-    def _cleanup(self) -> None:
-        """Stop the worker, close the journal, restore the model, unlock. Idempotent, safe from any thread."""
-        # Every step runs even when an earlier one raises (on a full disk the journal's close raises): the live
-        # model always comes back and the lock is always released. ExitStack runs the callbacks last-in first-out.
-        with self._cleanup_lock, contextlib.ExitStack() as steps:
-            if self._lock is not None:
-                steps.callback(self._lock.release)
-                self._lock = None
-            steps.callback(self._close_pool)  # after the restore: the model lives in it until then
-            steps.callback(self._restore_model)
-            if self._journal is not None:
-                steps.callback(self._journal.close)
-                self._journal = None
-            if self._copy is not None:  # before the journal closes: it journals through it
-                self._closing.set()
-                steps.callback(self._copy.join)
-                self._copy = None
-            if self._spawner is not None:
-                steps.callback(self._spawner.shutdown, wait=True)
-                self._spawner = None
-            if self._deleter is not None:  # its unlinks finish before the lock on the output is released
-                steps.callback(self._deleter.shutdown, wait=True)
-                self._deleter = None
-            if self._zygote is not None:
-                steps.callback(self._zygote.close)
-                self._zygote = None
-            if self._scheduler is not None:
-                steps.callback(self._scheduler.close)
-                self._scheduler = None
-
-    def _release_model(self) -> None:
-        if self.model is None:
-            return
-        from supervisor import offload
-
-        if self.plan.live is not None:
-            self._live = self.plan.live  # named before the release: after it all tensors share a chunk
-            if self._pool is None:
-                self._pool, self._own_pool = offload.PinnedPool(), True
-            result = offload.release(self.model, buffers=self._pool, share_host=True)
-            if isinstance(result, offload.NotReleased):
-                raise SourceError(f"the live model cannot be exported: {result.reason}")
-            self._handle = result
-            self._share_live_model()
-        else:
-            result = offload.release(self.model, buffers=self._pool)
-        if isinstance(result, offload.NotReleased):
-            self._emit(ev.MemoryReleased(released=False, reason=result.reason))
-            return
-        self._handle = result
-        self._emit(ev.MemoryReleased(released=True, freed=dict(result.freed), moved_bytes=result.moved_bytes,
-                                     seconds=result.seconds))
-
-    def _share_live_model(self) -> None:
-        """The released live model as the child's source: the pool's manifest and the config folder."""
-        from supervisor import live
-
-        config_dir = self.plan.source.path
-        self._pool_spec = live.manifest(self._live, self._pool, config_dir)
-        live.write_config_dir(self._live, self.tokenizer, config_dir)
-
-    def _close_pool(self) -> None:
-        self._live = self._pool_spec = None
-        if self._own_pool and self._pool is not None and not self._pool.leased:
-            self._pool.close()
-            self._pool, self._own_pool = None, False
-
-    def _restore_model(self) -> None:
-        if self._handle is None:
-            return
-        from supervisor import offload
-
-        t = time.monotonic()
-        handle, self._handle = self._handle, None
-        offload.restore(handle)
-        self._emit(ev.ModelRestored(seconds=round(time.monotonic() - t, 4)))
-
-    # ---- the export --------------------------------------------------------------------------------------
-    def _export(self) -> ev.Event:
-        plan, out = self.plan, self.plan.output
-        n = plan.source.num_layers
-        parts = list(range(n)) + [NON_LAYER]
-        st = journal.read(out)  # re-read under the lock: the journal may have grown since prepare()
-        if st.header is not None and st.header.fingerprint != plan.fingerprint:
-            raise OutputError(f"output {out!r} changed hands while starting; run again")
-        done, redo = self._verified(st, n)
-        self._journal = journal.Journal(out, st) if st.header else journal.start(out, self.job, plan.fingerprint, n)
-        for idx, rec in done.items():
-            # verified by its bytes under a new identity (copied, restored from a backup): journal the new
-            # identity, so the next run trusts it again by its stat
-            fresh = journal.restat(out, rec)
-            if fresh is not rec:
-                self._journal.append(fresh)
-                done[idx] = fresh
-        self._clear_tmp()
-        todo = [p for p in parts if p not in done]
-        self._emit(ev.Started(output=out, total=len(parts), todo=len(todo), resumed=len(done), redo=sorted(redo)))
-        if not todo and st.finalized is not None and not redo and not journal.verify_files(out, journal.not_shards(st.finalized.files, done)):
-            return ev.Finished(output=out, parts=len(parts), nbytes=sum(r.nbytes for r in done.values()),
-                               seconds=0.0, already_complete=True)
-        self._progress = _Progress(total=len(parts), done=len(done), source_bytes=plan.source.nbytes)
-        self._done = done
-        self._copy_ahead(todo)
-        self._preflight()
-        self._scheduler.run(todo)
-        self._finalize(done)
-        total_bytes = sum(r.nbytes for r in done.values())
-        return ev.Finished(output=out, parts=len(parts), nbytes=total_bytes,
-                           seconds=round(time.monotonic() - self._t0, 3))
-
-    def _preflight(self) -> None:
-        """Start the pool, and judge the export plan: a worker predicts every part's output on meta tensors and
-        runs transformers' loader on it. An export that would quantize nothing, or whose output would load with
-        missing or unexpected weights, is refused with the reason (a new output folder is then removed again:
-        _discard_fresh_output). A data-free export is judged by a worker of its own while the first parts run
-        (Scheduler.plan_beside: none is journaled before the verdict). Judged first, before any part, instead: a
-        calibrated export (its parts run in order on one worker), one whose workers are spawned rather than forked
-        (each start is a full import: the parts would wait for the planner's), and a CPU export whose host has no
-        free memory for one more worker (devices.room_for_planner). On the 2-core VM, beside the parts took 0.4-0.5 s
-        off the time from the warm parent's readiness to the end (3.07-3.62 s against 3.52-4.14 s, eight alternating
-        runs each, 2026-12-01): judged first, one core idled while the other judged the plan."""
-        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
-        self._start_zygote()
-        self._scheduler = self._make_scheduler()
-        if self._copy is not None:
-            self._scheduler.hand_off(NON_LAYER)
-        from supervisor import devices
-
-        forced = os.environ.get(PLAN_BESIDE_ENV)
-        beside = forced == "1" if forced in ("0", "1") else \
-            devices.room_for_planner([s.device for s in self._scheduler.slots], self._layer_bytes)
-        if self.plan.calibration is not None or not self._zygote.forkable or not beside:
-            self._judge()
-        else:
-            self._scheduler.plan_beside(self._judge)
-
-    def _judge(self, slot: Slot | None = None) -> None:
-        """The export plan, on `slot`'s worker (default slot 0's); raises SourceError to refuse the export."""
-        described = self._scheduler.request(Describe(), Described, "the export plan", slot=slot)
-        self._plan_load = described.load  # the end-of-export check reuses it when the files match the prediction
-        what = f"{self.job.export.scheme} export of " + (
-            repr(self.job.source.path) if self.job.source is not None else "the live model")
-        if described.parts and not any(part.quantized for part in described.parts):
-            raise SourceError(f"{what} would quantize nothing: no weight matches the scheme's targets outside the "
-                              f"ignore list (by {described.backend}); see `supervisor plan`")
-        problem = load_problems(described.load)
-        if problem:
-            raise SourceError(f"{what} would not load in transformers: {problem}")
-        self._described = described
-        self._judged.set()
-
-    # ---- the non-layer part written ahead, while the workers' libraries import (supervisor.verbatim) -------------
-    def _copy_ahead(self, todo: list[int]) -> None:
-        part = verbatim.plan(self.job, self.plan.source) if NON_LAYER in todo else None
-        if part is not None:
-            self._copy = verbatim.Copy(part, self.plan.output, self._await_plan, self._settle_copy)
-            self._copy.start()
-
-    def _await_plan(self) -> Described | None:
-        """The export plan once judged good; None when the run stops first (refused, failed, cancelled)."""
-        while not self._judged.wait(0.1):
-            scheduler = self._scheduler  # _cleanup may drop it meanwhile
-            if self._cancel.is_set() or self._closing.is_set() or (scheduler is not None and scheduler.stopping):
-                return None
-        return self._described
-
-    def _settle_copy(self, reply: LayerWritten | None, why: str) -> None:
-        """The copy's outcome to the scheduler (`why`: the reason a worker exports the part instead). A run that is
-        ending meanwhile has no scheduler left, or one that journals nothing more (Scheduler.landed)."""
-        scheduler = self._scheduler
-        if scheduler is None:
-            return
-        if reply is not None:
-            scheduler.landed(reply)
-        else:
-            self._emit(ev.CopyDeclined(index=NON_LAYER, reason=why))
-            scheduler.take_back(NON_LAYER)
-
-    def _source_changed(self, index: int, rec: journal.Shard) -> str | None:
-        """A live model's part whose tensors differ from those its shard was made from (a re-run after a crash
-        with a changed model): redone, never mixed in."""
-        if self._live is None:
-            return None
-        from supervisor import live
-
-        src = self.plan.source
-        names = live.part_names(src.tensor_names, src.layer_prefix, index, src.num_layers)
-        return None if live.part_digest(self._live, names) == rec.source_digest else "the live model changed"
-
-    def _make_scheduler(self) -> Scheduler:
-        from supervisor import devices
-
-        r = self.job.resources
-        calibrated = self.plan.calibration is not None
-        # calibrated: each layer's inputs are the previous layer's outputs, so one worker, in order
-        slots = [self.plan.devices[0]] if calibrated else devices.worker_slots(self.plan.devices, r.workers,
-                                                                               self._layer_bytes)
-        # a worker the default count added beyond one per GPU is left out if its GPU cannot hold it (NoRoom)
-        slots = [Slot(id=i, device=d, optional=r.workers <= 0 and d != "cpu" and d in slots[:i])
-                 for i, d in enumerate(slots)]
-        return Scheduler(slots, max_attempts=r.max_attempts, part_timeout=r.part_timeout,
-                         retry_delay=self.retry_delay, sequential=calibrated, cancel=self._cancel, emit=self._emit,
-                         start_worker=self._start_worker, on_written=self._record, on_heartbeat=self._on_heartbeat,
-                         recycle=self._should_recycle, boundary=self._boundary_for)
-
-    # ---- calibrated exports: the boundary (a layer's input activations) crossing from one layer to the next ----
-    def _verified(self, st: journal.State, n: int) -> tuple[dict[int, journal.Shard], list[int]]:
-        """The journaled parts that stand and those to redo. A calibrated export continues after the last layer
-        whose outputs (the boundary) are durable and good: every layer from there is redone, in order, starting
-        from that boundary (journal.calibrated_resume)."""
-        done, redo = {}, []
-        for idx, rec in st.shards.items():
-            if (journal.verify_shard(self.plan.output, rec) or self._source_changed(idx, rec)) is None:
-                done[idx] = rec
-            else:
-                redo.append(idx)
-        if self.plan.calibration is not None:
-            start, self._boundary = journal.calibrated_resume(self.plan.output, st, n, done)
-            redo = sorted(set(redo) | {i for i in done if i >= start})
-            done = {i: r for i, r in done.items() if i < start}  # NON_LAYER (-1) stays when good
-            journal.prune_boundaries(self.plan.output, self._boundary)
-        return done, redo
-
-    def _boundary_for(self, index: int):
-        """The journaled inputs of layer `index`, for a worker that does not hold them in memory (None: none)."""
-        b = self._boundary
-        return b if b is not None and b.feeds == index else None
-
-    def _check_boundary(self, reply: LayerWritten) -> None:
-        b, n = reply.boundary, self.plan.source.num_layers
-        if self.plan.calibration is None or not 0 <= reply.index < n - 1:
-            return
-        path = os.path.join(self.plan.output, b.file) if b is not None else ""
-        if b is None or b.feeds != reply.index + 1 or b.file != layout.boundary_name(b.feeds) \
-                or not os.path.isfile(path) or os.path.getsize(path) != b.nbytes:
-            raise ExportFailed(f"worker did not leave layer {reply.index + 1}'s calibration inputs on disk as "
-                               "described", index=reply.index)
-
-    def _clear_tmp(self) -> None:
-        tmp = layout.state_path(self.plan.output, layout.TMP)
-        for fn in os.listdir(tmp):
-            os.unlink(os.path.join(tmp, fn))
-
-    def _check_cancel(self) -> None:
-        if self._cancel.is_set():
-            raise Cancelled("export cancelled; run the same job again to resume")
-
-    def _start_zygote(self) -> None:
-        """Start the warm parent that forks workers. It is spawned from the long-lived spawner thread: a
-        parent-death signal fires when the *thread* that spawned a process ends, not only its process."""
-        from supervisor import devices
-
-        self._check_cancel()
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        if self.plan.devices == ["cpu"]:
-            env = devices.child_env("cpu", env)
-        log = layout.state_path(self.plan.output, layout.LOGS, "zygote.log")
-        z = Zygote(env, log, warm_profile(self.job), self.job.resources.startup_timeout, pass_fds=self._pool_fds,
-                   on_log=self._on_log, keep_warm=keep_warm_seconds(self.job.resources.keep_warm))
-        t = time.monotonic()
-        try:
-            self._spawner.submit(z.start, self._cancel.is_set).result()
-        except ZygoteLost as exc:
-            raise ExportFailed(f"workers cannot start: {exc.reason}", traceback=exc.log_tail) from None
-        except CancelledWait:
-            raise Cancelled("export cancelled; run the same job again to resume") from None
-        self._zygote = z
-        self._emit(ev.PoolStarted(pid=z.pid, seconds=round(time.monotonic() - t, 3), imports=z.seconds,
-                                  forking=z.forkable, reused=z.reused, kept=z.keep_warm if z.kept else 0.0))
-
-    @property
-    def _pool_fds(self) -> tuple[int, ...]:
-        """A live model's pool memfds, inherited by the zygote (so by every worker it forks) or a spawned worker."""
-        return tuple(self._pool_spec.fds) if self._pool_spec is not None else ()
-
-    def _fork(self, env: dict, fds: tuple[int, int], out_fds: tuple[int, int]):
-        """Fork a worker from the zygote; a zygote that died is started again once (on the spawner thread)."""
-        with self._zygote_lock:
-            try:
-                if self._zygote is None or not self._zygote.alive:
-                    old, self._zygote = self._zygote, None
-                    if old is not None:
-                        old.close()
-                    self._start_zygote()
-                if not self._zygote.forkable:
-                    # the imports touched CUDA on this machine: a fork would not be safe; spawn instead
-                    return self._spawner.submit(spawn, env, fds, out_fds, self._pool_fds).result()
-                return self._zygote.fork([], env, fds, out_fds)
-            except ZygoteLost as exc:
-                raise WorkerLost(exc.reason, exc.log_tail) from None
-
-    def _start_worker(self, slot: Slot, on_hello=lambda: None) -> Worker:
-        """A ready worker for `slot`: the child sees only the slot's GPU (as cuda:0), or none on CPU. `on_hello()`:
-        the child exists and has its Hello (Worker.start)."""
-        from supervisor import devices
-
-        self._check_cancel()
-        plan, r = self.plan, self.job.resources
-        env = devices.child_env(slot.device, dict(os.environ))
-        env["PYTHONUNBUFFERED"] = "1"
-        child_device = "cpu" if slot.device == "cpu" else "cuda:0"
-        job = self.job
-        # the slots on this slot's device: CPU workers split the cores; GPU workers may take turns on their GPU
-        sharing = sum(s.device == slot.device for s in self._scheduler.slots) if self._scheduler else 1
-        if slot.device == "cpu" and sharing > 1 and not r.torch_threads:
-            # several CPU workers share the cores instead of each starting one thread per core
-            threads = max(1, (os.cpu_count() or 1) // sharing)
-            job = msgspec.structs.replace(job, resources=msgspec.structs.replace(r, torch_threads=threads))
-        lock = layout.device_lock(plan.output, slot.device) \
-            if devices.device_stage_shared(slot.device, sharing, self._layer_bytes) else ""
-        hello = Hello(version=PROTOCOL_VERSION, job=job, output=plan.output, device=child_device, worker=slot.id,
-                      calibration_sha256=plan.calibration.sha256 if plan.calibration else "",
-                      pool=self._pool_spec, device_lock=lock)
-        log = layout.state_path(plan.output, layout.LOGS, f"worker-{slot.id}.log")
-        w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout,
-                   fork=self._fork, on_log=self._on_log)
-        slot.worker = w  # so a stop or kill reaches it while it starts
-        t = time.monotonic()
-        ready = w.start(self._cancel.is_set, self._on_heartbeat, on_hello)
-        _check_layers(ready, plan.source)
-        self._check_gpu_room(ready, slot.device, sharing if slot.optional else 1)
-        now = time.monotonic()
-        if not slot.planner:  # the export plan's worker exports no part: not one of the run's workers to a reader
-            self._emit(ev.WorkerStarted(pid=ready.pid, device=slot.device, seconds=round(now - t, 3), worker=slot.id,
-                                        since_death=None if slot.died_at is None else round(now - slot.died_at, 3),
-                                        gpu_free=ready.gpu_free, gpu_total=ready.gpu_total))
-        p = self._progress
-        if p is not None and p.done == p.done_at_start:
-            p.start = time.monotonic()  # rates measure exporting, not the first worker's imports
-        return w
-
-    @property
-    def _layer_bytes(self) -> int:
-        """A decoder layer's source bytes, on average."""
-        return self.plan.source.nbytes // max(self.plan.source.num_layers, 1)
-
-    def _layer_need(self) -> int:
-        # A layer in flight: its tensors, the next layer read ahead, and the quantized copy (~2.5x a layer).
-        return int(2.5 * self._layer_bytes)
-
-    def _precheck_gpu(self) -> None:
-        """Before a child starts: if this process already uses CUDA (a studio holding its model), ask the device
-        for its free memory now, after the release. The CLI never initializes CUDA here (a context costs
-        ~0.5 GB of the very memory we want free); the worker then measures it itself (_check_gpu_room)."""
-        import sys
-        torch = sys.modules.get("torch")
-        if self.plan.device == "cpu" or torch is None or not torch.cuda.is_initialized():
-            return
-        from supervisor import devices
-        for device in self.plan.devices:
-            devices.check_free_memory(device, self._layer_need() + (512 << 20))  # + the child's context
-
-    def _check_gpu_room(self, ready, device: str | None = None, workers: int = 1) -> None:
-        """Refuse a GPU that cannot hold a layer: the worker measured its free memory after starting. `workers` > 1:
-        a worker the default count added (Slot.optional), which starts only where the GPU holds the layers of all
-        `workers` workers on it (they start side by side, so a worker's measurement may not yet see the others')."""
-        device = device or self.plan.device
-        if not ready.gpu_total:
-            return
-        need = self._layer_need() * workers
-        if ready.gpu_free >= need:
-            return
-        free = f"{device} has {ready.gpu_free / 2**30:.1f} GiB free as the worker sees it"
-        if workers > 1:
-            raise NoRoom(f"{free}, {workers} workers' layers there need about {need / 2**30:.1f} GiB; going on "
-                         "with fewer (set [resources] workers to choose the count)")
-        raise NoRoom(f"{free}, a layer needs about {need / 2**30:.1f} GiB: free memory on that GPU (or hand the live "
-                     "model to Supervisor(model=...)), or set [resources] device to another one")
-
-    def _on_log(self, stream: str, text: str, pid: int) -> None:
-        """Called by the worker's log pump for every line: keep it, and stream it unless the reader is behind."""
-        line = ev.LogLine(stream=stream, text=text, pid=pid, t=round(time.monotonic() - self._t0, 3))
-        self._logs.append(line)
-        with self._log_lock:
-            if self._logs_queued >= LOG_QUEUED_MAX:
-                self._logs_dropped += 1
-                return
-            dropped, self._logs_dropped = self._logs_dropped, 0
-            self._logs_queued += 1 + bool(dropped)
-        if dropped:
-            self._emit_dropped(dropped, stream, pid)
-        self._emit(line)
-
-    def _emit_dropped(self, dropped: int, stream: str = "stderr", pid: int = 0) -> None:
-        self._emit(ev.LogLine(stream=stream, pid=pid, text=f"[{dropped} lines not streamed while the reader was "
-                              "behind; recent_logs() and the worker log have them]"))
-
-    def _flush_dropped_logs(self) -> None:
-        with self._log_lock:
-            dropped, self._logs_dropped = self._logs_dropped, 0
-            self._logs_queued += bool(dropped)
-        if dropped:
-            self._emit_dropped(dropped)
-
-    def _on_heartbeat(self, hb: Heartbeat) -> None:
-        p = self._progress
-        if p is not None and hb.index is not None:
-            self._emit(p.event(worker_rss=hb.rss, stage=hb.stage, index=hb.index))
-
-    def _record(self, reply: LayerWritten, w: Worker | None, retries: int) -> None:
-        """Journal a written part (the scheduler calls this one part at a time, with its failed attempts; `w`, the
-        worker that wrote it, is the scheduler's to account: None for the non-layer part this process copied)."""
-        path = os.path.join(self.plan.output, reply.file)
-        if reply.file != layout.shard_name(reply.index) or not os.path.isfile(path) \
-                or os.path.getsize(path) != reply.nbytes:
-            raise ExportFailed(f"worker reported {reply.file} but it is not on disk as described", index=reply.index)
-        self._check_boundary(reply)
-        rec = journal.Shard(index=reply.index, file=reply.file, digest=reply.digest, nbytes=reply.nbytes,
-                            seconds=round(reply.seconds, 3), ino=reply.ino, mtime_ns=reply.mtime_ns,
-                            source_bytes=reply.source_bytes, peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
-                            retries=retries, quant_error=reply.quant_error, stages=reply.stages,
-                            boundary=reply.boundary, source_digest=reply.source_digest)
-        self._journal.append(rec)
-        self._done[reply.index] = rec
-        if self.plan.calibration is not None and reply.index >= 0:
-            # journaled: the new boundary is the only one the next layer needs, so the one before it is spent
-            spent, self._boundary = self._boundary, reply.boundary
-            if spent is not None:  # it fed this layer; _check_boundary held the new one to the next layer's name
-                self._discard(os.path.join(self.plan.output, spent.file))
-        self._emit(ev.LayerWritten(index=reply.index, file=reply.file, nbytes=reply.nbytes,
-                                   seconds=round(reply.seconds, 3), peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
-                                   retries=retries, quant_error=reply.quant_error, stages=reply.stages))
-        self._progress.add(reply.source_bytes, reply.nbytes)
-        self._emit(self._progress.event(worker_rss=reply.rss))
-
-    def _discard(self, path: str) -> None:
-        """Unlink a spent boundary file in the background: freeing a 2 GB file's cached pages takes ~0.45 s, which
-        would otherwise sit between one calibrated layer and the next. Only that one file is named, never a newer
-        one the worker is writing; one left behind by a crash is pruned when the export resumes (_verified)."""
-        if self._deleter is None:
-            self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deleter")
-        self._deleter.submit(durable.unlink_quietly, path)
-
-    def _should_recycle(self, w: Worker) -> bool:
-        r = self.job.resources
-        by_count = r.recycle_after_layers and w.layers_done >= r.recycle_after_layers
-        by_rss = r.recycle_above_rss_mb and w.rss > r.recycle_above_rss_mb * 1024 * 1024
-        return bool(by_count or by_rss)
-
-    def _finalize(self, done: dict[int, journal.Shard]) -> None:
-        out = self.plan.output
-        reply = self._scheduler.write_config(layout.state_path(out, layout.STAGING))
-        finalize.place_config(reply.path, out)
-        shards = finalize.shard_files(self.plan.source.num_layers)
-        finalize.write_index(out, shards)
-        finalize.copy_side_files(self.plan.source.path, out)
-        # the folder as a loader sees it: every weight must land where transformers expects it (no random experts)
-        checked = self._scheduler.request(CheckLoad(folder=out, known=self._plan_load), LoadChecked,
-                                          "the loader check")
-        self._scheduler.close()
-        problem = load_problems(checked.load)
-        if problem:
-            raise ExportFailed(f"the export in {out!r} does not load correctly in transformers: {problem}")
-        files = finalize.output_files(out, {r.file: r.digest for r in done.values()})
-        self._journal.append(journal.Finalized(files=files))
-        finalize.write_done(out, files)
-
-
-class _Progress:
-    def __init__(self, total: int, done: int, source_bytes: int):
-        self.total, self.done = total, done
-        self.source_total = source_bytes
-        self.start = time.monotonic()
-        self.done_at_start = done
-        self.bytes_read = 0
-        self.bytes_written = 0
-
-    def add(self, read: int, written: int) -> None:
-        self.done += 1
-        self.bytes_read += read
-        self.bytes_written += written
-
-    def event(self, worker_rss: int = 0, stage: str = "", index: int | None = None) -> ev.Progress:
-        elapsed = max(time.monotonic() - self.start, 1e-6)
-        finished_now = self.done - self.done_at_start
-        eta = (elapsed / finished_now) * (self.total - self.done) if finished_now else None
-        return ev.Progress(done=self.done, total=self.total, bytes_written=self.bytes_written,
-                           mb_per_s=round(self.bytes_read / elapsed / 1e6, 2),
-                           eta_s=None if eta is None else round(eta, 1), worker_rss=worker_rss, stage=stage,
-                           index=index)
 
 
 def describe(job: Job | str | os.PathLike) -> Described:
@@ -843,15 +219,8 @@ def describe(job: Job | str | os.PathLike) -> Described:
             w.stop()
     if isinstance(reply, Failed):
         raise for_good(reply, "the export plan")
-    _check_layers(ready, plan.source)
+    check_layers(ready, plan.source)
     return reply
-
-
-def _check_layers(ready, source: SourceInfo) -> None:
-    if ready.num_layers != source.num_layers or ready.layer_prefix != source.layer_prefix:
-        raise SourceError(f"the model class sees {ready.num_layers} layers under {ready.layer_prefix!r} but the "
-                          f"weights hold {source.num_layers} under {source.layer_prefix!r}; "
-                          "this architecture is not supported")
 
 
 def export(job: Job | str | os.PathLike, model=None, on_event=None, *, tokenizer=None) -> ev.Finished:

@@ -168,7 +168,7 @@ def test_gpu_without_room_for_a_layer_is_refused(job):
     from shared.messages import Ready
     from supervisor.errors import DeviceError
 
-    run = Supervisor(job)
+    run = Supervisor(job)._run
     need = run._layer_need()
     ready = Ready(version=1, pid=1, device="cuda:0", layer_prefix="model.layers.", num_layers=2,
                   gpu_free=need - 1, gpu_total=8 * need)
@@ -192,22 +192,24 @@ def test_only_workers_the_default_count_added_beyond_one_per_gpu_are_optional(jo
     from supervisor import devices
 
     monkeypatch.setattr(devices, "worker_slots", lambda devs, n, layer: ["cuda:0", "cuda:1", "cuda:0", "cuda:1"])
-    run = Supervisor(job)
+    run = Supervisor(job)._run
     assert [s.optional for s in run._make_scheduler().slots] == [False, False, True, True]
-    asked = Supervisor(msgspec.structs.replace(job, resources=msgspec.structs.replace(job.resources, workers=4)))
+    asked = Supervisor(msgspec.structs.replace(job, resources=msgspec.structs.replace(job.resources, workers=4)))._run
     assert not any(s.optional for s in asked._make_scheduler().slots)
     monkeypatch.setattr(devices, "worker_slots", lambda devs, n, layer: ["cpu", "cpu"])
-    assert not any(s.optional for s in Supervisor(job)._make_scheduler().slots)
+    assert not any(s.optional for s in Supervisor(job)._run._make_scheduler().slots)
 
 
 def test_enospc_in_the_supervisors_own_writes_is_a_clear_failure(job, monkeypatch):
     """ENOSPC raised by the supervisor's own writes (journal, index) ends as the disk-full ExportFailed."""
     import errno
 
+    from supervisor.run import Run
+
     def full_disk(self):
         raise OSError(errno.ENOSPC, "No space left on device", "model.safetensors.index.json")
 
-    monkeypatch.setattr(Supervisor, "_export", full_disk)
+    monkeypatch.setattr(Run, "_export", full_disk)
     with Supervisor(job) as run:
         last = list(run.events())[-1]
     with pytest.raises(ExportFailed, match="disk full while writing into .*index.json.*run again to resume"):

@@ -557,7 +557,7 @@ def test_cleanup_restores_and_unlocks_even_when_closing_the_journal_fails(model,
     from supervisor.lock import Lock, probe
 
     out = tmp_path / "out"
-    run = Supervisor(parse_job({"source": {"path": model}, "export": {"scheme": "W4A16", "output": str(out)}}))
+    run = Supervisor(parse_job({"source": {"path": model}, "export": {"scheme": "W4A16", "output": str(out)}}))._run
     os.makedirs(out / ".export")
     run._lock = Lock(str(out))  # the state start() leaves before its run thread: lock held, journal open
     run._lock.acquire()
@@ -572,6 +572,6 @@ def test_cleanup_restores_and_unlocks_even_when_closing_the_journal_fails(model,
     restored = []
     monkeypatch.setattr(run, "_restore_model", lambda: restored.append(True))
     with pytest.raises(OSError):
-        run._cleanup()
+        run.cleanup()
     assert restored == [True]
     probe(str(out))  # raises LockedError if the lock were still held
