@@ -346,7 +346,7 @@ _REPEATS = (ValueError, TypeError, KeyError, IndexError, AttributeError, NotImpl
 
 
 def _failed(index: int | None, exc: BaseException) -> Failed:
-    from child.backend import Refused
+    from child.errors import Refused
 
     return Failed(index=index, kind=type(exc).__name__, message=str(exc) or type(exc).__name__,
                   traceback="".join(traceback.format_exception(exc)),

@@ -28,12 +28,9 @@ import importlib.machinery
 import types
 from typing import Callable, Protocol
 
+from child.errors import Refused
 from shared.job import Job, is_calibrated, profile_format
 from shared.messages import Boundary
-
-
-class Refused(ValueError):
-    """The job asks for something this source cannot give (bad input, not a crash): never retried, exit code 2."""
 
 
 class Backend(Protocol):

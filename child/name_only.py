@@ -24,7 +24,7 @@ import shutil
 
 import torch
 
-from child.backend import Refused
+from child.errors import Refused
 from child.staging import plain_to_host
 from shared import tensor_names
 from shared.layout import SHARD_METADATA

@@ -66,6 +66,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from child import quant_error
+from child.errors import Refused
 from child.naming import NameMap, find_decoder_layers
 from child.staging import plain_to_host
 from shared.job import DEFAULT_IGNORE as _JOB_DEFAULT_IGNORE
@@ -479,8 +480,6 @@ def _refuse_uncompressible(model: nn.Module, qcfg: QuantizationConfig, targets: 
     config whose ignore list misses lm_head. oneshot writes the same; transformers then loads lm_head with a missing
     scale and drops the zero points (measured, docs/fidelity.md)."""
     from compressed_tensors.compressors.format import infer_module_format
-
-    from child.backend import Refused
 
     scheme = next(iter(qcfg.config_groups.values()))
     wanted = infer_module_format(nn.Linear, scheme)

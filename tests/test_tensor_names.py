@@ -57,7 +57,7 @@ def test_falcon_layers_found_but_refused_as_compressed_tensors_writes_it_dense(m
     """Falcon's layers are found (`transformer.h.`), but FalconLinear subclasses nn.Linear and compressed-tensors
     picks formats by exact class: oneshot's output is 'dense' and loads wrong (the loader check shows it), so the
     layer quantizer refuses up front, saying why."""
-    from child.backend import Refused
+    from child.errors import Refused
 
     model = moe_models("falcon")
     assert inspect(model).layer_prefix == "transformer.h."
