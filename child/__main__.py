@@ -126,6 +126,12 @@ class Exporter:
         if job.resources.torch_threads:
             import torch
             torch.set_num_threads(job.resources.torch_threads)
+        self.rank = hello.group.rank if hello.group is not None else 0
+        if hello.group is not None:
+            from child import group
+
+            beat.set(None, "rendezvous")
+            group.join(hello.group, job.resources.startup_timeout)
         self.output, self.device, self.beat = hello.output, hello.device, beat
         self.device_lock = hello.device_lock  # several workers take turns on this GPU: see _device_stage
         self._index: int | None = None
@@ -144,6 +150,9 @@ class Exporter:
                                     stage=self._stage, calibration_sha256=hello.calibration_sha256,
                                     to_host=self._staging.to_host)
         self.prefix = self.backend.layer_prefix
+        self._clock: tuple[str, float] | None = None  # the calibrated stage in progress, since when
+        self._substages: dict[str, float] = {}
+        self._reached: set[str] = set()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self._ahead: dict[int, Future] = {}
 
@@ -226,11 +235,30 @@ class Exporter:
             os.close(fd)
 
     def _stage(self, name: str) -> None:
-        """A stage inside the part in progress (calibrated: forward, calibrate, propagate, quantize): shown in
-        heartbeats, and a fault point for tests ("quantize" fires once, after the part, as for every backend)."""
+        """A stage inside the part in progress (calibrated: forward, calibrate, and inside it a group's reduce, solve
+        and broadcast, then propagate, quantize): shown in heartbeats, timed (LayerWritten.ranks), and a fault point
+        for tests ("quantize" fires once, after the part, as for every backend)."""
+        now = time.perf_counter()
+        if self._clock is not None:
+            last, since = self._clock
+            self._substages[last] = self._substages.get(last, 0.0) + now - since
+        self._clock = (name, now)
         self.beat.set(self._index, name)
-        if name != "quantize":
+        if name != "quantize" and name not in self._reached:  # a stage entered again (calibrate, after a reduce)
+            self._reached.add(name)
             faults.hit(name, self._index, self._writer)
+
+    def _take_substages(self) -> dict[str, dict[str, float]]:
+        """The calibrated stages' seconds in the part just done, under this worker's rank ({} for data-free)."""
+        if self._clock is not None:
+            self._stage_end()
+        out, self._substages = self._substages, {}
+        return {str(self.rank): {k: round(v, 4) for k, v in out.items()}} if out else {}
+
+    def _stage_end(self) -> None:
+        last, since = self._clock
+        self._substages[last] = self._substages.get(last, 0.0) + time.perf_counter() - since
+        self._clock = None
 
     def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:
         from child import quant_error
@@ -239,8 +267,10 @@ class Exporter:
         index, t0 = msg.index, time.perf_counter()
         self._index, self._writer = index, writer
         quant_error.take()  # drop what a failed earlier part may have left
+        quant_error.take_losses()
         _reset_peak_rss()
         gpu = self._gpu_reset()
+        self._clock, self._substages, self._reached = None, {}, set()
         self.beat.set(index, "read")
         tensors, digest = self._read(index)
         self._prefetch(msg.prefetch)
@@ -257,11 +287,17 @@ class Exporter:
             else:
                 out = self.backend.quantize_layer(index, tensors)
             del tensors
-            out = {k: v.to("cpu") for k, v in out.items()}  # pass-through tensors may still be on the device
+            if out is not None:  # pass-through tensors may still be on the device
+                out = {k: v.to("cpu") for k, v in out.items()}
         t2 = time.perf_counter()
+        substages = self._take_substages()
+        if out is None:  # a group's rank other than 0: calibrated with the others, rank 0 writes the shard
+            return self._rank_done(index, t0, {"read": t_read - t0, "inputs": t1 - t_read, "quantize": t2 - t1},
+                                   source_bytes, gpu, digest, substages)
         self._prefetch_onto_device(msg.prefetch)
         error_seconds = quant_error.spent
         errors = quant_error.take()
+        losses = quant_error.take_losses()
         faults.hit("quantize", index, writer)
         self.beat.set(index, "write")
         parent_alive()
@@ -294,7 +330,28 @@ class Exporter:
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
                             peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), quant_error=errors,
                             stages={k: round(v, 4) for k, v in stages.items()}, boundary=boundary,
-                            source_digest=digest)
+                            source_digest=digest, rank=self.rank, losses=losses, ranks=substages)
+
+    def _rank_done(self, index: int, t0: float, stages: dict, source_bytes: int, gpu, digest: str,
+                   substages: dict) -> LayerWritten:
+        """A group rank's part of a layer: no shard, only the boundary of its own samples, made durable."""
+        from child import quant_error
+
+        faults.hit("quantize", index, self._writer)
+        parent_alive()
+        t = time.perf_counter()
+        boundary = self.backend.commit(index)
+        faults.hit("boundary", index, self._writer)
+        stages["boundary"] = time.perf_counter() - t
+        gc.collect()
+        _malloc_trim()
+        self.source.trim()
+        self.beat.set(None, "idle")
+        return LayerWritten(index=index, file="", digest="", nbytes=0, seconds=time.perf_counter() - t0,
+                            source_bytes=source_bytes, peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu),
+                            stages={k: round(v, 4) for k, v in stages.items()}, boundary=boundary,
+                            source_digest=digest, rank=self.rank, losses=quant_error.take_losses(),
+                            ranks=substages)
 
     def write_config(self, msg: WriteConfig, writer: Writer) -> ConfigWritten:
         self.beat.set(None, "config")
@@ -406,6 +463,10 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
                     reply = _failed(None, exc)
                 writer.send(reply)
             case Stop():
+                if hello.group is not None:
+                    from child import group
+
+                    group.leave()
                 return 0
             case _:
                 writer.send(Failed(kind="ProtocolError", message=f"unexpected message {type(msg).__name__}"))

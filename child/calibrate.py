@@ -51,10 +51,11 @@ from llmcompressor.modifiers.utils.hooks import HooksMixin
 from llmcompressor.modifiers.utils.pytorch_helpers import is_moe_model
 from llmcompressor.pipelines.cache import IntermediatesCache
 from llmcompressor.utils.helpers import DisableQuantization, eval_context
+from llmcompressor.utils.metric_logging import CompressionLogger
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from child import quant_error
+from child import group, quant_error
 from child.boundary import Activations, BoundaryWriter
 from child.naming import find_decoder_layers
 from child.quantize import LayerQuantizer, _linearize_meta_experts, _load_config, _materialise, _rooted
@@ -94,6 +95,7 @@ class Calibrator:
         self.device = torch.device(device)
         self.method, self.scheme, self.ignore = job.export.method, job.export.scheme, effective_ignore(job)
         self._calibration_sha256 = calibration_sha256
+        self.rank, self.world = group.rank(), group.world()  # a group's rank calibrates its own samples (child.group)
         self.config = _load_config(config_dir)
         self._model = _calibration_skeleton(self.config)
         self.layer_prefix, layers = find_decoder_layers(self._model, self.config)
@@ -150,6 +152,8 @@ class Calibrator:
         root.config = self.config  # norm_calibration_context reads model.config
         try:
             self._calibrate(index, layer, root)
+            if self.rank > 0:
+                return None  # rank 0 writes the shard: after the broadcasts every rank holds the same layer
             self._stage("quantize")
             with torch.no_grad():
                 quantized = [(n, m) for n, m in match_named_modules(root, self._plain._targets, self.ignore)
@@ -174,7 +178,7 @@ class Calibrator:
         if writer is None:  # the last layer: nothing follows it
             self._spare = None
             return None
-        name = layout.boundary_name(index + 1)
+        name = self._boundary_name(index + 1)
         dest = os.path.join(self.output, name)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         self._inputs, digest, size = writer.commit(dest)
@@ -218,6 +222,9 @@ class Calibrator:
     def _calibrate(self, index: int, layer: nn.Module, root: nn.Module) -> None:
         inputs = self._inputs
         with contextlib.ExitStack() as outer:
+            outer.enter_context(group.collectives())  # a group's ranks: the library's own reductions and broadcasts
+            outer.enter_context(_recorded_losses(root))
+            outer.enter_context(_library_stages(self._stage))
             if not torch.accelerator.is_available():
                 outer.enter_context(_no_pinning())
             session = outer.enter_context(create_session())
@@ -253,12 +260,15 @@ class Calibrator:
     def _next_writer(self, index: int, inputs: Activations) -> BoundaryWriter | None:
         if index + 1 >= self.num_layers:
             return None
-        tmp = layout.state_path(self.output, layout.TMP, os.path.basename(layout.boundary_name(index + 1)) + ".tmp")
+        tmp = layout.state_path(self.output, layout.TMP, os.path.basename(self._boundary_name(index + 1)) + ".tmp")
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
         # the inputs are still held while the outputs are built: both count against the budget
         spare, self._spare = self._spare, None
         return BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=tmp,
                               keep_in_ram=2 * inputs.nbytes <= self._ram_budget, buffer=spare, pin=self._pin)
+
+    def _boundary_name(self, feeds: int) -> str:
+        return layout.boundary_name(feeds, self.rank if self.world > 1 else None)
 
     def _drop_inputs(self) -> None:
         if self._inputs is not None:
@@ -297,7 +307,7 @@ class Calibrator:
         """Layer 0's inputs: every sample's embeddings, computed by the model's own forward on the device."""
         c = self.job.calibration
         ids = calibration_ids(c.dataset, c.samples, c.seq_len, self.job.source.path, self._calibration_sha256,
-                              self.config.get_text_config().vocab_size)
+                              self.config.get_text_config().vocab_size, rank=self.rank, world=self.world)
         self._stage("forward")
         names = [n for n, _ in self._trunk.named_parameters()]
         full = {f"{self._trunk_name}.{n}" if self._trunk_name else n: n for n in names}
@@ -395,4 +405,47 @@ def _no_pinning():
     # "Cannot access accelerator device when none is available" on a machine without one (measured). Pinning
     # only speeds up host->device copies and never changes a value, so without an accelerator it is skipped.
     with patch_attr(IntermediatesCache, "_pin_intermediate", classmethod(lambda cls, value: None)):
+        yield
+
+
+@contextlib.contextmanager
+def _recorded_losses(root: nn.Module):
+    # GPTQ hands each module's loss to its CompressionLogger (which logs it rounded to two decimals); kept here as
+    # the library computed it, for `supervisor report` and the group's fidelity checks (in a group, each module's
+    # owner rank computes it)
+    names = {m: n for n, m in root.named_modules()}
+    original = CompressionLogger.set_results
+
+    def set_results(self, name=None, loss=None):
+        if loss is not None and self.module in names:
+            quant_error.record_loss(names[self.module], loss)
+        return original(self, name=name, loss=loss)
+
+    with patch_attr(CompressionLogger, "set_results", set_results):
+        yield
+
+
+@contextlib.contextmanager
+def _library_stages(stage: Callable[[str], None]):
+    # the steps of GPTQ's sequential_epoch_end, as stages (timed, shown, fault points): a group's ranks reduce each
+    # Hessian to its owner, solve their own modules, broadcast the results (the broadcast of a static-scale
+    # QuantizationModifier too); one worker only solves
+    from llmcompressor.modifiers.gptq import base as gptq
+    from llmcompressor.modifiers.quantization.quantization import base as quantization
+
+    def staged(name: str, fn):
+        def run(*args, **kwargs):
+            stage(name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                stage("calibrate")
+        return run
+
+    with patch_attr(GPTQModifier, "_reduce_hessian_to_target_rank",
+                    staged("reduce", GPTQModifier._reduce_hessian_to_target_rank)), \
+            patch_attr(GPTQModifier, "compress_module_list", staged("solve", GPTQModifier.compress_module_list)), \
+            patch_attr(gptq, "broadcast_qparams_and_cleanup", staged("broadcast", gptq.broadcast_qparams_and_cleanup)), \
+            patch_attr(quantization, "broadcast_qparams_and_cleanup",
+                       staged("broadcast", quantization.broadcast_qparams_and_cleanup)):
         yield

@@ -26,6 +26,7 @@ from torch import nn
 ROWS = 1024  # rows per float32 block: 16 MiB per temporary for a 4096-wide weight (an 8B MLP: 14336 x 4096)
 
 _tally: dict[str, float] = {}
+_losses: dict[str, float] = {}  # module -> the calibration's own loss for it (GPTQ's), where the method has one
 enabled = True  # the job's [export] measure_error; the worker sets it once
 spent = 0.0  # seconds measuring since the last take(), so the worker can report them as their own stage
 
@@ -77,4 +78,15 @@ def take() -> dict[str, float]:
     out = dict(_tally)
     _tally.clear()
     spent = 0.0
+    return out
+
+
+def record_loss(name: str, loss: float) -> None:
+    """The calibration method's own loss for module `name` (GPTQ: the loss its solver returns)."""
+    _losses[name] = float(loss)
+
+
+def take_losses() -> dict[str, float]:
+    out = dict(_losses)
+    _losses.clear()
     return out

@@ -3,6 +3,8 @@
     [calibration] dataset ─▶ shared.calibdata.read_rows (first `samples` lines, hash checked against the
                              supervisor's) ─▶ text: the source's AutoTokenizer, truncated to seq_len as oneshot's
                              TextGenerationDataset does; input_ids: as given
+                          ─▶ a group's rank (W > 1): its contiguous slice of those lines, the bounds llm-compressor's
+                             distributed oneshot gives each rank of an identical dataset (_get_partition_start_end)
                           ─▶ order: llm-compressor's own LengthAwareSampler (shuffle_calibration_samples=False):
                              longest first, by the length before the final truncation, with torch's unstable
                              argsort (equal lengths come out permuted once there are more than 16 samples)
@@ -19,15 +21,26 @@ from shared import calibdata
 
 
 def calibration_ids(dataset: str, samples: int, seq_len: int, tokenizer_dir: str, expected_sha256: str = "",
-                    vocab_size: int | None = None) -> list[torch.Tensor]:
-    """One LongTensor [1, L] per sample, in the order oneshot calibrates with them."""
+                    vocab_size: int | None = None, rank: int = 0, world: int = 1) -> list[torch.Tensor]:
+    """One LongTensor [1, L] per sample, in the order oneshot calibrates with them (a group's `rank` of `world`: its
+    own samples, in the order distributed oneshot's rank calibrates with them)."""
     rows = calibdata.read_rows(dataset, samples, vocab_size)
     if expected_sha256 and rows.sha256 != expected_sha256:
         raise calibdata.CalibrationDataError(
             f"calibration dataset {dataset!r} changed since the run started; run again to start over")
     tokens = _tokenize(rows.samples, seq_len, tokenizer_dir) if rows.has_text else rows.samples
+    if world > 1:
+        start, end = partition(len(tokens), rank, world)
+        tokens, samples = tokens[start:end], end - start
     order = _oneshot_order(tokens, samples)
     return [torch.tensor([tokens[i][:seq_len]], dtype=torch.long) for i in order]
+
+
+def partition(num_samples: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, end) of rank's samples: llm-compressor's own bounds (contiguous, the last rank takes the remainder)."""
+    from llmcompressor.datasets.utils import _get_partition_start_end
+
+    return _get_partition_start_end(num_samples, rank, world)
 
 
 def _tokenize(samples: list, seq_len: int, tokenizer_dir: str) -> list[list[int]]:

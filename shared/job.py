@@ -65,6 +65,10 @@ class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Host memory (GiB) the calibration activations of one layer (its inputs and outputs) may take; above it
     # they stay on disk under OUT/.export and are read back one sample at a time. 0: a quarter of the RAM.
     activation_ram_gb: float = 0.0
+    # Seconds a rank of a calibrated group (W > 1 workers calibrating each layer together) may wait in a collective
+    # for the slowest rank; past it the layer fails for the group and is redone by a fresh group. Bounds a rank
+    # stuck in a C call while its heartbeats go on.
+    collective_timeout: float = 600.0
     # Seconds the warm parent (imported libraries, no CUDA) stays after the run, so that the next run of the same
     # environment (a re-run after a crash, the next export) forks its workers instead of importing again. 0: it
     # ends with the run. Unset: $SUPERVISOR_KEEP_WARM, else 300.
@@ -167,8 +171,8 @@ def _check_values(job: Job) -> None:
     r = job.resources
     if r.max_attempts < 1:
         raise JobSyntaxError("[resources] max_attempts must be at least 1")
-    if r.heartbeat_timeout <= 0 or r.startup_timeout <= 0:
-        raise JobSyntaxError("[resources] heartbeat_timeout and startup_timeout must be positive")
+    if r.heartbeat_timeout <= 0 or r.startup_timeout <= 0 or r.collective_timeout <= 0:
+        raise JobSyntaxError("[resources] heartbeat_timeout, startup_timeout and collective_timeout must be positive")
     if r.part_timeout < 0:
         raise JobSyntaxError("[resources] part_timeout must be 0 (no limit) or positive")
     if r.recycle_after_layers < 0 or r.recycle_above_rss_mb < 0 or r.torch_threads < 0 or r.workers < 0:

@@ -40,9 +40,11 @@ def shard_name(index: int) -> str:
     return NON_LAYER_FILE if index == NON_LAYER else f"model-layer-{index:05d}.safetensors"
 
 
-def boundary_name(feeds: int) -> str:
-    """The boundary file feeding layer `feeds`, relative to the output folder."""
-    return f"{STATE_DIR}/{BOUNDARY}/inputs-layer-{feeds:05d}.bin"
+def boundary_name(feeds: int, rank: int | None = None) -> str:
+    """The boundary file feeding layer `feeds`, relative to the output folder; a group's rank has one of its own (the
+    activations of its samples)."""
+    own = "" if rank is None else f"-rank-{rank:03d}"
+    return f"{STATE_DIR}/{BOUNDARY}/inputs-layer-{feeds:05d}{own}.bin"
 
 
 def device_lock(output: str, device: str) -> str:

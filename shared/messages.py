@@ -32,7 +32,7 @@ import msgspec
 
 from shared.job import Job
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 NON_LAYER = -1  # the index used for the non-layer shard (embeddings, final norm, lm_head)
 
@@ -71,6 +71,22 @@ class Pool(msgspec.Struct, kw_only=True):
     config_dir: str  # config.json (+ generation config, tokenizer) of the live model, written by the supervisor
 
 
+class Group(msgspec.Struct, kw_only=True):
+    """A calibrated export's ranks: W workers that calibrate every decoder layer together as one torch.distributed
+    process group (gloo on the CPU, NCCL on GPUs). Rank 0 hosts the rendezvous (a TCPStore on `host:port`, which
+    the supervisor picked free); every key of the group lives under `secret`, so a process that connects without
+    it cannot join or disturb the run's group. Rank 0 writes each layer's shard; every rank writes the boundary of
+    its own samples."""
+
+    rank: int
+    world: int
+    host: str  # the rendezvous' address: 127.0.0.1 for a one-host group
+    port: int
+    secret: str  # per run (and per group start): the store's key prefix
+    timeout: float  # seconds a collective may wait for the slowest rank before it fails the layer
+    backend: str = "gloo"  # "gloo" | "nccl"
+
+
 # ---- supervisor → child -------------------------------------------------------------------------------------
 class Hello(msgspec.Struct, tag=True, kw_only=True):
     version: int
@@ -85,6 +101,7 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     # quantized tensors back on the host): set when several workers share a GPU whose layers are too big for two
     # at once, so one quantizes while the other reads or writes; empty: no lock
     device_lock: str = ""
+    group: Group | None = None  # set for the ranks of a calibrated group (W > 1); None: a worker of its own
 
 
 class ExportLayer(msgspec.Struct, tag=True, kw_only=True):
@@ -92,6 +109,9 @@ class ExportLayer(msgspec.Struct, tag=True, kw_only=True):
     attempt: int = 1
     prefetch: int | None = None  # the index the supervisor will ask for next (read ahead)
     boundary: Boundary | None = None  # calibrated: the journaled inputs of layer `index` (None: compute layer 0's)
+    # a group's journaled inputs of layer `index`, one per rank (supervisor side only: the group sends each rank
+    # its own as `boundary`)
+    boundaries: list[Boundary] = []
 
 
 class WriteConfig(msgspec.Struct, tag=True, kw_only=True):
@@ -129,6 +149,7 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
 class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
     index: int | None = None  # the part in progress, None while starting
     stage: str = ""  # "starting" | "read" | "quantize" | "write" | "config"; calibrated: "forward" | "calibrate" | "propagate"
+    # a group's rank (calibrated, W > 1) also: "rendezvous" while the ranks meet
     rss: int = 0
 
 
@@ -148,7 +169,14 @@ class LayerWritten(msgspec.Struct, tag=True, kw_only=True):
     # module name -> ||dequantized - source|| / ||source|| of its weight, measured by the child (child/quant_error.py)
     quant_error: dict[str, float] = {}
     boundary: Boundary | None = None  # calibrated: the next layer's inputs, made durable after the shard
+    losses: dict[str, float] = {}  # calibrated: module name -> the method's own loss for it (GPTQ's solver)
     source_digest: str = ""  # a live model's source tensors of this part (shared.durable.tensor_digest); "" on disk
+    rank: int = 0  # the group rank that sent it; a rank other than 0 writes no shard (file "") only its boundary
+    # a group's boundaries of the next layer, one per rank (the supervisor merges the ranks' replies into rank 0's)
+    boundaries: list[Boundary] = []
+    # calibrated: per rank ("0", "1", ...; one worker: "0") its seconds per calibration stage (forward, calibrate,
+    # and a group's reduce, solve, broadcast; propagate, quantize); a group's reply merges every rank's
+    ranks: dict[str, dict[str, float]] = {}
 
 
 class ConfigWritten(msgspec.Struct, tag=True, kw_only=True):

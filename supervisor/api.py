@@ -24,7 +24,7 @@ from shared.job import Job, JobSyntaxError, is_calibrated, parse_toml
 from shared.messages import PROTOCOL_VERSION, Describe, Described, Failed, Hello
 from supervisor import events as ev
 from supervisor import calibration, journal
-from supervisor.errors import Cancelled, ExportFailed, InputError, JobError, OutputError
+from supervisor.errors import Cancelled, ExportFailed, FingerprintMismatch, InputError, JobError, OutputError
 from supervisor.lock import probe
 # Plan and the LOG_* bounds are the run's; importable from here as they were before it had a module of its own
 from supervisor.run import LOG_KEEP, LOG_QUEUED_MAX, Plan, Run, check_layers  # noqa: F401
@@ -91,16 +91,43 @@ def prepare(job: Job, model=None) -> Plan:
         source, extra = _disk_source(job, output)
     probe(output)
     devs = devices.resolve_devices(job.resources.device)
-    calib = calibration.check(job, source, devs[0]) if is_calibrated(job) else None
+    world, world_note = calibration.group_size(job, devs) if is_calibrated(job) else (1, "")
+    calib = calibration.check(job, source, devs[0], world) if is_calibrated(job) else None
     fp, parts = journal.fingerprint(job, source.stats, calib.fingerprint if calib else None, extra, devs[0])
-    state = journal.check_owner(output, fp, parts)
+    try:
+        state = journal.check_owner(output, fp, parts)
+    except FingerprintMismatch:
+        if calib is not None:
+            _refuse_another_world(output, job, source, calib, extra, devs, world)
+        raise
     _check_writable(output)
     if job.export.format == "torchao":
         from supervisor import torchao_job  # imports torchao (and torch): only for torchao jobs
 
         torchao_job.check(job, source, devs[0])
     fresh = not os.path.exists(output) or not os.listdir(output)
-    return Plan(job, output, source, fp, state, devs[0], devs, calib, live=saved, fresh=fresh)
+    return Plan(job, output, source, fp, state, devs[0], devs, calib, live=saved, fresh=fresh, world=world,
+                world_note=world_note)
+
+
+def _refuse_another_world(output: str, job: Job, source: SourceInfo, calib, extra, devs: list[str], world: int) -> None:
+    """A calibrated export resumed with another group size W: the one difference from the folder's job is W (the
+    same fingerprint with the folder's W matches), so say that, and how to resume."""
+    header = journal.read(output).header
+    if header is None or header.world == world:
+        return
+    theirs = {k: v for k, v in calib.fingerprint.items() if k != "world"}
+    if header.world > 1:
+        theirs["world"] = header.world
+    fp, _ = journal.fingerprint(job, source.stats, theirs, extra, devs[0])
+    if fp != header.fingerprint:
+        return
+    how = (f"[resources] workers = {header.world}" if devs == ["cpu"] else
+           f"{header.world} GPUs ([resources] device and workers)")
+    raise FingerprintMismatch(
+        f"output {job.export.output!r} holds a calibrated export started with W = {header.world} ranks, and this run "
+        f"would use {world} (each rank calibrates its own slice of the samples, so W decides the bytes); resume it "
+        f"with {how}, or delete the folder to start fresh")
 
 
 def _disk_source(job: Job, output: str) -> tuple[SourceInfo, dict | None]:

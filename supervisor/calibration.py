@@ -32,8 +32,28 @@ class Calibration:
     fingerprint: dict  # everything about the data that decides the output's bytes
 
 
-def check(job: Job, source: SourceInfo, device: str) -> Calibration:
-    """Validate the job's calibration data against the source; `device` is the resolved device ("cpu"/"cuda:N")."""
+def group_size(job: Job, devices: list[str]) -> tuple[int, str]:
+    """W, the ranks that calibrate each layer together (one worker each), and why it is 1 where more were asked
+    ("" otherwise). On GPUs one rank per GPU in use (`resources.workers`, when set, caps it); on the CPU
+    `resources.workers` ranks (0, the default, and 1: one worker, in order, as before groups existed)."""
+    r, c = job.resources, job.calibration
+    if devices == ["cpu"]:
+        want = max(r.workers, 1)
+    else:
+        want = len(devices) if r.workers <= 0 else min(r.workers, len(devices))
+    if want <= 1:
+        return 1, ""
+    if job.export.method == "awq" and devices == ["cpu"]:
+        return 1, (f"AWQ calibrates on one rank on the CPU ({want} asked): llm-compressor 0.14's AWQ reduces its "
+                   "statistics through an accelerator")
+    if c.samples < want:
+        return c.samples, f"{c.samples} ranks, one per calibration sample ({want} asked)"
+    return want, ""
+
+
+def check(job: Job, source: SourceInfo, device: str, world: int = 1) -> Calibration:
+    """Validate the job's calibration data against the source; `device` is the resolved device ("cpu"/"cuda:N"),
+    `world` the group size (group_size)."""
     c = job.calibration
     text_config = source.config.get("text_config", source.config)
     limit = text_config.get("max_position_embeddings")
@@ -59,6 +79,8 @@ def check(job: Job, source: SourceInfo, device: str) -> Calibration:
         "torch_threads": job.resources.torch_threads,
         "device": device.split(":")[0],
     }
+    if world > 1:  # each rank calibrates its own slice of the samples: the partition decides the bytes
+        parts["world"] = world
     if rows.has_text:
         parts["tokenizer"] = [list(t) for t in tokenizer]
         parts["tokenizers"] = _version("tokenizers")

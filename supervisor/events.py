@@ -21,6 +21,8 @@ class Started(Event):
     todo: int
     resumed: int  # parts verified from an earlier run
     redo: list[int] = []  # journaled parts that failed verification and are redone
+    world: int = 1  # calibrated: the ranks that calibrate each layer together (a group when above 1)
+    world_note: str = ""  # why it is 1 where more were asked (a method without a distributed path...)
 
 
 class MemoryReleased(Event):
@@ -88,6 +90,10 @@ class LayerWritten(Event):
     # boundary, cleanup (inputs, boundary: a calibrated layer's activations in and out); copy, hash, sync: the
     # non-layer part written by the supervisor itself during the workers' imports (supervisor/verbatim.py; it has
     # no LayerStarted)
+    # calibrated: per rank ("0"; a group's "0".."W-1") its seconds per calibration stage: forward, calibrate, and
+    # a group's reduce, solve, broadcast; propagate, quantize (rank 0: the compression of the shard's modules)
+    ranks: dict[str, dict[str, float]] = {}
+    losses: dict[str, float] = {}  # calibrated: module -> the method's own loss (GPTQ's)
 
 
 class Progress(Event):
@@ -99,6 +105,7 @@ class Progress(Event):
     worker_rss: int = 0
     stage: str = ""
     index: int | None = None
+    ranks: int = 0  # a calibrated group's ranks alive (0: no group)
 
 
 class Retrying(Event):

@@ -3,7 +3,8 @@
 `OUT/.export/journal.jsonl` holds JSON lines: a Header first (fingerprint + job), then a Shard record per
 written shard (appended and fsynced only after the shard was renamed into place), then Finalized. A calibrated
 export's Shard record for layer i also names the boundary feeding layer i+1 (its file under .export/boundary,
-digest and size), made durable before the record: one record makes both count, atomically. A record counts
+digest and size), made durable before the record: one record makes both count, atomically; a calibrated group's
+record (W ranks, each calibrating its own samples) names W boundaries, one per rank, the same way. A record counts
 only when its line is complete: a torn last line (the supervisor died mid-write) is ignored and cut off before
 the next append. A shard counts as done only if its file is on disk as journaled; anything else is redone, so the
 output after any crash and re-run is byte-identical to an uninterrupted run.
@@ -45,6 +46,7 @@ class Header(msgspec.Struct, tag=True, kw_only=True):
     job: dict
     num_layers: int
     created: float = 0.0
+    world: int = 1  # a calibrated export's group size (ranks); part of its fingerprint when above 1
 
 
 class Shard(msgspec.Struct, tag=True, kw_only=True):
@@ -63,6 +65,9 @@ class Shard(msgspec.Struct, tag=True, kw_only=True):
     quant_error: dict[str, float] = {}  # module -> relative error of its dequantized weight vs the source
     stages: dict[str, float] = {}  # seconds per stage in the worker (read, quantize, error, save, hash, sync, …)
     boundary: Boundary | None = None  # calibrated: the inputs of layer index+1, durable before this record
+    boundaries: list[Boundary] = []  # a calibrated group's (W > 1): those inputs, one file per rank
+    losses: dict[str, float] = {}  # calibrated: module -> the method's own loss (GPTQ's), from the rank that solved it
+    ranks: dict[str, dict[str, float]] = {}  # calibrated: per rank, seconds per calibration stage (LayerWritten.ranks)
     source_digest: str = ""  # a live model's source tensors of this part; "" for a checkpoint on disk
 
 
@@ -183,9 +188,9 @@ class Journal:
         self._f.close()
 
 
-def start(output: str, job: Job, fp: str, num_layers: int) -> Journal:
+def start(output: str, job: Job, fp: str, num_layers: int, world: int = 1) -> Journal:
     """Create the journal with its header (the state folder must exist)."""
-    header = Header(fingerprint=fp, job=to_dict(job), num_layers=num_layers, created=time.time())
+    header = Header(fingerprint=fp, job=to_dict(job), num_layers=num_layers, created=time.time(), world=world)
     durable.write_bytes(path(output), _encoder.encode(header) + b"\n")
     return Journal(output, State(header=header))
 
@@ -244,8 +249,10 @@ def restat(output: str, rec: Shard) -> Shard:
     return msgspec.structs.replace(rec, ino=st.st_ino, mtime_ns=st.st_mtime_ns)
 
 
-def calibrated_resume(output: str, st: State, num_layers: int, good: Container[int]) -> tuple[int, Boundary | None]:
-    """Where a calibrated export continues: (first layer to export, the journaled boundary feeding it).
+def calibrated_resume(output: str, st: State, num_layers: int, good: Container[int],
+                      world: int = 1) -> tuple[int, list[Boundary] | None]:
+    """Where a calibrated export continues: (first layer to export, the journaled boundaries feeding it: one, or
+    one per rank of a group of `world`).
 
     Layers run in order and each needs the previous one's outputs, so resume continues after the longest run of
     good shards 0..k-1 (`good`: the journaled parts the caller found intact and from the same source) whose last
@@ -257,20 +264,26 @@ def calibrated_resume(output: str, st: State, num_layers: int, good: Container[i
         k += 1
     if k == 0 or k == num_layers:
         return k, None
-    b = st.shards[k - 1].boundary
-    if b is None or b.feeds != k or verify_files(output, {b.file: b.digest}):
+    bs = boundaries(st.shards[k - 1])
+    if not bs or len(bs) != world or any(b.feeds != k for b in bs) \
+            or verify_files(output, {b.file: b.digest for b in bs}):
         return 0, None
-    return k, b
+    return k, bs
 
 
-def prune_boundaries(output: str, keep: Boundary | None) -> None:
-    """Delete every boundary file but `keep` (the journaled one the next layer needs)."""
+def boundaries(rec: Shard) -> list[Boundary]:
+    """The inputs of layer rec.index + 1 that a calibrated record names: one file, or one per rank of a group."""
+    return list(rec.boundaries) if rec.boundaries else [rec.boundary] if rec.boundary is not None else []
+
+
+def prune_boundaries(output: str, keep: list[Boundary] | None) -> None:
+    """Delete every boundary file but those in `keep` (the journaled ones the next layer needs)."""
     folder = layout.state_path(output, layout.BOUNDARY)
     if not os.path.isdir(folder):
         return
-    keep_name = os.path.basename(keep.file) if keep is not None else None
+    keep_names = {os.path.basename(b.file) for b in keep or []}
     for fn in os.listdir(folder):
-        if fn != keep_name:
+        if fn not in keep_names:
             os.unlink(os.path.join(folder, fn))
 
 

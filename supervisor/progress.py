@@ -51,6 +51,11 @@ class Display:
         match e:
             case ev.Started():
                 p.update(task, total=e.total, completed=e.total - e.todo)
+                if e.world > 1:
+                    p.console.print(f"calibrating each layer on a group of {e.world} ranks (one torch.distributed "
+                                    "process group)")
+                if e.world_note:
+                    p.console.print(e.world_note, style="yellow")
                 if e.resumed:
                     p.console.print(f"resuming: {e.resumed} of {e.total} shards verified from an earlier run"
                                     + (f", redoing {e.redo}" if e.redo else ""))
@@ -80,6 +85,8 @@ class Display:
                 rate = f"{e.mb_per_s:,.1f} MB/s"
                 eta = "-" if e.eta_s is None else f"{e.eta_s:,.0f}s"
                 stage = "" if e.index is None else f"{_part(e.index)}: {e.stage}"
+                if e.ranks and e.index is not None:
+                    stage += f" ({e.ranks} ranks)"
                 p.update(task, completed=e.done, rate=rate, eta=eta, rss=_mb(e.worker_rss) if e.worker_rss else "-",
                          stage=stage)
             case ev.Retrying():

@@ -43,10 +43,11 @@ import msgspec
 from shared import durable, layout
 from shared.job import Job, warm_profile
 from shared.load_verdict import problems as load_problems
-from shared.messages import (NON_LAYER, PROTOCOL_VERSION, CheckLoad, Describe, Described, Heartbeat, Hello,
+from shared.messages import (NON_LAYER, PROTOCOL_VERSION, Boundary, CheckLoad, Describe, Described, Heartbeat, Hello,
                              LayerWritten, LoadChecked)
 from supervisor import events as ev
 from supervisor import calibration, finalize, journal, verbatim
+from supervisor.group import Group
 from supervisor.errors import Cancelled, ExportFailed, InputError, NoRoom, OutputError, SourceError, SupervisorError
 from supervisor.lock import Lock
 from supervisor.source import SourceInfo
@@ -79,6 +80,8 @@ class Plan:
     # saw them (supervisor.live.Saved; tensors are looked up again by path after the release moves them)
     live: Saved | None = None
     fresh: bool = False  # the output folder did not exist or was empty: a refused run leaves it that way
+    world: int = 1  # calibrated: the ranks of the group that calibrates each layer (calibration.group_size)
+    world_note: str = ""  # why it is 1 where more were asked
 
 
 class Run:
@@ -311,7 +314,8 @@ class Run:
         if st.header is not None and st.header.fingerprint != plan.fingerprint:
             raise OutputError(f"output {out!r} changed hands while starting; run again")
         done, redo = self._verified(st, n)
-        self._journal = journal.Journal(out, st) if st.header else journal.start(out, self.job, plan.fingerprint, n)
+        self._journal = journal.Journal(out, st) if st.header else \
+            journal.start(out, self.job, plan.fingerprint, n, world=plan.world)
         for idx, rec in done.items():
             # verified by its bytes under a new identity (copied, restored from a backup): journal the new
             # identity, so the next run trusts it again by its stat
@@ -321,7 +325,8 @@ class Run:
                 done[idx] = fresh
         self._clear_tmp()
         todo = [p for p in parts if p not in done]
-        self._emit(ev.Started(output=out, total=len(parts), todo=len(todo), resumed=len(done), redo=sorted(redo)))
+        self._emit(ev.Started(output=out, total=len(parts), todo=len(todo), resumed=len(done), redo=sorted(redo),
+                              world=plan.world, world_note=plan.world_note))
         if not todo and st.finalized is not None and not redo and not journal.verify_files(out, journal.not_shards(st.finalized.files, done)):
             return ev.Finished(output=out, parts=len(parts), nbytes=sum(r.nbytes for r in done.values()),
                                seconds=0.0, already_complete=True)
@@ -442,24 +447,27 @@ class Run:
             else:
                 redo.append(idx)
         if self.plan.calibration is not None:
-            start, self._boundary = journal.calibrated_resume(self.plan.output, st, n, done)
+            start, self._boundary = journal.calibrated_resume(self.plan.output, st, n, done, self.plan.world)
             redo = sorted(set(redo) | {i for i in done if i >= start})
             done = {i: r for i, r in done.items() if i < start}  # NON_LAYER (-1) stays when good
             journal.prune_boundaries(self.plan.output, self._boundary)
         return done, redo
 
-    def _boundary_for(self, index: int):
-        """The journaled inputs of layer `index`, for a worker that does not hold them in memory (None: none)."""
-        b = self._boundary
-        return b if b is not None and b.feeds == index else None
+    def _boundary_for(self, index: int) -> list[Boundary] | None:
+        """The journaled inputs of layer `index` (one file, or one per rank of a group), for workers that do not hold
+        them in memory (None: none)."""
+        bs = self._boundary
+        return bs if bs and all(b.feeds == index for b in bs) else None
 
     def _check_boundary(self, reply: LayerWritten) -> None:
-        b, n = reply.boundary, self.plan.source.num_layers
+        n, world = self.plan.source.num_layers, self.plan.world
         if self.plan.calibration is None or not 0 <= reply.index < n - 1:
             return
-        path = os.path.join(self.plan.output, b.file) if b is not None else ""
-        if b is None or b.feeds != reply.index + 1 or b.file != layout.boundary_name(b.feeds) \
-                or not os.path.isfile(path) or os.path.getsize(path) != b.nbytes:
+        bs = reply.boundaries if world > 1 else [reply.boundary] if reply.boundary is not None else []
+        names = [layout.boundary_name(reply.index + 1, r if world > 1 else None) for r in range(world)]
+        if [b.file for b in bs] != names or any(
+                b.feeds != reply.index + 1 or not os.path.isfile(os.path.join(self.plan.output, b.file))
+                or os.path.getsize(os.path.join(self.plan.output, b.file)) != b.nbytes for b in bs):
             raise ExportFailed(f"worker did not leave layer {reply.index + 1}'s calibration inputs on disk as "
                                "described", index=reply.index)
 
@@ -517,39 +525,70 @@ class Run:
             except ZygoteLost as exc:
                 raise WorkerLost(exc.reason, exc.log_tail) from None
 
-    def _start_worker(self, slot: Slot, on_hello=lambda: None) -> Worker:
+    def _start_worker(self, slot: Slot, on_hello=lambda: None) -> Worker | Group:
         """A ready worker for `slot`: the child sees only the slot's GPU (as cuda:0), or none on CPU. `on_hello()`:
-        the child exists and has its Hello (Worker.start)."""
+        the child exists and has its Hello (Worker.start). A calibrated export on a group (plan.world > 1): the
+        slot's worker is the Group of every rank (supervisor.group), one per device."""
+        if self.plan.world > 1 and not slot.planner:
+            return self._start_group(slot, on_hello)
+        return self._start_one(slot, slot.device, slot.id, on_hello)
+
+    def _start_group(self, slot: Slot, on_hello) -> Group:
+        from supervisor import devices
+
+        self._check_cancel()
+        world, devs = self.plan.world, self.plan.devices
+        rank_devices = [devs[r] for r in range(world)] if devs != ["cpu"] else ["cpu"] * world
+
+        def start_rank(spec, cancelled, register) -> Worker:
+            return self._start_one(slot, rank_devices[spec.rank], spec.rank, on_hello if spec.rank == 0 else
+                                   (lambda: None), group=spec, sharing=world if devs == ["cpu"] else 1,
+                                   cancelled=cancelled, register=register)
+
+        g = Group.start(world, start_rank, cancelled=self._cancel.is_set, timeout=self.job.resources.collective_timeout,
+                        backend="gloo" if devs == ["cpu"] else "nccl")
+        slot.worker = g
+        return g
+
+    def _start_one(self, slot: Slot, device: str, worker_id: int, on_hello=lambda: None, *, group=None,
+                   sharing: int | None = None, cancelled=None, register=None) -> Worker:
+        """One worker on `device` (a group's rank `worker_id` when `group` is its GroupSpec)."""
         from supervisor import devices
 
         self._check_cancel()
         plan, r = self.plan, self.job.resources
-        env = devices.child_env(slot.device, dict(os.environ))
+        env = devices.child_env(device, dict(os.environ))
         env["PYTHONUNBUFFERED"] = "1"
-        child_device = "cpu" if slot.device == "cpu" else "cuda:0"
+        child_device = "cpu" if device == "cpu" else "cuda:0"
         job = self.job
         # the slots on this slot's device: CPU workers split the cores; GPU workers may take turns on their GPU
-        sharing = sum(s.device == slot.device for s in self._scheduler.slots) if self._scheduler else 1
-        if slot.device == "cpu" and sharing > 1 and not r.torch_threads:
+        if sharing is None:
+            sharing = sum(s.device == device for s in self._scheduler.slots) if self._scheduler else 1
+        if device == "cpu" and sharing > 1 and not r.torch_threads:
             # several CPU workers share the cores instead of each starting one thread per core
             threads = max(1, (os.cpu_count() or 1) // sharing)
             job = msgspec.structs.replace(job, resources=msgspec.structs.replace(r, torch_threads=threads))
-        lock = layout.device_lock(plan.output, slot.device) \
-            if devices.device_stage_shared(slot.device, sharing, self._layer_bytes) else ""
-        hello = Hello(version=PROTOCOL_VERSION, job=job, output=plan.output, device=child_device, worker=slot.id,
+        lock = layout.device_lock(plan.output, device) \
+            if group is None and devices.device_stage_shared(device, sharing, self._layer_bytes) else ""
+        hello = Hello(version=PROTOCOL_VERSION, job=job, output=plan.output, device=child_device, worker=worker_id,
                       calibration_sha256=plan.calibration.sha256 if plan.calibration else "",
-                      pool=self._pool_spec, device_lock=lock)
-        log = layout.state_path(plan.output, layout.LOGS, f"worker-{slot.id}.log")
+                      pool=self._pool_spec, device_lock=lock, group=group)
+        log = layout.state_path(plan.output, layout.LOGS,
+                                f"rank-{worker_id}.log" if group is not None else f"worker-{slot.id}.log")
         w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout,
                    fork=self._fork, on_log=self._on_log)
-        slot.worker = w  # so a stop or kill reaches it while it starts
+        if register is not None:
+            register(w)  # the group kills it if another rank fails to start
+        else:
+            slot.worker = w  # so a stop or kill reaches it while it starts
         t = time.monotonic()
-        ready = w.start(self._cancel.is_set, self._on_heartbeat, on_hello)
+        beat = self._on_heartbeat if group is None or group.rank == 0 else (lambda hb: None)
+        ready = w.start(cancelled or self._cancel.is_set, beat, on_hello)
         check_layers(ready, plan.source)
-        self._check_gpu_room(ready, slot.device, sharing if slot.optional else 1)
+        self._check_gpu_room(ready, device, sharing if slot.optional else 1)
         now = time.monotonic()
         if not slot.planner:  # the export plan's worker exports no part: not one of the run's workers to a reader
-            self._emit(ev.WorkerStarted(pid=ready.pid, device=slot.device, seconds=round(now - t, 3), worker=slot.id,
+            self._emit(ev.WorkerStarted(pid=ready.pid, device=device, seconds=round(now - t, 3), worker=worker_id,
                                         since_death=None if slot.died_at is None else round(now - slot.died_at, 3),
                                         gpu_free=ready.gpu_free, gpu_total=ready.gpu_total))
         p = self._progress
@@ -623,7 +662,9 @@ class Run:
     def _on_heartbeat(self, hb: Heartbeat) -> None:
         p = self._progress
         if p is not None and hb.index is not None:
-            self._emit(p.event(worker_rss=hb.rss, stage=hb.stage, index=hb.index))
+            group = self._scheduler.slots[0].worker if self.plan.world > 1 and self._scheduler else None
+            self._emit(p.event(worker_rss=hb.rss, stage=hb.stage, index=hb.index,
+                               ranks=group.alive if isinstance(group, Group) else 0))
 
     def _record(self, reply: LayerWritten, w: Worker | None, retries: int) -> None:
         """Journal a written part (the scheduler calls this one part at a time, with its failed attempts; `w`, the
@@ -637,17 +678,19 @@ class Run:
                             seconds=round(reply.seconds, 3), ino=reply.ino, mtime_ns=reply.mtime_ns,
                             source_bytes=reply.source_bytes, peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
                             retries=retries, quant_error=reply.quant_error, stages=reply.stages,
-                            boundary=reply.boundary, source_digest=reply.source_digest)
+                            boundary=reply.boundary, boundaries=reply.boundaries, losses=reply.losses,
+                            ranks=reply.ranks, source_digest=reply.source_digest)
         self._journal.append(rec)
         self._done[reply.index] = rec
         if self.plan.calibration is not None and reply.index >= 0:
             # journaled: the new boundary is the only one the next layer needs, so the one before it is spent
-            spent, self._boundary = self._boundary, reply.boundary
-            if spent is not None:  # it fed this layer; _check_boundary held the new one to the next layer's name
-                self._discard(os.path.join(self.plan.output, spent.file))
+            spent, self._boundary = self._boundary, journal.boundaries(rec)
+            for b in spent or []:  # it fed this layer; _check_boundary held the new one to the next layer's name
+                self._discard(os.path.join(self.plan.output, b.file))
         self._emit(ev.LayerWritten(index=reply.index, file=reply.file, nbytes=reply.nbytes,
                                    seconds=round(reply.seconds, 3), peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
-                                   retries=retries, quant_error=reply.quant_error, stages=reply.stages))
+                                   retries=retries, quant_error=reply.quant_error, stages=reply.stages,
+                                   ranks=reply.ranks, losses=reply.losses))
         self._progress.add(reply.source_bytes, reply.nbytes)
         self._emit(self._progress.event(worker_rss=reply.rss))
 
@@ -698,14 +741,14 @@ class _Progress:
         self.bytes_read += read
         self.bytes_written += written
 
-    def event(self, worker_rss: int = 0, stage: str = "", index: int | None = None) -> ev.Progress:
+    def event(self, worker_rss: int = 0, stage: str = "", index: int | None = None, ranks: int = 0) -> ev.Progress:
         elapsed = max(time.monotonic() - self.start, 1e-6)
         finished_now = self.done - self.done_at_start
         eta = (elapsed / finished_now) * (self.total - self.done) if finished_now else None
         return ev.Progress(done=self.done, total=self.total, bytes_written=self.bytes_written,
                            mb_per_s=round(self.bytes_read / elapsed / 1e6, 2),
                            eta_s=None if eta is None else round(eta, 1), worker_rss=worker_rss, stage=stage,
-                           index=index)
+                           index=index, ranks=ranks)
 
 
 def check_layers(ready, source: SourceInfo) -> None:

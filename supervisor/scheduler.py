@@ -105,7 +105,7 @@ class Scheduler:
                  start_worker: Callable[[Slot, Callable[[], None]], Worker],
                  on_written: Callable[[LayerWritten, Worker | None, int], None],
                  on_heartbeat: Callable[[Heartbeat], None], recycle: Callable[[Worker], bool],
-                 boundary: Callable[[int], Boundary | None] = lambda index: None):
+                 boundary: Callable[[int], list[Boundary] | None] = lambda index: None):
         if sequential and len(slots) != 1:
             raise ValueError("a sequential export runs on exactly one slot")
         self.slots = slots
@@ -114,7 +114,7 @@ class Scheduler:
         self.cancel = cancel
         self.emit, self.start_worker, self.on_written = emit, start_worker, on_written
         self.on_heartbeat, self.recycle = on_heartbeat, recycle
-        self.boundary = boundary  # calibrated: the journaled inputs of a layer, for a worker without them
+        self.boundary = boundary  # calibrated: the journaled inputs of a layer, for workers without them
         self._cond = threading.Condition()
         self._record = threading.Lock()
         self._q = _Queue(non_layer_first=len(slots) > 1 and not sequential)
@@ -313,7 +313,9 @@ class Scheduler:
         with self._cond:
             attempt = self._q.attempts.get(index, 0) + 1
             self._q.attempts[index] = attempt
-        msg = ExportLayer(index=index, attempt=attempt, prefetch=slot.reserved, boundary=self.boundary(index))
+        inputs = self.boundary(index) or []  # calibrated: one file, or one per rank of a group
+        msg = ExportLayer(index=index, attempt=attempt, prefetch=slot.reserved,
+                          boundary=inputs[0] if len(inputs) == 1 else None, boundaries=inputs if len(inputs) > 1 else [])
         try:
             reply, w = self._request(slot, msg, LayerWritten, index, attempt)
         except BaseException as exc:
