@@ -61,6 +61,20 @@ def oneshot_ref(tiny_models, tmp_path_factory):
     return get
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A test never leaves a process behind: whatever it start()ed (tests/scenarios/cli.py: its CLI runs, LiveRun)
+    that is still running when it ends, passed or failed, is SIGKILLed with its whole process group (warm parent,
+    workers). A fixture's processes are the fixture's own to end."""
+    from tests.scenarios import cli
+
+    since = cli.started()
+    try:
+        yield
+    finally:
+        cli.end_started(since)
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:

@@ -147,13 +147,13 @@ class LiveRun:
     """`supervisor run JOB --json` in the background; events are dicts with an extra 'arrived' (epoch seconds)."""
 
     def __init__(self, *args, env: dict | None = None):
-        full_env = dict(os.environ)
-        full_env.pop(FAULT_ENV, None)
-        full_env.update(env or {})
+        full_env = cli.run_env(env)  # no test knob (FAULT_ENV, ...) but those passed
         self.args = [str(a) for a in args]
         self.started = time.time()
-        self.proc = subprocess.Popen([cli.SUPERVISOR, *self.args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=full_env)
+        # as a terminal starts it (signals at their defaults, stdin /dev/null, a process group of its own): a test
+        # that fails before it is killed has its group ended (tests/conftest.py), or `with LiveRun(...)` ends it
+        self.proc = cli.start([cli.SUPERVISOR, *self.args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=full_env)
         self.events: list[dict] = []
         self.stderr = ""
         self._cond = threading.Condition()
@@ -181,13 +181,19 @@ class LiveRun:
     def pid(self) -> int:
         return self.proc.pid
 
-    def wait_for(self, type_: str, timeout: float = 300) -> dict | None:
-        """The first event of this type (waiting for it); None if the run ended without one."""
+    def __enter__(self) -> "LiveRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        cli.end_group(self.proc)  # whatever is left of its process group, SIGKILLed
+
+    def wait_for(self, type_: str, timeout: float = 300, where: Callable[[dict], bool] | None = None) -> dict | None:
+        """The first event of this type (for which `where` holds), waiting for it; None if the run ended without."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
                 for e in self.events:
-                    if e["type"] == type_:
+                    if e["type"] == type_ and (where is None or where(e)):
                         return e
                 if self.proc.poll() is not None and not self._threads[0].is_alive():
                     return None
@@ -200,8 +206,7 @@ class LiveRun:
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            cli.end_group(self.proc)
             raise
         for t in self._threads:
             t.join()

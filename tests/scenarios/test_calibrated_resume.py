@@ -106,18 +106,18 @@ def test_supervisor_killed_during_propagation_resumes(model, dataset, reference,
     out, marker, events = tmp_path / "out", tmp_path / "fired", tmp_path / "events.jsonl"
     env = dict(os.environ)
     env.update(_fault(marker, point="propagate", action="stall", index=2))
-    with open(events, "w") as stdout:
-        proc = subprocess.Popen([cli.SUPERVISOR, "run", _job(tmp_path, model, dataset, out), "--json"],
-                                stdout=stdout, stderr=subprocess.DEVNULL, env=env)
-    deadline = time.monotonic() + 300
-    while not (marker.exists() and _progress_at(events, 2, "propagate")):
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before layer 2 propagated"
-        time.sleep(0.05)
-    children = psutil.Process(proc.pid).children(recursive=True)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    _, alive = psutil.wait_procs(children, timeout=10)
-    assert not alive, f"orphaned children still running: {alive}"
+    with open(events, "w") as stdout, \
+            cli.job([cli.SUPERVISOR, "run", _job(tmp_path, model, dataset, out), "--json"], stdout=stdout,
+                    env=env) as proc:  # as a terminal starts it; a failure below SIGKILLs its group
+        deadline = time.monotonic() + 300
+        while not (marker.exists() and _progress_at(events, 2, "propagate")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before layer 2 propagated"
+            time.sleep(0.05)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"orphaned children still running: {alive}"
     assert _boundaries(out) == ["inputs-layer-00002.bin"]
     second = cli.events(cli.run("run", _job(tmp_path, model, dataset, out), "--json"))
     assert second[0]["resumed"] == 2

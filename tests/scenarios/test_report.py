@@ -76,7 +76,7 @@ def export(tiny_models, tmp_path_factory):
     env = {**os.environ, "SUPERVISOR_TEST_FAULT": json.dumps({"point": "quantize", "action": "hang", "index": 2,
                                                                "once": str(marker)})}
     with open(tmp / "stdout", "w+") as stdout, open(tmp / "stderr", "w+") as stderr:
-        proc = subprocess.Popen([cli.SUPERVISOR, "run", str(job)], stdout=stdout, stderr=stderr, env=env)
+        proc = cli.start([cli.SUPERVISOR, "run", job], stdout=stdout, stderr=stderr, env=env)  # as a terminal does
         try:
             deadline = time.monotonic() + 300
             while not marker.exists():  # the fault writes it as layer 2's child starts to hang
@@ -87,9 +87,7 @@ def export(tiny_models, tmp_path_factory):
                 os.kill(json.load(f)["pid"], signal.SIGKILL)
             assert proc.wait(timeout=300) == 0
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            cli.end_group(proc)  # the run's whole process group, had it not ended
         stdout.seek(0)
         stderr.seek(0)
         finished = subprocess.CompletedProcess(proc.args, proc.returncode, stdout.read(), stderr.read())

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from shared.layout import JOURNAL, STATE_DIR
-from tests.scenarios import cli
+from tests.scenarios import cli, faultkit
 
 SCHEME = "W4A16"
 LAYERS = 8
@@ -95,12 +95,10 @@ def _hold(tmp_path) -> dict:
     return _fault(tmp_path, point="quantize", action="stall", index=6)
 
 
-def _start_run(job, env=None):
-    full_env = dict(os.environ)
-    full_env.pop("SUPERVISOR_TEST_FAULT", None)
-    full_env.update(env or {})
-    return subprocess.Popen([cli.SUPERVISOR, "run", str(job), "--json"], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=full_env)
+def _start_run(job, env=None, **popen):
+    """`supervisor run job` started as a terminal starts it (cli.start); leaving the `with` SIGKILLs whatever is
+    left of its process group, so a failed test leaves no supervisor, warm parent or worker behind."""
+    return cli.job([cli.SUPERVISOR, "run", job], env=cli.run_env(env), **popen)
 
 
 def _wait_for_shards(out, n, proc, timeout=300):
@@ -120,14 +118,14 @@ def test_supervisor_sigkilled_then_rerun_is_byte_identical(big_model, reference,
     """SIGKILL the supervisor mid-export: its child exits by itself, no lock blocks, re-run is identical."""
     out = tmp_path / "out"
     job = cli.write_job(tmp_path / "job.toml", big_model, out, SCHEME)
-    proc = _start_run(job, env=_hold(tmp_path))  # the export cannot end before the kill, however fast the worker
-    _wait_for_shards(str(out), 4, proc)
-    children = psutil.Process(proc.pid).children(recursive=True)
-    assert children, "no child worker found"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    gone, alive = psutil.wait_procs(children, timeout=5)
-    assert not alive, f"orphaned children still running: {alive}"
+    with _start_run(job, env=_hold(tmp_path)) as proc:  # the export cannot end before the kill, however fast
+        _wait_for_shards(str(out), 4, proc)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "no child worker found"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        gone, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive, f"orphaned children still running: {alive}"
     second = cli.run("run", job, "--json")
     assert cli.events(second)[0]["resumed"] >= 4
     assert cli.output_bytes(out) == reference[0]
@@ -148,20 +146,57 @@ def test_ctrl_c_stops_cleanly_and_resumes(big_model, reference, tmp_path):
     """Ctrl-C (SIGINT to the whole process group) exits 130, leaves no child, and a re-run resumes identically."""
     out = tmp_path / "out"
     job = cli.write_job(tmp_path / "job.toml", big_model, out, SCHEME)
-    env = dict(os.environ, **_hold(tmp_path))  # the export cannot end before Ctrl-C, however fast the worker
-    proc = subprocess.Popen([cli.SUPERVISOR, "run", str(job)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)  # its own group, like a terminal job
-    _wait_for_shards(str(out), 3, proc)
-    children = psutil.Process(proc.pid).children(recursive=True)
-    os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert "resum" in err.splitlines()[-1] and "Traceback" not in err
-    gone, alive = psutil.wait_procs(children, timeout=5)
-    assert not alive
+    # started as a terminal starts a job (its own process group, SIGINT at its default whatever pytest inherited:
+    # a suite started with `&` from a script inherits SIGINT ignored), text on stderr as without --json
+    with _start_run(job, env=_hold(tmp_path), stderr=subprocess.PIPE, text=True) as proc:  # held at layer 6
+        _wait_for_shards(str(out), 3, proc)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert "resum" in err.splitlines()[-1] and "Traceback" not in err
+        gone, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive
+        assert not cli.group_left(proc)
     second = cli.run("run", job, "--json")
     assert cli.events(second)[0]["resumed"] >= 3
     assert cli.output_bytes(out) == reference[0]
+
+
+# A shell reports a job killed by SIGTERM as 143 (128 + 15): the supervisor either dies of it (Popen: -15) or,
+# should it ever handle it like Ctrl-C, exits 143 itself; the README says 143.
+SIGTERM_STATUS = (-signal.SIGTERM, 128 + signal.SIGTERM)
+
+
+@pytest.mark.parametrize("to", ["pid", "group"])
+def test_sigterm_stops_promptly_and_resumes_like_ctrl_c(big_model, reference, tmp_path, to):
+    """SIGTERM once the first layer is journaled (a LayerWritten event), to the supervisor alone (`kill PID`: how a
+    job started with `&` or nohup, SIGINT ignored, is stopped) or to its whole group (a service manager, `kill --
+    -PGID`): it ends within seconds with status 143, nothing of its group is left, and a re-run resumes what was
+    journaled and ends byte-identical to an uninterrupted run."""
+    out = tmp_path / "out"
+    job = cli.write_job(tmp_path / "job.toml", big_model, out, SCHEME)
+    with faultkit.LiveRun("run", job, "--json", env=_hold(tmp_path)) as live:  # held at layer 6: cannot end first
+        first = live.wait_for("LayerWritten", where=lambda e: e["index"] >= 0)  # a worker's layer, journaled
+        assert first is not None and live.proc.poll() is None, live.stderr
+        group = cli.group_left(live.proc)
+        assert len(group) >= 3, group  # the supervisor, its warm parent, its workers
+        if to == "pid":
+            os.kill(live.pid, signal.SIGTERM)
+        else:
+            os.killpg(live.pid, signal.SIGTERM)
+        live.wait(timeout=30)  # measured: 0.01 s (it dies of it); a Ctrl-C-like stop takes a worker's grace at most
+        assert live.rc in SIGTERM_STATUS, (live.rc, live.stderr)
+        assert "Traceback" not in live.stderr, live.stderr
+        _, alive = psutil.wait_procs(group, timeout=10)  # the warm parent and workers die with it
+        assert not alive, f"left running after SIGTERM: {alive}"
+        assert not cli.group_left(live.proc)
+    written = {e["index"] for e in live.of("LayerWritten")}
+    second = cli.run("run", job, "--json")
+    started = cli.events(second)[0]
+    assert started["type"] == "Started" and started["resumed"] >= len(written), (started, written)
+    assert cli.output_bytes(out) == reference[0]
+    assert os.listdir(out / ".export" / "tmp") == []
 
 
 def test_stalled_part_with_live_heartbeats_is_bounded_by_part_timeout(big_model, reference, tmp_path):

@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from tests.scenarios import cli
 from tests.scenarios.cli import output_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,10 +45,10 @@ def server(tiny_models, tmp_path_factory, markers):
     # heartbeats go on) until cancelled; so the cancel lands mid-export however fast the machine is.
     env["SUPERVISOR_TEST_FAULT"] = json.dumps({"point": "quantize", "action": "stall", "index": 1,
                                                "after": str(markers["arm"]), "once": str(markers["fired"])})
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--app-dir", os.path.join(REPO, "examples", "studio"),
-                                 "app:app", "--host", "127.0.0.1", "--port", str(port)], stdout=out,
-                                stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    with open(log, "wb") as out:  # as a terminal starts it: SIGTERM at its default, a process group of its own
+        proc = cli.start([sys.executable, "-m", "uvicorn", "--app-dir", os.path.join(REPO, "examples", "studio"),
+                          "app:app", "--host", "127.0.0.1", "--port", str(port)], stdout=out,
+                         stderr=subprocess.STDOUT, env=env, cwd=REPO)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
     try:
         deadline = time.monotonic() + 120
@@ -63,7 +64,10 @@ def server(tiny_models, tmp_path_factory, markers):
     finally:
         client.close()
         proc.terminate()
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        finally:
+            cli.end_group(proc)  # the server, or what it left of its supervisor's workers
 
 
 def _job(out) -> dict:
