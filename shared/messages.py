@@ -208,6 +208,10 @@ class Described(msgspec.Struct, tag=True, kw_only=True):
     ignore: list[str] = []  # the ignore list in effect
     parts: list[PartPlan] = []
     load: LoadReport = msgspec.field(default_factory=LoadReport)  # the loader's verdict on the predicted output
+    # calibrated: the ranks that would calibrate each layer together, and why 1 where more were asked (the
+    # supervisor fills these in: they depend on the job and the devices, not on what the worker sees)
+    world: int = 0
+    world_note: str = ""
 
 
 class LoadChecked(msgspec.Struct, tag=True, kw_only=True):

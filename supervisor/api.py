@@ -19,6 +19,8 @@ import queue
 import tempfile
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from shared import layout
 from shared.job import Job, JobSyntaxError, is_calibrated, parse_toml
 from shared.messages import PROTOCOL_VERSION, Describe, Described, Failed, Hello
@@ -247,7 +249,7 @@ def describe(job: Job | str | os.PathLike) -> Described:
     if isinstance(reply, Failed):
         raise for_good(reply, "the export plan")
     check_layers(ready, plan.source)
-    return reply
+    return msgspec.structs.replace(reply, world=plan.world, world_note=plan.world_note) if plan.calibration else reply
 
 
 def export(job: Job | str | os.PathLike, model=None, on_event=None, *, tokenizer=None) -> ev.Finished:

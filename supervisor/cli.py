@@ -1,7 +1,8 @@
 """`supervisor run | plan | status | verify | report | warm | demo`: a thin shell over the Python API.
 
 Prints progress (rich) or, with --json, one JSON event per line on stdout. Exit codes: 0 done, 1 failed,
-2 bad input (nothing written), 3 output locked by another supervisor, 130 interrupted (resumable).
+2 bad input (nothing written), 3 output locked by another supervisor, 130 interrupted (resumable), 143 stopped by
+SIGTERM (resumable, as Ctrl-C).
 Errors are one line on stderr; a Python traceback only with --debug, which also echoes the libraries' own
 output (kept in the logs under OUT/.export/logs otherwise). Before any command it checks that the `supervisor`,
 `child` and `shared` packages Python imports are ours (supervisor.provenance). Nothing else lives here.
@@ -15,6 +16,7 @@ import sys
 from supervisor.errors import SupervisorError
 
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
 
 # `supervisor run --help` shows this; the README shows the same file, and a test parses it.
 JOB_EXAMPLE = """\
@@ -43,8 +45,14 @@ def cmd_run(args) -> int:
     run = Supervisor(args.job)
     display = Display(json_lines=args.json, total_hint=run.plan.source.num_layers + 1)
     with Echo([layout.state_path(run.plan.output, layout.LOGS)], enabled=args.debug), run, display:
-        for e in run.events():
-            display.show(e)
+        try:
+            for e in run.events():
+                display.show(e)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the run winds down; its last events (Cancelled) still show
+            run.cancel()
+            for e in run.events():
+                display.show(e)
+            raise
     try:
         done = run.wait()
     except SupervisorError as exc:
@@ -230,16 +238,28 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill PID`): stops a run as Ctrl-C does (the export is cancelled, its state kept, resumable)."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import signal
+
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # a parent that set its own disposition keeps it
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         from supervisor import provenance
 
         provenance.check()  # before anything imports `shared` or starts a child
         return args.func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         _err("interrupted; the export is resumable: run the same command again")
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if isinstance(exc, _Terminated) else EXIT_INTERRUPTED
     except SupervisorError as exc:
         if args.debug:
             import traceback

@@ -22,7 +22,12 @@ def render(d: Described, source: str, scheme: str) -> list[str]:
     layers = [p for p in d.parts if p.index != NON_LAYER]
     lines = [f"source   {source}", f"scheme   {scheme}", f"by       {d.backend}", f"ignore   {d.ignore}",
              f"parts    {len(d.parts)}: {len(layers)} layers under {d.layer_prefix!r}, then the non-layer part",
-             f"loads    {_verdict(d)}", ""]
+             f"loads    {_verdict(d)}"]
+    if d.world:
+        lines.append(f"group    {d.world} rank{'s' if d.world > 1 else ''} calibrate each layer"
+                     + (" together (one torch.distributed process group)" if d.world > 1 else "")
+                     + (f"; {d.world_note}" if d.world_note else ""))
+    lines.append("")
     groups: list[tuple[list[int], tuple, PartPlan]] = []
     for part in layers:
         key = _relative(part, f"{d.layer_prefix}{part.index}.")
