@@ -127,7 +127,8 @@ def _refuse_another_world(output: str, job: Job, source: SourceInfo, calib, extr
     how = (f"[resources] workers = {header.world}" if devs == ["cpu"] else
            f"{header.world} GPUs ([resources] device and workers)")
     raise FingerprintMismatch(
-        f"output {job.export.output!r} holds a calibrated export started with W = {header.world} ranks, and this run "
+        f"output {job.export.output!r} holds a calibrated export started with W = {header.world} "
+        f"rank{'s' if header.world != 1 else ''}, and this run "
         f"would use {world} (each rank calibrates its own slice of the samples, so W decides the bytes); resume it "
         f"with {how}, or delete the folder to start fresh")
 

@@ -62,7 +62,8 @@ def test_child_peak_rss_is_flat_across_calibrated_layers(reference):
 
 def test_child_killed_while_calibrating_resumes_from_the_boundary(model, dataset, reference, tmp_path):
     """SIGKILL in layer 2's calibration (no retries left) fails the run with layer 2's inputs journaled; re-running
-    (activations on disk this time, two workers asked for) resumes at layer 2 on one worker and ends identical. A copy whose boundary file was
+    (activations on disk this time; two workers, a group of two ranks, refused as another W) resumes at layer 2 on one
+    worker and ends identical. A copy whose boundary file was
     corrupted is detected and recomputed from layer 0, and ends identical too."""
     out = tmp_path / "out"
     job = _job(tmp_path, model, dataset, out, max_attempts=1)
@@ -79,8 +80,10 @@ def test_child_killed_while_calibrating_resumes_from_the_boundary(model, dataset
     data[len(data) // 2] ^= 0x40
     path.write_bytes(bytes(data))
 
-    # workers = 2: a calibrated export still runs on one worker, in order
-    second = cli.events(cli.run("run", _job(tmp_path, model, dataset, out, activation_ram_gb=1e-6, workers=2),
+    # workers = 2 would calibrate on a group of 2 ranks: not the W this folder was started with, refused
+    refused = cli.run("run", _job(tmp_path, model, dataset, out, workers=2), check=False)
+    assert refused.returncode == 2 and "started with W = 1" in refused.stderr, refused.stderr
+    second = cli.events(cli.run("run", _job(tmp_path, model, dataset, out, activation_ram_gb=1e-6, workers=1),
                                 "--json"))
     assert second[0]["type"] == "Started" and second[0]["resumed"] == 2 and second[0]["todo"] == 3
     assert [e["index"] for e in second if e["type"] == "LayerStarted"] == [2, 3, -1]
