@@ -16,6 +16,12 @@ as seconds beyond the uninterrupted run and in units of one layer's time.
 
     python bench/calib_bench.py                               # 32 layers, 128 x 2048, W4A16, cuda
     python bench/calib_bench.py --layers 4 --samples 16 --seq-len 256 --skip kill     # a quick check
+    python bench/calib_bench.py --device cpu --world 2 --threads 1 ...   # ours on a group of 2 ranks (and W = 1)
+
+`--world W` (W > 1): ours runs on a group of W ranks (`resources.workers = W`; on GPUs `device = "cuda"`, one rank
+per GPU) and, unless `--skip w1`, once more with W = 1 for the ratio; a second table gives, per rank, the mean
+seconds per layer of each calibration stage (forward, calibrate, reduce, solve, broadcast, propagate, quantize, from
+the journal's `ranks`) and the wait for the slowest rank (the group's time per layer less the rank's own stages).
 
 In pieces (each under 10 minutes on one H200): `--skip oneshot,kill,retry` first (builds, runs ours, saves its
 figures), then `--keep --skip supervisor,...` runs the others against the saved uninterrupted run and outputs.
@@ -97,9 +103,18 @@ def write_job(args, path: str, src: str, out: str, data: str, **resources) -> st
     return path
 
 
+def world_resources(args, world: int) -> dict:
+    """The job keys that give a group of `world` ranks (1: one worker)."""
+    if args.device == "cpu":
+        return {"workers": world}
+    return {"workers": world} if world > 1 else {}
+
+
 def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None, check: bool = True,
                    **resources) -> dict:
     out = os.path.join(args.workdir, name)
+    world = resources.pop("world", args.world)
+    resources = {**world_resources(args, world), **resources}
     job = write_job(args, os.path.join(args.workdir, f"job-{name}.toml"), src, out, data, **resources)
     full_env = dict(os.environ)
     full_env.pop("SUPERVISOR_TEST_FAULT", None)
@@ -115,7 +130,28 @@ def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None
             "reused": pool.get("reused", False),
             "stages": mean_stages(layers),
             "per_layer": sum(e["seconds"] for e in layers) / max(len(layers), 1), "layers": layers,
-            "peak_gpu": max((e["peak_gpu"] for e in layers), default=0), "tree": tree, "out": out}
+            "peak_gpu": max((e["peak_gpu"] for e in layers), default=0), "tree": tree, "out": out, "world": world}
+
+
+def rank_table(sup: dict) -> list[str]:
+    """Per rank: mean seconds per layer of each calibration stage, and the wait for the slowest rank."""
+    layers = [e for e in sup["layers"] if e.get("ranks")]
+    if not layers:
+        return []
+    stages = ["forward", "calibrate", "reduce", "solve", "broadcast", "propagate", "quantize"]
+    ranks = sorted({r for e in layers for r in e["ranks"]}, key=int)
+    lines = ["| rank | " + " | ".join(stages) + " | wait for the slowest | layer s |",
+             "| --- | " + " | ".join("---" for _ in stages) + " | --- | --- |"]
+    for r in ranks:
+        own = [e["ranks"].get(r, {}) for e in layers]
+        mean = {k: sum(o.get(k, 0.0) for o in own) / len(own) for k in stages}
+        # a rank's own work leaves out the collectives, in which it also waits for the others
+        busy = [sum(v for k, v in o.items() if k not in ("reduce", "broadcast")) for o in own]
+        group = [max(sum(x.values()) for x in e["ranks"].values()) for e in layers]  # the slowest rank's layer
+        wait = sum(g - b for g, b in zip(group, busy)) / len(own)
+        lines.append(f"| {r} | " + " | ".join(f"{mean[k]:.3f}" for k in stages)
+                     + f" | {wait:.3f} | {sum(e['seconds'] for e in layers) / len(layers):.2f} |")
+    return lines
 
 
 def run_oneshot(args, src: str, data: str) -> dict:
@@ -139,7 +175,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both tools")
     ap.add_argument("--kill-at", type=int, default=20, help="the layer whose calibration the kill interrupts")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "calib-bench"))
-    ap.add_argument("--skip", default="", help="comma-separated: supervisor,oneshot,kill,retry")
+    ap.add_argument("--skip", default="", help="comma-separated: supervisor,oneshot,kill,retry,w1")
+    ap.add_argument("--world", type=int, default=1, help="ranks of the group that calibrates each layer (ours)")
     ap.add_argument("--keep", action="store_true", help="reuse the workdir's checkpoint, dataset and saved run")
     ap.add_argument("--build-only", action="store_true", help="build the checkpoint and dataset, then stop")
     args = ap.parse_args()
@@ -173,9 +210,15 @@ def main() -> None:
         with open(saved, "w") as f:
             json.dump({**{k: v for k, v in sup.items() if k != "tree"},
                        "tree": {"peak_rss": sup["tree"].peak_rss, "peak_gpu": sup["tree"].peak_gpu}}, f)
-    print(f"supervisor: wall {sup['wall']:.1f} s, start-up {sup['startup']:.1f} s, {sup['per_layer']:.2f} s per layer; "
-          + timeline(sup["events"], sup["wall"]), flush=True)
-    rows = [("supervisor", sup)]
+    print(f"supervisor (W = {sup.get('world', 1)}): wall {sup['wall']:.1f} s, start-up {sup['startup']:.1f} s, "
+          f"{sup['per_layer']:.2f} s per layer; " + timeline(sup["events"], sup["wall"]), flush=True)
+    rows = [(f"supervisor W={sup.get('world', 1)}", sup)]
+    if args.world > 1 and "w1" not in skip:
+        w1 = run_supervisor(args, src, data, "sup-w1", keep_warm=0, world=1)
+        rows.append(("supervisor W=1", w1))
+        print(f"wall W = {args.world} / W = 1: {sup['wall'] / w1['wall']:.3f} (target on GPUs: at most "
+              f"{1.2 / args.world:.3f}); work after start-up: "
+              f"{(sup['wall'] - sup['startup']) / max(w1['wall'] - w1['startup'], 1e-9):.3f}")
     one = None
     if "oneshot" not in skip:
         one = run_oneshot(args, src, data)
@@ -184,7 +227,7 @@ def main() -> None:
     print("| tool | wall s | start-up s | s/layer | peak GPU GiB (allocated / nvidia-smi tree) | peak RSS GiB (tree) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, r in rows:
-        startup = r["startup"] if name == "supervisor" else r["startup"] + r["load"]
+        startup = r["startup"] if name.startswith("supervisor") else r["startup"] + r["load"]
         print(f"| {name} | {r['wall']:.1f} | {startup:.1f} | {r['per_layer']:.2f} | "
               f"{r['peak_gpu'] / gib:.2f} / {r['tree'].peak_gpu / gib:.2f} | {r['tree'].peak_rss / gib:.2f} |")
     if one:
@@ -192,6 +235,10 @@ def main() -> None:
               f"save {one['save']:.1f} s, peak reserved {one['peak_reserved'] / gib:.2f} GiB")
         print(f"ratio wall supervisor / oneshot: {sup['wall'] / one['wall']:.3f}")
         print("ours vs oneshot:", compare(sup["out"], one["out"]))
+    table = rank_table(sup)
+    if table:
+        print("\nper rank, mean seconds per layer (ours, W = %d):" % sup.get("world", 1))
+        print("\n".join(table))
     if sup.get("stages"):
         print("supervisor, mean seconds per layer by stage: "
               + ", ".join(f"{k} {v:.3f}" for k, v in sup["stages"].items()))
