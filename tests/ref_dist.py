@@ -1,7 +1,7 @@
 """llm-compressor's distributed oneshot, exactly as documented: the W > 1 reference (tests/ref_calib.py is W = 1).
 
     timeout 600 torchrun --nproc-per-node W tests/ref_dist.py --model DIR --dataset JSONL --samples N \\
-        --seq-len L --scheme W4A16 --method gptq --out OUT [--threads 1]
+        --seq-len L --scheme W4A16 --method gptq --out OUT [--threads 1] [--upstream-fixes]
 
 Each rank: `init_dist()` (on a machine without an accelerator, the same process group on gloo: compressed_tensors'
 `init_dist` needs an accelerator, it reads `torch.accelerator.current_accelerator().type`), the model loaded inside
@@ -28,6 +28,11 @@ What it reproduces, as upstream does it (measured; bench/dist_oneshot_probe.py h
 - every rank calibrates on the FIRST 1/W of the samples (llmcompressor's `_make_sampler` partitions a local copy
   but the DataLoader indexes the full dataset with the slice's indices), so W = 2 on N samples equals W = 1 on the
   first N/2 (bitwise, when the race is removed), not W = 1 on N.
+
+`--upstream-fixes` (off by default) fixes exactly those two bugs, as two monkeypatches in this process (see
+`apply_upstream_fixes`), and nothing else: the broadcast with `skip_cpu=False` (its wait synchronises) and each
+rank's DataLoader reading its own slice. With them the W = 2 reference is deterministic and calibrates every
+sample once; tests/scenarios/test_group_reference.py compares a group's export with it tensor for tensor.
 
 It never imports `supervisor` or `child`: the reference must come from the upstream tools alone.
 bench/dist_oneshot_probe.py runs this same `main` with instrumentation and candidate fixes.
@@ -61,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--extra-cpu-mem", type=float, default=1e8,
                    help="load_offloaded_model's reserve in bytes (its default 5e9 sends a tiny model to disk: see "
                         "the module docstring)")
+    p.add_argument("--upstream-fixes", action="store_true",
+                   help="fix llm-compressor 0.14.0.1's two distributed-oneshot bugs (the CPU broadcast race, the "
+                        "sampler's slice read from the whole dataset): apply_upstream_fixes; off: upstream as is")
     return p.parse_args(argv)
 
 
@@ -76,6 +84,49 @@ def init_distributed() -> None:
     dist.init_process_group(backend="gloo", init_method="env://", rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]))
     dist.barrier()
+
+
+def apply_upstream_fixes() -> None:
+    """llm-compressor 0.14.0.1's two distributed-oneshot bugs on the CPU fixed, and nothing else changed (these are
+    bench/dist_oneshot_probe.py's `--fix broadcast` and `--fix-partition`). Call after init, before oneshot."""
+    import functools
+
+    from llmcompressor.datasets import utils as ds_utils
+    from llmcompressor.modifiers.gptq import base as gptq
+    from llmcompressor.modifiers.quantization.quantization import base as quantization
+    from llmcompressor.utils.dist import broadcast_qparams_and_cleanup
+
+    # Bug 1, the race: `broadcast_qparams_and_cleanup(skip_cpu=True)` skips modules that execute on the CPU (the
+    # weights are one shared-memory copy), and with the broadcast goes the only synchronisation after the owner rank
+    # writes its result there: the other rank may propagate (and at save compress) through stale weights. With
+    # skip_cpu=False every owner broadcasts and the wait synchronises. Both callers: GPTQ, QuantizationModifier.
+    every_module = functools.partial(broadcast_qparams_and_cleanup, skip_cpu=False)
+    gptq.broadcast_qparams_and_cleanup = quantization.broadcast_qparams_and_cleanup = every_module
+
+    # Bug 2, the sampler: `_make_sampler` builds its sampler over a local `dataset.select(range(start, end))`, but
+    # `format_calibration_data` gives the DataLoader the whole dataset, so rank r > 0 reads rows 0 .. end-start-1.
+    # Adding `start` back to each index makes the DataLoader read the rank's own slice, in the sampler's order.
+    make_sampler = ds_utils._make_sampler
+
+    class OwnSlice(torch.utils.data.Sampler):
+        def __init__(self, inner, start):
+            self.inner, self.start = inner, start
+
+        def __iter__(self):
+            return (self.start + i for i in self.inner)
+
+        def __len__(self):
+            return len(self.inner)
+
+    def own_slice_sampler(args, dataset):
+        sampler = make_sampler(args, dataset)
+        if ds_utils._is_dist_and_same_ds(dataset):  # a collective, as in _make_sampler: every rank calls it
+            start, _ = ds_utils._get_partition_start_end(args.num_calibration_samples or len(dataset),
+                                                         dist.get_rank(), dist.get_world_size())
+            sampler = OwnSlice(sampler, start)
+        return sampler
+
+    ds_utils._make_sampler = own_slice_sampler
 
 
 def recipe_for(method: str, scheme: str):
@@ -114,6 +165,8 @@ def main(argv=None) -> str:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     init_distributed()
+    if args.upstream_fixes:
+        apply_upstream_fixes()
     t0 = time.monotonic()
 
     from compressed_tensors.offload import load_offloaded_model
@@ -138,7 +191,7 @@ def main(argv=None) -> str:
         warnings.filterwarnings("ignore", message="Attempting to save a model with offloaded modules")
         model.save_pretrained(args.out, save_compressed=True)  # every rank: the compression is split over them
     log(f"saved {args.out} in {time.monotonic() - t0:.1f} s (world size {dist.get_world_size()}, "
-        f"{torch.get_num_threads()} thread(s))")
+        f"{torch.get_num_threads()} thread(s){', upstream fixes' if args.upstream_fixes else ''})")
     dist.barrier()
     dist.destroy_process_group()
     return args.out
