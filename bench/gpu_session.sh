@@ -106,6 +106,14 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s14a)  # fourteenth session, call 1 (one H200): the calibrated GPU tests after the group's changes to the calibrated
+  # worker (stage clock, library stage wrappers, losses), then 8 layers of the 8B shape with GPTQ on one rank (W = 1
+  # must not be slower than before the group: 72.9 s measured by the issue), ours only
+  CUDA_VISIBLE_DEVICES=0 t 230 calibrated_gpu tests/gpu/test_calibrated_gpu.py
+  CUDA_VISIBLE_DEVICES=0 timeout 330 python3 bench/calib_bench.py --layers 8 --skip oneshot,kill,retry \
+    --threads 16 2>&1 | quiet > "$OUT/calib_w1.txt"
+  tail -12 "$OUT/calib_w1.txt"
+  ;;
 s13a)  # thirteenth session, call 2: the GPU tests of what the twelfth session changed (datasets left unloaded in a
   # data-free warm parent, a calibrated run's warm profile of its own): the export tests, then the calibrated ones
   # (200 s was too short for the export tests on a fresh machine, which compiles the kernels first: 4 of 11 ran)

@@ -225,3 +225,17 @@ def test_moe_experts_spread_over_both_ranks(tiny_models, dataset, tmp_path):
         log = (a / layout.STATE_DIR / layout.LOGS / f"rank-{rank}.log").read_text()
         solved = re.findall(r"Quantizing \d+ module\(s\): \[(.*)\]", log)
         assert any("experts" in line for line in solved), (rank, solved[:4])
+
+
+def test_awq_on_the_cpu_calibrates_on_one_rank_and_says_so(model, dataset, tmp_path):
+    """AWQ has no CPU path for its distributed reductions (llm-compressor 0.14.0.1 all-reduces through an
+    accelerator): with two workers asked, `supervisor plan` and the run's Started event say it calibrates on one
+    rank, and why; the run starts one worker."""
+    job = _job(tmp_path, model, dataset, tmp_path / "out", scheme="W4A16", method="awq")
+    plan = cli.run("plan", job).stdout
+    line = next(x for x in plan.splitlines() if x.startswith("group"))
+    assert "1 rank calibrate" in line and "AWQ" in line and "accelerator" in line, line
+    events = cli.events(cli.run("run", job, "--json"))
+    started = events[0]
+    assert started["world"] == 1 and "AWQ" in started["world_note"], started
+    assert [e["worker"] for e in events if e["type"] == "WorkerStarted"] == [0]
