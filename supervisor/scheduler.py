@@ -14,7 +14,8 @@ exactly the part that was in flight (a worker with several parts in flight could
 Throughput comes from several slots: on a GPU their reads, copies and writes overlap, and the output does not
 depend on which slot wrote which part. A slot takes the first waiting part (with several slots the non-layer part,
 then the layers in order) and reserves the next one as its read-ahead hint. Calibrated exports run with one slot
-and strictly in order (a part's inputs are the previous part's outputs); a failed part then comes back first,
+(whose worker is a group of W ranks when the export calibrates on several: supervisor.group, one worker to this
+module) and strictly in order (a part's inputs are the previous part's outputs); a failed part then comes back first,
 before anything after it, and each request names the journaled inputs of its layer (`boundary(index)`) for a
 fresh worker that does not hold them in memory.
 Owns scheduling only: it never touches the journal or files itself (on_written does) and never quantizes.
