@@ -165,6 +165,21 @@ def run_oneshot(args, src: str, data: str) -> dict:
     return res
 
 
+def run_dist_oneshot(args, src: str, data: str) -> dict:
+    """llm-compressor's distributed oneshot at the same W, its documented recipe (tests/ref_dist.py under torchrun:
+    init_dist, load_offloaded_model, device_map="auto_offload"), as released (no fixes: the timing a user gets)."""
+    out = os.path.join(args.workdir, "oneshot-dist")
+    ref = os.path.join(HERE, "..", "tests", "ref_dist.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.world}", ref, "--model", src,
+           "--dataset", data, "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--scheme",
+           args.scheme, "--method", "gptq", "--out", out, "--threads", str(args.threads)]
+    proc, wall, tree = timed(cmd, dict(os.environ, PYTHONPATH=os.path.join(HERE, "..")))
+    if proc.returncode != 0:
+        sys.exit(f"distributed oneshot failed: {proc.stderr[-3000:]}")
+    return {"wall": wall, "tree": tree, "out": out, "startup": 0.0, "load": 0.0,
+            "per_layer": float("nan"), "peak_gpu": 0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(ap)
@@ -175,7 +190,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both tools")
     ap.add_argument("--kill-at", type=int, default=20, help="the layer whose calibration the kill interrupts")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "calib-bench"))
-    ap.add_argument("--skip", default="", help="comma-separated: supervisor,oneshot,kill,retry,w1")
+    ap.add_argument("--skip", default="", help="comma-separated: supervisor,oneshot,kill,retry,w1,dist")
     ap.add_argument("--world", type=int, default=1, help="ranks of the group that calibrates each layer (ours)")
     ap.add_argument("--keep", action="store_true", help="reuse the workdir's checkpoint, dataset and saved run")
     ap.add_argument("--build-only", action="store_true", help="build the checkpoint and dataset, then stop")
@@ -223,6 +238,11 @@ def main() -> None:
     if "oneshot" not in skip:
         one = run_oneshot(args, src, data)
         rows.append(("oneshot", one))
+    if args.world > 1 and "dist" not in skip:
+        dist = run_dist_oneshot(args, src, data)
+        rows.append((f"distributed oneshot W={args.world}", dist))
+        print(f"ratio wall supervisor W = {args.world} / distributed oneshot W = {args.world}: "
+              f"{sup['wall'] / dist['wall']:.3f} (target: at most 0.8)")
     print()
     print("| tool | wall s | start-up s | s/layer | peak GPU GiB (allocated / nvidia-smi tree) | peak RSS GiB (tree) |")
     print("| --- | --- | --- | --- | --- | --- |")

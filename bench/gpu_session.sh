@@ -106,6 +106,21 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s29)  # issue 29, on a machine of N GPUs (nvidia-h200-x2/-x4/-x8; NOT RUN yet: no such kind was lent so far): the
+  # calibrated group on every GPU against W = 1 and llm-compressor's distributed oneshot at the same W (8 layers
+  # of the 8B shape, 128 x 2048 random ids, GPTQ W4A16), then the NCCL group's tests
+  N=$(nvidia-smi -L | wc -l)
+  timeout 560 python3 bench/calib_bench.py --device cuda --world "$N" --layers 8 --skip oneshot,kill,retry \
+    2>&1 | quiet > "$OUT/calib_group_$N.txt"
+  tail -16 "$OUT/calib_group_$N.txt"
+  ;;
+s29b)  # issue 29, second call: a rank SIGKILLed mid-layer on the NCCL group (retried in the run; the bytes equal
+  # the uninterrupted run's, the time lost at most one layer plus the restart), reusing s29's workdir
+  N=$(nvidia-smi -L | wc -l)
+  timeout 560 python3 bench/calib_bench.py --device cuda --world "$N" --layers 8 --kill-at 4 --keep \
+    --skip supervisor,oneshot,kill,w1,dist 2>&1 | quiet > "$OUT/calib_group_kill_$N.txt"
+  tail -6 "$OUT/calib_group_kill_$N.txt"
+  ;;
 s14a)  # fourteenth session, call 1 (one H200): the calibrated GPU tests after the group's changes to the calibrated
   # worker (stage clock, library stage wrappers, losses), then 8 layers of the 8B shape with GPTQ on one rank (W = 1
   # must not be slower than before the group: 72.9 s measured by the issue), ours only
