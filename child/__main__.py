@@ -238,11 +238,9 @@ class Exporter:
         """A stage inside the part in progress (calibrated: forward, calibrate, and inside it a group's reduce, solve
         and broadcast, then propagate, quantize): shown in heartbeats, timed (LayerWritten.ranks), and a fault point
         for tests ("quantize" fires once, after the part, as for every backend)."""
-        now = time.perf_counter()
         if self._clock is not None:
-            last, since = self._clock
-            self._substages[last] = self._substages.get(last, 0.0) + now - since
-        self._clock = (name, now)
+            self._stage_end()
+        self._clock = (name, time.perf_counter())
         self.beat.set(self._index, name)
         if name != "quantize" and name not in self._reached:  # a stage entered again (calibrate, after a reduce)
             self._reached.add(name)
