@@ -121,6 +121,11 @@ s29b)  # issue 29, second call: a rank SIGKILLed mid-layer on the NCCL group (re
     --skip supervisor,oneshot,kill,w1,dist 2>&1 | quiet > "$OUT/calib_group_kill_$N.txt"
   tail -6 "$OUT/calib_group_kill_$N.txt"
   ;;
+s14b)  # fourteenth session, call 2: the data-free GPU tests after the protocol's version 5 and the worker's stage
+  # clock (nothing data-free changed otherwise)
+  CUDA_VISIBLE_DEVICES=0 t 300 export_gpu tests/gpu/test_export_gpu.py tests/test_staging.py
+  CUDA_VISIBLE_DEVICES=0 t 230 moe_gpu tests/gpu/test_moe_gpu.py
+  ;;
 s14a)  # fourteenth session, call 1 (one H200): the calibrated GPU tests after the group's changes to the calibrated
   # worker (stage clock, library stage wrappers, losses), then 8 layers of the 8B shape with GPTQ on one rank (W = 1
   # must not be slower than before the group: 72.9 s measured by the issue), ours only
