@@ -39,6 +39,11 @@ class Export(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     measure_error: bool | None = None
     # rtn: round-to-nearest (llm-compressor's QuantizationModifier); gptq / awq need [calibration].
     method: Literal["rtn", "gptq", "awq"] = "rtn"
+    # Who loads the export: "transformers" (default) refuses an export transformers' loader would load wrong;
+    # "vllm" still runs that check and reports it, but lets an export through whose only problem is a known
+    # limitation of transformers' MoE expert loader (shared.load_verdict.transformers_only), which vLLM does not
+    # share. Never changes the output's bytes (so it is not in the fingerprint).
+    consumer: Literal["transformers", "vllm"] = "transformers"
 
 
 FORMATS = ("compressed-tensors", "torchao")

@@ -106,7 +106,7 @@ def cmd_plan(args) -> int:
     if args.json:
         print(msgspec.json.encode(described).decode())
     else:
-        print("\n".join(render(described, job.source.path, job.export.scheme)))
+        print("\n".join(render(described, job.source.path, job.export.scheme, job.export.consumer)))
     return 0
 
 

@@ -12,17 +12,17 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from shared.load_verdict import problems
+from shared.load_verdict import problems, transformers_only
 from shared.messages import NON_LAYER, Described, PartPlan
 
 _NUMBERED = re.compile(r"(?<=\.)\d+(?=\.)")
 
 
-def render(d: Described, source: str, scheme: str) -> list[str]:
+def render(d: Described, source: str, scheme: str, consumer: str = "transformers") -> list[str]:
     layers = [p for p in d.parts if p.index != NON_LAYER]
     lines = [f"source   {source}", f"scheme   {scheme}", f"by       {d.backend}", f"ignore   {d.ignore}",
              f"parts    {len(d.parts)}: {len(layers)} layers under {d.layer_prefix!r}, then the non-layer part",
-             f"loads    {_verdict(d)}"]
+             f"loads    {_verdict(d)}", f"for      {_consumer(d, consumer)}"]
     if d.world:
         lines.append(f"group    {d.world} rank{'s' if d.world > 1 else ''} calibrate each layer"
                      + (" together (one torch.distributed process group)" if d.world > 1 else "")
@@ -50,6 +50,20 @@ def _verdict(d: Described) -> str:
     problem = problems(d.load)
     return f"NO, transformers would not load it correctly: {problem}" if problem else \
         "yes: transformers' loader places every predicted weight (checked on the meta device)"
+
+
+def _consumer(d: Described, consumer: str) -> str:
+    """Which consumer the export is for ([export] consumer) and whether the run would write it."""
+    if consumer != "vllm":
+        if d.load.checked and problems(d.load):
+            return "transformers ([export] consumer): run refuses it" + (
+                '; [export] consumer = "vllm" would write it for vLLM' if transformers_only(d.load) else "")
+        return "transformers and vLLM ([export] consumer = \"transformers\": run refuses what transformers would load wrong)"
+    if d.load.checked and problems(d.load):
+        return ("vLLM ([export] consumer = \"vllm\"): run writes it, transformers' loader would not load it" if
+                transformers_only(d.load) else "vLLM ([export] consumer = \"vllm\"): run refuses it all the same "
+                "(not a known transformers-only limitation)")
+    return "vLLM ([export] consumer = \"vllm\"); transformers loads it too"
 
 
 def _relative(part: PartPlan, prefix: str) -> tuple[tuple, tuple]:

@@ -42,6 +42,7 @@ import msgspec
 
 from shared import durable, layout
 from shared.job import Job, warm_profile
+from shared.load_verdict import LIFT_HINT, transformers_only
 from shared.load_verdict import problems as load_problems
 from shared.messages import (NON_LAYER, PROTOCOL_VERSION, Boundary, CheckLoad, Describe, Described, Heartbeat, Hello,
                              LayerWritten, LoadChecked)
@@ -366,6 +367,10 @@ class Run:
         else:
             self._scheduler.plan_beside(self._judge)
 
+    def _lifted(self, load) -> bool:
+        """`[export] consumer = "vllm"` and the loader's only problem is transformers' own (README: consumer)."""
+        return self.job.export.consumer == "vllm" and transformers_only(load)
+
     def _judge(self, slot: Slot | None = None) -> None:
         """The export plan, on `slot`'s worker (default slot 0's); raises SourceError to refuse the export."""
         described = self._scheduler.request(Describe(), Described, "the export plan", slot=slot)
@@ -376,8 +381,8 @@ class Run:
             raise SourceError(f"{what} would quantize nothing: no weight matches the scheme's targets outside the "
                               f"ignore list (by {described.backend}); see `supervisor plan`")
         problem = load_problems(described.load)
-        if problem:
-            raise SourceError(f"{what} would not load in transformers: {problem}")
+        if problem and not self._lifted(described.load):
+            raise SourceError(f"{what} would not load in transformers: {problem}{LIFT_HINT(described.load)}")
         self._described = described
         self._judged.set()
 
@@ -720,7 +725,7 @@ class Run:
                                           "the loader check")
         self._scheduler.close()
         problem = load_problems(checked.load)
-        if problem:
+        if problem and not self._lifted(checked.load):
             raise ExportFailed(f"the export in {out!r} does not load correctly in transformers: {problem}")
         files = finalize.output_files(out, {r.file: r.digest for r in done.values()})
         self._journal.append(journal.Finalized(files=files))
