@@ -229,48 +229,12 @@ def install(fix: str, trace_dir: str | None, delay_writes: float, dump_dir: str 
     mc.compress_module = compress_module
 
 
-def fix_partition() -> None:
-    """Make each rank's sampler index the full dataset at its own slice (llmcompressor 0.14.0.1 does not).
-
-    llmcompressor/datasets/utils.py builds `DataLoader(tokenized_dataset, sampler=_make_sampler(args,
-    tokenized_dataset))`; `_make_sampler` partitions a local `dataset.select(range(start, end))` and returns a
-    LengthAwareSampler over THAT slice, whose indices 0..end-start-1 the DataLoader then applies to the FULL dataset.
-    So every rank calibrates on samples 0..end-start-1 (rank r in the order of its own slice's lengths), and the
-    rest are never seen. This patch adds `start` back to each index.
-    """
-    import torch.distributed as dist
-    from llmcompressor.datasets import utils as du
-    from torch.utils.data import Sampler
-
-    orig = du._make_sampler
-
-    class Shifted(Sampler):
-        def __init__(self, inner, start):
-            self.inner, self.start = inner, start
-
-        def __iter__(self):
-            return (self.start + i for i in self.inner)
-
-        def __len__(self):
-            return len(self.inner)
-
-    def make_sampler(args, dataset):
-        sampler = orig(args, dataset)
-        if du._is_dist_and_same_ds(dataset):  # a collective, as in the original: every rank calls it
-            start, _ = du._get_partition_start_end(args.num_calibration_samples or len(dataset), dist.get_rank(),
-                                                   dist.get_world_size())
-            sampler = Shifted(sampler, start)
-        return sampler
-
-    du._make_sampler = make_sampler
-
-
 def cmd_run(argv) -> None:
     p = argparse.ArgumentParser(prog="dist_oneshot_probe.py run")
     p.add_argument("--fix", default="none", choices=("none", "barrier", "broadcast"))
     p.add_argument("--trace", default=None, help="folder for rank<r>.jsonl")
     p.add_argument("--fix-partition", action="store_true",
-                   help="make each rank calibrate its own slice (see fix_partition); off: upstream's behaviour")
+                   help="make each rank calibrate its own slice (tests/ref_dist.py fix_partition); off: upstream's behaviour")
     p.add_argument("--dump-hessians", default=None, help="folder: each owner saves <module>.pt = {H, n} after the reduce")
     p.add_argument("--delay-writes", type=float, default=0.0,
                    help="rank 0 sleeps this long before each GPTQ write (forces the race)")
@@ -287,7 +251,7 @@ def cmd_run(argv) -> None:
         orig_init()
         install(opts.fix, opts.trace, opts.delay_writes, opts.dump_hessians)
         if opts.fix_partition:
-            fix_partition()
+            ref_dist.fix_partition()  # llmcompressor's DataLoader indexes the full dataset with the slice's indices
         ref_dist.log(f"probe: fix={opts.fix} fix_partition={opts.fix_partition} trace={opts.trace} "
                      f"delay_writes={opts.delay_writes}")
 

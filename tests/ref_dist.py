@@ -91,7 +91,6 @@ def apply_upstream_fixes() -> None:
     bench/dist_oneshot_probe.py's `--fix broadcast` and `--fix-partition`). Call after init, before oneshot."""
     import functools
 
-    from llmcompressor.datasets import utils as ds_utils
     from llmcompressor.modifiers.gptq import base as gptq
     from llmcompressor.modifiers.quantization.quantization import base as quantization
     from llmcompressor.utils.dist import broadcast_qparams_and_cleanup
@@ -102,6 +101,12 @@ def apply_upstream_fixes() -> None:
     # skip_cpu=False every owner broadcasts and the wait synchronises. Both callers: GPTQ, QuantizationModifier.
     every_module = functools.partial(broadcast_qparams_and_cleanup, skip_cpu=False)
     gptq.broadcast_qparams_and_cleanup = quantization.broadcast_qparams_and_cleanup = every_module
+    fix_partition()
+
+
+def fix_partition() -> None:
+    """Bug 2 of apply_upstream_fixes alone (bench/dist_oneshot_probe.py's `--fix-partition` calls it too)."""
+    from llmcompressor.datasets import utils as ds_utils
 
     # Bug 2, the sampler: `_make_sampler` builds its sampler over a local `dataset.select(range(start, end))`, but
     # `format_calibration_data` gives the DataLoader the whole dataset, so rank r > 0 reads rows 0 .. end-start-1.

@@ -135,6 +135,16 @@ def fault_env(faults) -> dict[str, str]:
     return env
 
 
+def wait_marker(path, timeout: float = 120) -> bool:
+    """Whether the fault whose `once` marker is `path` fired within `timeout` s (it writes the marker as it fires)."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def read_marker(path: str) -> dict | None:
     try:
         with open(path) as f:

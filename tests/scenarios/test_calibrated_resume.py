@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import psutil
 import pytest
@@ -17,7 +16,7 @@ import torch
 from shared import layout
 from tests.models import assert_same_tensors, load_tensors
 from tests.ref_calib import oneshot_calibrated, token_rows, write_jsonl
-from tests.scenarios import cli
+from tests.scenarios import cli, faultkit
 
 LAYERS, N, SEQ = 4, 20, 40
 
@@ -97,28 +96,17 @@ def test_child_killed_while_calibrating_resumes_from_the_boundary(model, dataset
     assert cli.output_bytes(corrupt) == reference[0]
 
 
-def _progress_at(stdout_path, index: int, stage: str) -> bool:
-    with open(stdout_path) as f:
-        return any(e.get("type") == "Progress" and e.get("index") == index and e.get("stage") == stage
-                   for e in map(json.loads, filter(lambda line: line.startswith("{") and line.endswith("}\n"), f)))
-
-
 def test_supervisor_killed_during_propagation_resumes(model, dataset, reference, tmp_path):
     """SIGKILL the supervisor while its child propagates layer 2 (a stalled fault holds it there; the progress
     events say "layer 2: propagate"): the child exits by itself, and the re-run resumes at layer 2, identical."""
-    out, marker, events = tmp_path / "out", tmp_path / "fired", tmp_path / "events.jsonl"
-    env = dict(os.environ)
-    env.update(_fault(marker, point="propagate", action="stall", index=2))
-    with open(events, "w") as stdout, \
-            cli.job([cli.SUPERVISOR, "run", _job(tmp_path, model, dataset, out), "--json"], stdout=stdout,
-                    env=env) as proc:  # as a terminal starts it; a failure below SIGKILLs its group
-        deadline = time.monotonic() + 300
-        while not (marker.exists() and _progress_at(events, 2, "propagate")):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before layer 2 propagated"
-            time.sleep(0.05)
-        children = psutil.Process(proc.pid).children(recursive=True)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    out, marker = tmp_path / "out", tmp_path / "fired"
+    fault = _fault(marker, point="propagate", action="stall", index=2)
+    with faultkit.LiveRun("run", _job(tmp_path, model, dataset, out), "--json", env=fault) as live:
+        held = live.wait_for("Progress", where=lambda e: e["index"] == 2 and e["stage"] == "propagate")
+        assert held is not None and faultkit.wait_marker(marker), live.stderr
+        children = psutil.Process(live.pid).children(recursive=True)
+        os.kill(live.pid, signal.SIGKILL)
+        live.proc.wait()
         _, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"orphaned children still running: {alive}"
     assert _boundaries(out) == ["inputs-layer-00002.bin"]

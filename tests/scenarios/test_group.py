@@ -12,8 +12,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import time
 
 import psutil
 import pytest
@@ -22,7 +20,7 @@ import torch
 from shared import layout
 from tests.models import load_tensors
 from tests.ref_calib import token_rows, write_jsonl
-from tests.scenarios import cli
+from tests.scenarios import cli, faultkit
 
 LAYERS, N, SEQ = 4, 20, 40
 HELD_OUT = torch.randint(4, 256, (8, 64), generator=torch.Generator().manual_seed(12))
@@ -137,37 +135,22 @@ def test_rank_stuck_in_a_collective_times_out_and_the_layer_is_redone(w2, model,
     assert cli.output_bytes(out) == w2[1]
 
 
-def _progress_at(path, index: int, stage: str) -> bool:
-    with open(path) as f:
-        return any(e.get("type") == "Progress" and e.get("index") == index and e.get("stage") == stage
-                   for e in map(json.loads, filter(lambda line: line.startswith("{") and line.endswith("}\n"), f)))
-
-
 def test_supervisor_killed_during_propagation_leaves_nothing_and_resumes(w2, model, dataset, tmp_path):
     """SIGKILL the supervisor while rank 0 propagates layer 2 (a stalled fault holds it there): every rank and the
     warm parent's forks exit, the rendezvous port is closed, and the re-run resumes at layer 2, identical."""
-    out, marker, events = tmp_path / "out", tmp_path / "fired", tmp_path / "events.jsonl"
-    env = dict(os.environ, **_fault(marker, point="propagate", action="stall", index=2, worker=0))
-    with open(events, "w") as stdout:
-        proc = subprocess.Popen([cli.SUPERVISOR, "run", _job(tmp_path, model, dataset, out, keep_warm=0), "--json"],
-                                stdout=stdout, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not (marker.exists() and _progress_at(events, 2, "propagate")):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before layer 2 propagated"
-            time.sleep(0.05)
-        children = psutil.Process(proc.pid).children(recursive=True)
+    out, marker = tmp_path / "out", tmp_path / "fired"
+    fault = _fault(marker, point="propagate", action="stall", index=2, worker=0)
+    with faultkit.LiveRun("run", _job(tmp_path, model, dataset, out, keep_warm=0), "--json", env=fault) as live:
+        held = live.wait_for("Progress", where=lambda e: e["index"] == 2 and e["stage"] == "propagate")
+        assert held is not None and faultkit.wait_marker(marker), live.stderr
+        children = psutil.Process(live.pid).children(recursive=True)
         ports = {c.laddr.port for p in children for c in _listening(p)}
         assert ports, "rank 0 hosts the rendezvous: a listening port"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.kill(live.pid, signal.SIGKILL)
+        live.proc.wait()
         _, alive = psutil.wait_procs(children, timeout=20)
         assert not alive, f"orphaned processes still running: {alive}"
         assert not {c.laddr.port for c in psutil.net_connections("tcp") if c.status == "LISTEN"} & ports
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     second = cli.events(cli.run("run", _job(tmp_path, model, dataset, out), "--json"))
     assert second[0]["resumed"] == 2
     assert cli.output_bytes(out) == w2[1]
