@@ -78,6 +78,11 @@ class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # environment (a re-run after a crash, the next export) forks its workers instead of importing again. 0: it
     # ends with the run. Unset: $SUPERVISOR_KEEP_WARM, else 300.
     keep_warm: float | None = None
+    # Where the workers run: "" this host only; "ray": one worker per GPU (or `workers` CPU workers) on the nodes of
+    # the Ray cluster at `ray_address` ("": $RAY_ADDRESS, else the cluster this node belongs to). Source and output
+    # must be on a file system every node sees (checked before anything is written).
+    cluster: str = ""
+    ray_address: str = ""
 
 
 class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -192,6 +197,11 @@ def _check_values(job: Job) -> None:
     if r.keep_warm is not None and r.keep_warm < 0:
         raise JobSyntaxError("[resources] keep_warm must be 0 (the warm parent ends with the run) or a number of "
                              "seconds")
+    if r.cluster not in ("", "ray"):
+        raise JobSyntaxError(f'[resources] cluster = {r.cluster!r} is not valid; use "ray" (a Ray cluster) or remove '
+                             "the key (this host only)")
+    if r.ray_address and r.cluster != "ray":
+        raise JobSyntaxError('[resources] ray_address applies only with cluster = "ray"; add that or remove the key')
     if r.activation_ram_gb < 0:
         raise JobSyntaxError("[resources] activation_ram_gb must be 0 (a quarter of the RAM) or positive")
     _check_calibration(job)

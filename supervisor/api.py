@@ -26,7 +26,8 @@ from shared.job import Job, JobSyntaxError, is_calibrated, parse_toml
 from shared.messages import PROTOCOL_VERSION, Describe, Described, Failed, Hello
 from supervisor import events as ev
 from supervisor import calibration, journal
-from supervisor.errors import Cancelled, ExportFailed, FingerprintMismatch, InputError, JobError, OutputError
+from supervisor.errors import (Cancelled, ClusterError, ExportFailed, FingerprintMismatch, InputError, JobError,
+                               OutputError)
 from supervisor.lock import probe
 # Plan and the LOG_* bounds are the run's; importable from here as they were before it had a module of its own
 from supervisor.run import LOG_KEEP, LOG_QUEUED_MAX, Plan, Run, check_layers  # noqa: F401
@@ -80,19 +81,46 @@ def _check_writable(output: str) -> None:
                           "choose a writable [export] output")
 
 
-def prepare(job: Job, model=None) -> Plan:
+def prepare(job: Job, model=None, *, join: bool = False) -> Plan:
     """Validate everything about the job before anything is written; raises InputError subclasses. A job without
-    [source] exports `model` itself (a live model, Python API only)."""
+    [source] exports `model` itself (a live model, Python API only). `join`: a cluster job joins its Ray cluster
+    once the source and output are checked (supervisor.cluster: the agents started, every node's view of the files
+    probed), and its devices are the agents'; without it (`supervisor plan`) it plans as if on this host."""
     from supervisor import devices
 
     output = os.path.abspath(job.export.output)
     saved = None
     if job.source is None:
+        if job.resources.cluster:
+            raise ClusterError('[resources] cluster = "ray" needs [source]: a live model\'s memory is on this host; '
+                               "export it here (remove cluster) or save it and name the folder in [source] path")
         source, extra, saved = _live_source(model, output)
     else:
         source, extra = _disk_source(job, output)
     probe(output)
-    devs = devices.resolve_devices(job.resources.device)
+    cluster = None
+    if job.resources.cluster and join:
+        _check_writable(output)  # the file-system probe writes beside the output
+        cluster = _join_cluster(job, source, output)
+    try:
+        plan = _plan(job, output, source, extra, saved, cluster)
+    except BaseException:
+        if cluster is not None:
+            cluster.close()
+        raise
+    plan.cluster = cluster
+    return plan
+
+
+def _plan(job: Job, output: str, source: SourceInfo, extra: dict | None, saved, cluster) -> Plan:
+    from supervisor import devices
+
+    if cluster is not None:  # one device per agent: the agents' GPUs, or the CPU
+        devs = ["cpu"] if cluster.device == "cpu" else [cluster.device] * len(cluster.agents)
+    elif job.resources.cluster:  # `supervisor plan`: as on this host
+        devs = ["cpu"] if job.resources.device == "cpu" else ["cuda:0"]
+    else:
+        devs = devices.resolve_devices(job.resources.device)
     world, world_note = calibration.group_size(job, devs) if is_calibrated(job) else (1, "")
     calib = calibration.check(job, source, devs[0], world) if is_calibrated(job) else None
     fp, parts = journal.fingerprint(job, source.stats, calib.fingerprint if calib else None, extra, devs[0])
@@ -110,6 +138,21 @@ def prepare(job: Job, model=None) -> Plan:
     fresh = not os.path.exists(output) or not os.listdir(output)
     return Plan(job, output, source, fp, state, devs[0], devs, calib, live=saved, fresh=fresh, world=world,
                 world_note=world_note)
+
+
+def _join_cluster(job: Job, source: SourceInfo, output: str):
+    """Join the job's Ray cluster (supervisor.cluster): an agent per slot, every node's view of the files checked."""
+    from shared.job import warm_profile
+    from supervisor.cluster import Cluster, remote_env
+
+    files = {os.path.join(source.path, name): size for name, size, _ in source.stats}
+    for folder in [job.source.adapter] if job.source.adapter else []:
+        folder = os.path.abspath(folder)
+        files.update({os.path.join(folder, fn): os.path.getsize(os.path.join(folder, fn))
+                      for fn in sorted(os.listdir(folder)) if os.path.isfile(os.path.join(folder, fn))})
+    if job.calibration is not None and os.path.isfile(job.calibration.dataset):
+        files[job.calibration.dataset] = os.path.getsize(job.calibration.dataset)
+    return Cluster.join(job, files, output, warm_profile(job), remote_env(job))
 
 
 def _refuse_another_world(output: str, job: Job, source: SourceInfo, calib, extra, devs: list[str], world: int) -> None:
@@ -169,7 +212,7 @@ class Supervisor:
         to export); `tokenizer`: saved into the output of such a job; `pool`: an offload.PinnedPool to reuse
         across exports (pinning costs once), else one is made for this run and freed at its end."""
         self.job = job if isinstance(job, Job) else load_job(job)
-        self.plan = prepare(self.job, model)
+        self.plan = prepare(self.job, model, join=True)
         self.model = model
         self.tokenizer = tokenizer
         self.retry_delay = retry_delay

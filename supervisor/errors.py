@@ -7,8 +7,10 @@ The hierarchy (exit code in brackets)::
      │    ├── JobError .......................... [2]  job.toml: unknown key, wrong type, bad value
      │    ├── SourceError ....................... [2]  the source checkpoint cannot be exported
      │    ├── CalibrationError .................. [2]  the calibration dataset or settings cannot be used
-     │    └── OutputError ....................... [2]  the output folder cannot be used
-     │         └── FingerprintMismatch .......... [2]  it holds an export of a different job
+     │    ├── OutputError ....................... [2]  the output folder cannot be used
+     │    │    └── FingerprintMismatch .......... [2]  it holds an export of a different job
+     │    └── ClusterError ...................... [2]  the Ray cluster cannot run the job (no Ray, unreachable,
+     │                                                  a node that cannot see the source or the output)
      ├── LockedError ............................ [3]  another supervisor is exporting into the folder
      ├── DeviceError ............................ [2]  the requested device is missing or too full
      │    └── NoRoom ............................ [2]  a worker's GPU cannot hold its layers
@@ -54,6 +56,11 @@ class OutputError(InputError):
 
 class FingerprintMismatch(OutputError):
     """The output folder holds an export of a different job."""
+
+
+class ClusterError(InputError):
+    """`[resources] cluster = "ray"` cannot be used: Ray missing or unreachable, no room for the workers, or a node
+    that cannot see the source or the output folder."""
 
 
 class LockedError(SupervisorError):

@@ -52,6 +52,7 @@ class WorkerStarted(Event):
     since_death: float | None = None  # seconds from the loss of this slot's previous worker to this one's Ready
     gpu_free: int = 0  # free bytes on the worker's GPU, measured by the worker after its start (0 on CPU)
     gpu_total: int = 0
+    where: str = ""  # on a cluster: the node (host, address, Ray node id) and GPU it runs on; "" on this host
 
 
 class WorkerLeftOut(Event):
@@ -94,6 +95,7 @@ class LayerWritten(Event):
     # a group's reduce, solve, broadcast; propagate, quantize (rank 0: the compression of the shard's modules)
     ranks: dict[str, dict[str, float]] = {}
     losses: dict[str, float] = {}  # calibrated: module -> the method's own loss (GPTQ's)
+    where: str = ""  # on a cluster: the node and GPU of the worker that wrote it (a group's: every rank's)
 
 
 class Progress(Event):

@@ -49,12 +49,15 @@ class Group:
     # ---- start ---------------------------------------------------------------------------------------------
     @classmethod
     def start(cls, world: int, start_rank: Callable[[GroupSpec, Callable[[], bool], Callable[[Worker], None]], Worker],
-              *, cancelled: Callable[[], bool], timeout: float, backend: str) -> "Group":
+              *, cancelled: Callable[[], bool], timeout: float, backend: str,
+              rendezvous: Callable[[], tuple[str, int]] | None = None) -> "Group":
         """Start W ranks side by side: `start_rank(spec, cancelled, register)` returns rank spec.rank's ready Worker
         (it may raise; `register(worker)` before it starts, so that a failed start can kill it). When one fails,
-        the others stop waiting for the rendezvous at once; all are killed; its error is raised."""
-        port, secret = free_port(), secrets.token_hex(16)
-        specs = [GroupSpec(rank=r, world=world, host=HOST, port=port, secret=secret, timeout=timeout, backend=backend)
+        the others stop waiting for the rendezvous at once; all are killed; its error is raised. `rendezvous()`: the
+        address rank 0 hosts the store on (default: a free port on 127.0.0.1; on a cluster, rank 0's node)."""
+        host, port = rendezvous() if rendezvous is not None else (HOST, free_port())
+        secret = secrets.token_hex(16)
+        specs = [GroupSpec(rank=r, world=world, host=host, port=port, secret=secret, timeout=timeout, backend=backend)
                  for r in range(world)]
         broken = threading.Event()
         workers: list[Worker | None] = [None] * world
@@ -89,6 +92,13 @@ class Group:
         return cls(workers)
 
     # ---- the Worker surface the scheduler uses ---------------------------------------------------------------
+    @property
+    def where(self) -> str:
+        """On a cluster, every rank's node ("rank r: …"); "" on this host."""
+        if not any(w.where for w in self.ranks):
+            return ""
+        return "; ".join(f"rank {r}: {w.where}" for r, w in enumerate(self.ranks))
+
     @property
     def ready(self):
         return self.ranks[0].ready

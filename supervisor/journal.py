@@ -69,6 +69,7 @@ class Shard(msgspec.Struct, tag=True, kw_only=True):
     losses: dict[str, float] = {}  # calibrated: module -> the method's own loss (GPTQ's), from the rank that solved it
     ranks: dict[str, dict[str, float]] = {}  # calibrated: per rank, seconds per calibration stage (LayerWritten.ranks)
     source_digest: str = ""  # a live model's source tensors of this part; "" for a checkpoint on disk
+    where: str = ""  # on a cluster: the node (and GPU) of the worker that wrote it; "" on this host
 
 
 class Finalized(msgspec.Struct, tag=True, kw_only=True):

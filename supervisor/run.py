@@ -57,6 +57,7 @@ from supervisor.worker import CancelledWait, Worker, WorkerLost, spawn
 from supervisor.zygote import Zygote, ZygoteLost, keep_warm_seconds
 
 if TYPE_CHECKING:  # supervisor.live imports torch; a plan for a checkpoint never needs it
+    from supervisor.cluster import Cluster
     from supervisor.live import Saved
 
 ENOSPC = 28
@@ -83,6 +84,7 @@ class Plan:
     fresh: bool = False  # the output folder did not exist or was empty: a refused run leaves it that way
     world: int = 1  # calibrated: the ranks of the group that calibrates each layer (calibration.group_size)
     world_note: str = ""  # why it is 1 where more were asked
+    cluster: Cluster | None = None  # [resources] cluster = "ray": the joined cluster, one agent per slot
 
 
 class Run:
@@ -252,6 +254,9 @@ class Run:
             if self._deleter is not None:  # its unlinks finish before the lock on the output is released
                 steps.callback(self._deleter.shutdown, wait=True)
                 self._deleter = None
+            if self.plan.cluster is not None:  # after the scheduler's stop: its workers are the agents' children
+                steps.callback(self.plan.cluster.close)
+                self.plan.cluster = None
             if self._zygote is not None:
                 steps.callback(self._zygote.close)
                 self._zygote = None
@@ -353,16 +358,18 @@ class Run:
         off the time from the warm parent's readiness to the end (3.07-3.62 s against 3.52-4.14 s, eight alternating
         runs each, 2026-12-01): judged first, one core idled while the other judged the plan."""
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
-        self._start_zygote()
+        if self.plan.cluster is None:  # on a cluster each node agent has a warm parent of its own
+            self._start_zygote()
         self._scheduler = self._make_scheduler()
         if self._copy is not None:
             self._scheduler.hand_off(NON_LAYER)
         from supervisor import devices
 
         forced = os.environ.get(PLAN_BESIDE_ENV)
-        beside = forced == "1" if forced in ("0", "1") else \
+        beside = forced == "1" if forced in ("0", "1") else self.plan.cluster is not None or \
             devices.room_for_planner([s.device for s in self._scheduler.slots], self._layer_bytes)
-        if self.plan.calibration is not None or not self._zygote.forkable or not beside:
+        forkable = self._zygote.forkable if self._zygote is not None else True
+        if self.plan.calibration is not None or not forkable or not beside:
             self._judge()
         else:
             self._scheduler.plan_beside(self._judge)
@@ -430,11 +437,17 @@ class Run:
         r = self.job.resources
         calibrated = self.plan.calibration is not None
         # calibrated: each layer's inputs are the previous layer's outputs, so one worker, in order
-        slots = [self.plan.devices[0]] if calibrated else devices.worker_slots(self.plan.devices, r.workers,
-                                                                               self._layer_bytes)
-        # a worker the default count added beyond one per GPU is left out if its GPU cannot hold it (NoRoom)
-        slots = [Slot(id=i, device=d, optional=r.workers <= 0 and d != "cpu" and d in slots[:i])
-                 for i, d in enumerate(slots)]
+        cluster = self.plan.cluster
+        if cluster is not None:
+            # one slot per node agent; one whose node leaves the cluster with no room elsewhere is left out (NoRoom)
+            count = 1 if calibrated else len(cluster.agents)
+            slots = [Slot(id=i, device=cluster.device, optional=i > 0) for i in range(count)]
+        else:
+            slots = [self.plan.devices[0]] if calibrated else devices.worker_slots(self.plan.devices, r.workers,
+                                                                                   self._layer_bytes)
+            # a worker the default count added beyond one per GPU is left out if its GPU cannot hold it (NoRoom)
+            slots = [Slot(id=i, device=d, optional=r.workers <= 0 and d != "cpu" and d in slots[:i])
+                     for i, d in enumerate(slots)]
         return Scheduler(slots, max_attempts=r.max_attempts, part_timeout=r.part_timeout,
                          retry_delay=self.retry_delay, sequential=calibrated, cancel=self._cancel, emit=self._emit,
                          start_worker=self._start_worker, on_written=self._record, on_heartbeat=self._on_heartbeat,
@@ -550,8 +563,10 @@ class Run:
                                    (lambda: None), group=spec, sharing=world if devs == ["cpu"] else 1,
                                    cancelled=cancelled, register=register)
 
+        cluster = self.plan.cluster
         g = Group.start(world, start_rank, cancelled=self._cancel.is_set, timeout=self.job.resources.collective_timeout,
-                        backend="gloo" if devs == ["cpu"] else "nccl")
+                        backend="gloo" if devs == ["cpu"] else "nccl",
+                        rendezvous=(lambda: cluster.rendezvous(0)) if cluster is not None else None)
         slot.worker = g
         return g
 
@@ -561,27 +576,41 @@ class Run:
         from supervisor import devices
 
         self._check_cancel()
-        plan, r = self.plan, self.job.resources
-        env = devices.child_env(device, dict(os.environ))
-        env["PYTHONUNBUFFERED"] = "1"
+        plan, r, cluster = self.plan, self.job.resources, self.plan.cluster
         child_device = "cpu" if device == "cpu" else "cuda:0"
         job = self.job
-        # the slots on this slot's device: CPU workers split the cores; GPU workers may take turns on their GPU
-        if sharing is None:
-            sharing = sum(s.device == device for s in self._scheduler.slots) if self._scheduler else 1
+        agent = None
+        if cluster is not None:  # the node agent of this slot (a group's rank r: agent r; the planner: agent 0)
+            agent = cluster.agent(worker_id if group is not None else 0 if slot.planner else slot.id)
+            # CPU workers on one node split its cores; each GPU agent has a GPU of its own
+            sharing, cores = (cluster.on_node(agent) if device == "cpu" else 1), agent.cpus
+        else:
+            # the slots on this slot's device: CPU workers split the cores; GPU workers may take turns on their GPU
+            if sharing is None:
+                sharing = sum(s.device == device for s in self._scheduler.slots) if self._scheduler else 1
+            cores = os.cpu_count() or 1
         if device == "cpu" and sharing > 1 and not r.torch_threads:
             # several CPU workers share the cores instead of each starting one thread per core
-            threads = max(1, (os.cpu_count() or 1) // sharing)
+            threads = max(1, cores // sharing)
             job = msgspec.structs.replace(job, resources=msgspec.structs.replace(r, torch_threads=threads))
-        lock = layout.device_lock(plan.output, device) \
-            if group is None and devices.device_stage_shared(device, sharing, self._layer_bytes) else ""
+        lock = layout.device_lock(plan.output, device) if group is None and agent is None and \
+            devices.device_stage_shared(device, sharing, self._layer_bytes) else ""
         hello = Hello(version=PROTOCOL_VERSION, job=job, output=plan.output, device=child_device, worker=worker_id,
                       calibration_sha256=plan.calibration.sha256 if plan.calibration else "",
                       pool=self._pool_spec, device_lock=lock, group=group)
         log = layout.state_path(plan.output, layout.LOGS,
                                 f"rank-{worker_id}.log" if group is not None else f"worker-{slot.id}.log")
-        w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout,
-                   fork=self._fork, on_log=self._on_log)
+        if agent is not None:
+            from supervisor.remote import RemoteWorker
+
+            w = RemoteWorker(hello, log, {}, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout,
+                             agent=agent.handle, listener=cluster.listener, where=agent.where,
+                             cancelled=cancelled or self._cancel.is_set)
+        else:
+            env = devices.child_env(device, dict(os.environ))
+            env["PYTHONUNBUFFERED"] = "1"
+            w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout,
+                       fork=self._fork, on_log=self._on_log)
         if register is not None:
             register(w)  # the group kills it if another rank fails to start
         else:
@@ -594,6 +623,7 @@ class Run:
         now = time.monotonic()
         if not slot.planner:  # the export plan's worker exports no part: not one of the run's workers to a reader
             self._emit(ev.WorkerStarted(pid=ready.pid, device=device, seconds=round(now - t, 3), worker=worker_id,
+                                        where=w.where,
                                         since_death=None if slot.died_at is None else round(now - slot.died_at, 3),
                                         gpu_free=ready.gpu_free, gpu_total=ready.gpu_total))
         p = self._progress
@@ -684,7 +714,8 @@ class Run:
                             source_bytes=reply.source_bytes, peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
                             retries=retries, quant_error=reply.quant_error, stages=reply.stages,
                             boundary=reply.boundary, boundaries=reply.boundaries, losses=reply.losses,
-                            ranks=reply.ranks, source_digest=reply.source_digest)
+                            ranks=reply.ranks, source_digest=reply.source_digest,
+                            where=w.where if w is not None else "")
         self._journal.append(rec)
         self._done[reply.index] = rec
         if self.plan.calibration is not None and reply.index >= 0:
@@ -695,7 +726,7 @@ class Run:
         self._emit(ev.LayerWritten(index=reply.index, file=reply.file, nbytes=reply.nbytes,
                                    seconds=round(reply.seconds, 3), peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
                                    retries=retries, quant_error=reply.quant_error, stages=reply.stages,
-                                   ranks=reply.ranks, losses=reply.losses))
+                                   ranks=reply.ranks, losses=reply.losses, where=rec.where))
         self._progress.add(reply.source_bytes, reply.nbytes)
         self._emit(self._progress.event(worker_rss=reply.rss))
 

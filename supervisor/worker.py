@@ -93,6 +93,8 @@ class Worker:
         self._log_start = 0
         self._stop_sent = False
 
+    where = ""  # the node a remote worker runs on (supervisor.remote); "" on this host
+
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
@@ -102,6 +104,22 @@ class Worker:
         """Start the child and complete the handshake; raises WorkerLost or CancelledWait. `on_hello()` is called
         once the child exists and has its Hello, before waiting for its Ready (what it does then, a GPU worker's
         CUDA context among it, takes a few tenths of a second: others may start meanwhile)."""
+        read_fd, write_fd = self._launch()
+        self._writer, self._reader = Writer(write_fd), Reader(read_fd, ToSupervisor)
+        self._send(self.hello)
+        on_hello()
+        reply = self.wait_reply(cancelled, on_heartbeat, deadline=time.monotonic() + self.startup_timeout,
+                                too_late=f"did not become ready within {self.startup_timeout:.0f}s")
+        if isinstance(reply, Failed):
+            raise WorkerLost(f"worker failed to start: {reply.kind}: {reply.message}", reply.traceback, reply)
+        if not isinstance(reply, Ready) or reply.version != PROTOCOL_VERSION:
+            raise WorkerLost(f"worker sent {type(reply).__name__} instead of Ready (protocol {PROTOCOL_VERSION})",
+                             self.log_tail())
+        self.ready = reply
+        return reply
+
+    def _launch(self) -> tuple[int, int]:
+        """Start the child process (self.proc) and return the fds to read its frames from and write frames to."""
         p2c_r, p2c_w = os.pipe()
         c2p_r, c2p_w = os.pipe()
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
@@ -125,18 +143,7 @@ class Worker:
         self._pump = LogPump({"stdout": out_r, "stderr": err_r}, self.log_path, self.proc.pid, self.on_log)
         self._pump.start()
         self._fds = [p2c_w, c2p_r]
-        self._writer, self._reader = Writer(p2c_w), Reader(c2p_r, ToSupervisor)
-        self._send(self.hello)
-        on_hello()
-        reply = self.wait_reply(cancelled, on_heartbeat, deadline=time.monotonic() + self.startup_timeout,
-                                too_late=f"did not become ready within {self.startup_timeout:.0f}s")
-        if isinstance(reply, Failed):
-            raise WorkerLost(f"worker failed to start: {reply.kind}: {reply.message}", reply.traceback, reply)
-        if not isinstance(reply, Ready) or reply.version != PROTOCOL_VERSION:
-            raise WorkerLost(f"worker sent {type(reply).__name__} instead of Ready (protocol {PROTOCOL_VERSION})",
-                             self.log_tail())
-        self.ready = reply
-        return reply
+        return c2p_r, p2c_w
 
     def _send(self, msg) -> None:
         try:
@@ -175,8 +182,7 @@ class Worker:
                 # Drain anything it wrote before dying, then report the death.
                 if self._reader.readable(0):
                     continue
-                raise WorkerLost(f"worker (pid {self.proc.pid}) {describe_exit(self.proc.returncode)}",
-                                 self.log_tail())
+                raise WorkerLost(f"worker (pid {self.proc.pid}) {self._exit_text()}", self.log_tail())
             if time.monotonic() - last > self.heartbeat_timeout:
                 raise WorkerLost(f"worker (pid {self.proc.pid}) sent no heartbeat for {self.heartbeat_timeout:.0f}s "
                                  "(hung)", self.log_tail())

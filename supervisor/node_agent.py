@@ -1,0 +1,141 @@
+"""The node agent: a Ray actor on a worker's node that starts and watches our workers there.
+
+    supervisor/cluster.py ── ray actor (one per GPU, or per CPU worker) ──▶ NodeAgent on that node
+      info()            node id, address, host name, the GPUs Ray gave it
+      probe(...)        can this node see the source and the output folder as the supervisor does?
+      start_worker(…)   connect to the run's port (supervisor/remote.py), send the preamble, fork `python -m child`
+                        from this agent's warm parent (supervisor/zygote.py's Zygote, as on one host) with that
+                        socket as the worker's read and write fds and its log file (shared file system) as
+                        stdout/stderr; returns the pid
+      wait_worker(pid)  returns the exit code once the worker exits (the supervisor's RemoteProc waits on it)
+      signal_worker     SIGTERM / SIGKILL, as Worker.stop asks
+
+The worker is the same `python -m child` as on one host, with the same parent-death rules: it dies with the warm
+parent, which dies with this actor's spawner thread; the actor dies with its node or with the supervisor that
+owns it (Ray kills an owner's actors). Owns the processes on its node only; it never reads frames (the
+connection is the worker's) and never decides anything about the export.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+# Read by nothing on one host: a test can make one node of a local cluster see the shared file system under
+# another root, as a node without the mount would (tests/cluster).
+BLIND_ENV = "SUPERVISOR_TEST_NODE_BLIND"
+
+
+class NodeAgent:
+    def __init__(self, fmt: str, startup_timeout: float, zygote_log: str, env: dict[str, str]):
+        self.fmt, self.startup_timeout, self.zygote_log = fmt, startup_timeout, zygote_log
+        self.env = self._worker_env(env)
+        self._zygote = None
+        self._children: dict[int, object] = {}
+        self._lock = threading.Lock()
+        # a warm parent's parent-death signal fires when the thread that spawned it ends: one thread for the actor's life
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-spawner")
+
+    @staticmethod
+    def _worker_env(overrides: dict[str, str]) -> dict[str, str]:
+        """This node's environment (its paths, its CUDA_VISIBLE_DEVICES from Ray) with the run's own variables."""
+        env = dict(os.environ)
+        if "OMP_NUM_THREADS" not in overrides:
+            env.pop("OMP_NUM_THREADS", None)  # Ray's default for an actor (1): not the run's choice
+        env.update(overrides)
+        return env
+
+    def info(self) -> dict:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "host": socket.gethostname(),
+                "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid(), "cpus": os.cpu_count() or 1}
+
+    def probe(self, source_files: dict[str, int], probe_path: str, nonce: str, reply_path: str) -> str:
+        """'' when this node sees every source file at its size and the supervisor's probe file with its nonce,
+        and can write `reply_path` (the supervisor reads it back); else what it cannot see."""
+        root = os.environ.get(BLIND_ENV, "")
+
+        def here(path: str) -> str:
+            return os.path.join(root, path.lstrip(os.sep)) if root else path
+
+        for path, size in sorted(source_files.items()):
+            try:
+                if os.path.getsize(here(path)) != size:
+                    return f"sees the source file {path!r} with another size"
+            except OSError:
+                return f"cannot see the source file {path!r}"
+        try:
+            with open(here(probe_path)) as f:
+                if f.read() != nonce:
+                    return f"sees another file at {probe_path!r} (not the same folder as the supervisor's)"
+        except OSError:
+            return f"cannot see the output folder (no {probe_path!r})"
+        try:
+            with open(here(reply_path), "w") as f:
+                f.write(nonce[::-1])
+        except OSError as exc:
+            return f"cannot write into the output folder ({exc.strerror})"
+        return ""
+
+    def free_port(self) -> int:
+        """A port free on this node now (a calibrated group's rendezvous, hosted by its rank 0 here)."""
+        with socket.socket() as s:
+            s.bind((_bind_host(), 0))
+            return s.getsockname()[1]
+
+    def start_worker(self, host: str, port: int, preamble: bytes, env: dict[str, str], log_path: str,
+                     cwd: str) -> int:
+        from supervisor.zygote import Zygote, ZygoteLost
+
+        with self._lock:
+            if self._zygote is None or not self._zygote.alive:
+                z = Zygote(self.env, self.zygote_log, self.fmt, self.startup_timeout, keep_warm=0.0)
+                try:
+                    self._spawner.submit(z.start, lambda: False).result()
+                except ZygoteLost as exc:
+                    raise RuntimeError(f"the warm parent on this node failed: {exc.reason}: "
+                                       f"{exc.log_tail[-2000:]}") from None
+                self._zygote = z
+            sock = socket.create_connection((host, port), timeout=30)
+            log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                sock.sendall(preamble)
+                sock.settimeout(None)
+                worker_env = {**self.env, **env}
+                if os.getcwd() != cwd and os.path.isdir(cwd):
+                    os.chdir(cwd)  # relative paths mean what they mean to the supervisor (the fork takes this cwd)
+                child = self._zygote.fork([], worker_env, (sock.fileno(), sock.fileno()), (log, log))
+            finally:
+                sock.close()  # the worker holds its own copies
+                os.close(log)
+            self._children[child.pid] = child
+            return child.pid
+
+    def wait_worker(self, pid: int) -> int:
+        child = self._children.get(pid)
+        if child is None:
+            return -9
+        code = child.wait()
+        self._children.pop(pid, None)
+        return code
+
+    def signal_worker(self, pid: int, sig: int) -> None:
+        child = self._children.get(pid)
+        if child is not None:
+            child.send_signal(signal.Signals(sig))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._zygote is not None:
+                self._zygote.close()  # kills this agent's workers, then the warm parent exits
+                self._zygote = None
+
+
+def _bind_host() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
