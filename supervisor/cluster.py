@@ -61,7 +61,8 @@ class Cluster:
         self.ray, self.device, self.agents = ray, device, agents
         self._options, self._init_args = options, init_args
         self.listener = listener
-        self.refused: list[tuple[str, str]] = []  # (peer, reason) of connections closed for a wrong secret
+        self.address = ray.get_runtime_context().gcs_address
+        self.on_refused = None  # (peer, reason) of each connection closed for a wrong or missing secret (the run's)
         self._lock = threading.Lock()
 
     # ---- joining ---------------------------------------------------------------------------------------------
@@ -94,9 +95,9 @@ class Cluster:
             raise
 
     def _refuse(self, peer: str, reason: str) -> None:
-        with self._lock:
-            self.refused.append((peer, reason))
         logging.getLogger("supervisor").warning("refused a connection to the run's port from %s: %s", peer, reason)
+        if self.on_refused is not None:
+            self.on_refused(peer, reason)
 
     # ---- agents ----------------------------------------------------------------------------------------------
     def agent(self, slot: int) -> Agent:

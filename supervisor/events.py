@@ -55,6 +55,24 @@ class WorkerStarted(Event):
     where: str = ""  # on a cluster: the node (host, address, Ray node id) and GPU it runs on; "" on this host
 
 
+class ClusterJoined(Event):
+    """`[resources] cluster = "ray"`: the Ray cluster joined, one node agent per worker slot, every node's view of
+    the source and output checked; workers connect to `host:port` (the run's port, per-run secret)."""
+
+    address: str  # the Ray cluster's
+    host: str
+    port: int
+    agents: list[str] = []  # per worker slot: its node (host, address, node id) and GPU
+
+
+class ConnectionRefused(Event):
+    """A connection to the run's port closed before any frame was read (no preamble, a wrong secret, an unknown
+    worker): the run goes on."""
+
+    peer: str
+    reason: str
+
+
 class WorkerLeftOut(Event):
     """A worker the default count added beyond one per GPU found too little free memory there (resources.workers =
     0): the run goes on without it. Its slot exports nothing; the part it had taken goes back to the queue."""
@@ -151,7 +169,8 @@ class Cancelled(Event):
     message: str = "cancelled; run the same job again to resume"
 
 
-AnyEvent = Union[Started, MemoryReleased, PoolStarted, WorkerStarted, WorkerLeftOut, CopyDeclined, LayerStarted,
+AnyEvent = Union[Started, MemoryReleased, PoolStarted, ClusterJoined, ConnectionRefused, WorkerStarted, WorkerLeftOut,
+                 CopyDeclined, LayerStarted,
                  LayerWritten, Progress, Retrying, ModelRestored, LogLine, Finished, Failed, Cancelled]
 TERMINAL = (Finished, Failed, Cancelled)
 

@@ -41,7 +41,8 @@ class NodeAgent:
     @staticmethod
     def _worker_env(overrides: dict[str, str]) -> dict[str, str]:
         """This node's environment (its paths, its CUDA_VISIBLE_DEVICES from Ray) with the run's own variables."""
-        env = dict(os.environ)
+        # the run's SUPERVISOR_* variables, never ones the node was started with (a test's fault, a stale knob)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}
         if "OMP_NUM_THREADS" not in overrides:
             env.pop("OMP_NUM_THREADS", None)  # Ray's default for an actor (1): not the run's choice
         env.update(overrides)

@@ -73,9 +73,16 @@ class Display:
                 if e.kept:
                     p.console.print(f"the warm parent stays {e.kept:.0f}s after this run for the next one "
                                     "(resources.keep_warm; `supervisor warm --stop` ends it)", style="dim")
+            case ev.ClusterJoined():
+                nodes = len(dict.fromkeys(a.split(" GPU ")[0] for a in e.agents))
+                p.console.print(f"Ray cluster {e.address}: {len(e.agents)} workers on {nodes} node(s); they connect "
+                                f"to {e.host}:{e.port}")
+            case ev.ConnectionRefused():
+                p.console.print(f"[yellow]refused a connection to the run's port from {e.peer}: {e.reason}")
             case ev.WorkerStarted():
                 again = "" if e.since_death is None else f", {e.since_death:.1f}s after the last one was lost"
-                p.console.print(f"worker {e.worker} (pid {e.pid}) on {e.device} ready in {e.seconds:.1f}s{again}")
+                on = f"{e.where}, {e.device}" if e.where else e.device
+                p.console.print(f"worker {e.worker} (pid {e.pid}) on {on} ready in {e.seconds:.1f}s{again}")
             case ev.WorkerLeftOut():
                 p.console.print(f"[yellow]worker {e.worker} on {e.device} left out: {e.reason}")
             case ev.CopyDeclined():

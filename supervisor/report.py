@@ -112,10 +112,13 @@ def summary(report: Report) -> str:
 
 
 def _part_rows(report: Report) -> tuple[list[str], list[list[str]], list[str]]:
-    """(header, one row per journaled part, the totals row): the table both the terminal and the page show."""
-    return (["part", *(c.title for c in COLUMNS), "worst module"],
-            [[label(r.index), *(cell(c, c.value(r)) for c in COLUMNS), _worst(r)] for r in report.parts],
-            ["total", *_totals(report), ""])
+    """(header, one row per journaled part, the totals row): the table both the terminal and the page show; on a
+    cluster export the last column says which node (and GPU) wrote each part."""
+    where = any(r.where for r in report.parts)
+    return (["part", *(c.title for c in COLUMNS), "worst module", *(["written on"] if where else [])],
+            [[label(r.index), *(cell(c, c.value(r)) for c in COLUMNS), _worst(r), *([r.where] if where else [])]
+             for r in report.parts],
+            ["total", *_totals(report), "", *([""] if where else [])])
 
 
 def _module_rows(report: Report) -> list[list[str]]:
@@ -130,7 +133,7 @@ def table(report: Report) -> Table:
     head, rows, foot = _part_rows(report)
     t = Table(show_footer=bool(rows), box=box.SIMPLE_HEAD)
     for i, title in enumerate(head):
-        last = i == len(COLUMNS) + 1
+        last = i > len(COLUMNS)  # the module and node names fold; no figure is ever cut
         width = None if last else max(len(w) for w in [x[i] for x in rows + [foot]] + title.split())
         t.add_column(title, footer=foot[i], justify="left" if i == 0 or last else "right", min_width=width,
                      max_width=width, overflow="fold")

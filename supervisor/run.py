@@ -333,6 +333,11 @@ class Run:
         todo = [p for p in parts if p not in done]
         self._emit(ev.Started(output=out, total=len(parts), todo=len(todo), resumed=len(done), redo=sorted(redo),
                               world=plan.world, world_note=plan.world_note))
+        if plan.cluster is not None:
+            c = plan.cluster
+            c.on_refused = self._refused
+            self._emit(ev.ClusterJoined(address=c.address, host=c.listener.host, port=c.listener.port,
+                                        agents=[a.where for a in c.agents]))
         if not todo and st.finalized is not None and not redo and not journal.verify_files(out, journal.not_shards(st.finalized.files, done)):
             return ev.Finished(output=out, parts=len(parts), nbytes=sum(r.nbytes for r in done.values()),
                                seconds=0.0, already_complete=True)
@@ -729,6 +734,13 @@ class Run:
                                    ranks=reply.ranks, losses=reply.losses, where=rec.where))
         self._progress.add(reply.source_bytes, reply.nbytes)
         self._emit(self._progress.event(worker_rss=reply.rss))
+
+    def _refused(self, peer: str, reason: str) -> None:
+        """A connection to the run's port closed unread (supervisor.remote): logged under .export/logs, an event."""
+        line = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} refused a connection from {peer}: {reason}\n"
+        with contextlib.suppress(OSError), open(layout.state_path(self.plan.output, layout.LOGS, "cluster.log"), "a") as f:
+            f.write(line)
+        self._emit(ev.ConnectionRefused(peer=peer, reason=reason))
 
     def _discard(self, path: str) -> None:
         """Unlink a spent boundary file in the background: freeing a 2 GB file's cached pages takes ~0.45 s, which

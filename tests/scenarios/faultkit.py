@@ -156,13 +156,14 @@ def read_marker(path: str) -> dict | None:
 class LiveRun:
     """`supervisor run JOB --json` in the background; events are dicts with an extra 'arrived' (epoch seconds)."""
 
-    def __init__(self, *args, env: dict | None = None):
+    def __init__(self, *args, env: dict | None = None, prefix: list[str] = ()):
+        """prefix: argv the command runs under (tests/cluster: nsenter into the cluster's network namespace)."""
         full_env = cli.run_env(env)  # no test knob (FAULT_ENV, ...) but those passed
         self.args = [str(a) for a in args]
         self.started = time.time()
         # as a terminal starts it (signals at their defaults, stdin /dev/null, a process group of its own): a test
         # that fails before it is killed has its group ended (tests/conftest.py), or `with LiveRun(...)` ends it
-        self.proc = cli.start([cli.SUPERVISOR, *self.args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        self.proc = cli.start([*prefix, cli.SUPERVISOR, *self.args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=full_env)
         self.events: list[dict] = []
         self.stderr = ""
@@ -231,8 +232,8 @@ class LiveRun:
         return [e for e in self.events if e["type"] == type_]
 
 
-def run(*args, env: dict | None = None, timeout: float = 600) -> LiveRun:
-    return LiveRun(*args, env=env).wait(timeout)
+def run(*args, env: dict | None = None, timeout: float = 600, prefix: list[str] = ()) -> LiveRun:
+    return LiveRun(*args, env=env, prefix=prefix).wait(timeout)
 
 
 class Background:

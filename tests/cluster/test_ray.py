@@ -1,0 +1,288 @@
+"""Exports on a Ray cluster (`[resources] cluster = "ray"`): a local cluster of a head and two worker nodes
+(ray.cluster_utils, one for the whole module) in a network namespace of its own, where only 127.0.0.1 exists.
+
+What is pinned: a data-free and a calibrated W = 2 export on the cluster are byte-identical to this host's export
+of the same job; a worker SIGKILLed mid-layer, a node removed mid-export and a SIGKILLed supervisor each end
+byte-identical, with no worker or agent left; connections to the run's port without the secret or with a wrong
+one are refused, logged, and the run goes on; a node that cannot see the output folder is refused (exit 2) before
+anything is written. Kills fire on events (a fault's marker: the worker reached layer i), never after a sleep.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from shared import layout
+from supervisor import remote
+from supervisor.node_agent import BLIND_ENV
+from tests.ref_calib import token_rows, write_jsonl
+from tests.scenarios import cli, faultkit
+
+LAYERS = 4
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPLY = "RAYHOST "
+
+try:
+    import ray  # noqa: F401
+except ImportError:  # CI installs it (.ci/setup.sh); elsewhere: say how
+    if os.environ.get("CI"):
+        raise
+    pytest.skip("Ray is not installed: bash .ci/setup.sh (or pip install '.[ray]')", allow_module_level=True)
+if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("nsenter"):
+    pytest.skip("the cluster tests need root, unshare and nsenter (a network namespace of their own)",
+                allow_module_level=True)
+
+
+class RayHost:
+    """tests/cluster/rayhost.py in `unshare -n`: the cluster, and commands to add and remove its nodes."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen(["unshare", "-n", "--", sys.executable, "-m", "tests.cluster.rayhost"],
+                                     cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        first = self._read()
+        self.address, self.pid = first["address"], first["pid"]
+        self.prefix = ["nsenter", f"--net=/proc/{self.pid}/ns/net", "--"]
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"the Ray cluster host exited ({self.proc.wait()})")
+
+    def ask(self, cmd: str, **args) -> dict:
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(60)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            try:
+                os.killpg(self.proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def host():
+    h = RayHost()
+    yield h
+    h.close()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models("llama", layers=LAYERS, hidden=128, seed=4)
+
+
+def _job(folder, model, out, cluster=True, **resources):
+    resources.setdefault("workers", 2)
+    resources.setdefault("torch_threads", 1)
+    resources.setdefault("heartbeat_timeout", 20)
+    resources.setdefault("startup_timeout", 120)
+    if cluster:
+        resources["cluster"] = "ray"
+    return cli.write_job(os.path.join(folder, "cluster.toml" if cluster else "local.toml"), model, out,
+                         faultkit.SCHEME, **resources)
+
+
+def _run(host, job, env=None) -> faultkit.LiveRun:
+    return faultkit.LiveRun("run", job, "--json", env={"RAY_ADDRESS": host.address, **(env or {})},
+                            prefix=host.prefix)
+
+
+@pytest.fixture(scope="module")
+def local_ref(model, tmp_path_factory):
+    """This host's export of the job (two workers, one thread each): the bytes every cluster run must write."""
+    tmp = tmp_path_factory.mktemp("local")
+    r = faultkit.run("run", _job(tmp, model, tmp / "out", cluster=False), "--json")
+    assert r.rc == 0, r.stderr
+    return cli.output_bytes(tmp / "out")
+
+
+def _shards(out) -> list[dict]:
+    with open(os.path.join(out, layout.STATE_DIR, layout.JOURNAL)) as f:
+        return [r for r in map(json.loads, f) if r.get("type") == "Shard"]
+
+
+def _await_fault(tmp, index, point="quantize"):
+    """A fault that holds the worker reaching `point` of layer `index` until a file exists: (env, marker, go)."""
+    marker, go = os.path.join(tmp, f"held-{index}"), os.path.join(tmp, f"go-{index}")
+    spec = {"point": point, "action": "await", "index": index, "path": go, "once": marker}
+    return {faultkit.FAULT_ENV: json.dumps(spec)}, marker, go
+
+
+def _gone(pids, timeout=60.0) -> list[int]:
+    """The pids among `pids` still alive (zombies count as gone) after waiting up to `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _agents() -> list[int]:
+    """Processes of our node agents (Ray names its actor processes ray::NodeAgent...)."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if cmd.startswith("ray::NodeAgent"):
+            out.append(p.pid)
+    return out
+
+
+def test_data_free_export_on_two_nodes_equals_this_hosts(host, model, local_ref, tmp_path):
+    """W4A16 on two worker nodes: byte-identical to this host's export; the journal, events and report name the
+    node of every part, and parts come from both nodes."""
+    r = _run(host, _job(tmp_path, model, tmp_path / "out")).wait()
+    assert r.rc == 0, r.stderr
+    assert cli.output_bytes(tmp_path / "out") == local_ref
+    joined = r.of("ClusterJoined")[0]
+    assert len(joined["agents"]) == 2 and joined["host"] == "127.0.0.1", joined
+    nodes = {w["where"] for w in r.of("WorkerStarted")}
+    assert len({n.split("node ")[1][:8] for n in nodes}) == 2, nodes
+    wheres = [s["where"] for s in _shards(tmp_path / "out") if s["index"] >= 0]
+    assert len(wheres) == LAYERS and all("node " in w for w in wheres), wheres
+    report = json.loads(cli.run("report", str(tmp_path / "out"), "--json").stdout)
+    assert all(p["where"] for p in report["parts"] if p["index"] >= 0), report["parts"]
+
+
+def test_worker_sigkilled_mid_layer_on_one_node_is_retried(host, model, local_ref, tmp_path):
+    """A remote worker SIGKILLed while quantizing layer 2: the layer is retried, the run ends byte-identical."""
+    marker = tmp_path / "killed"
+    fault = {faultkit.FAULT_ENV: json.dumps({"point": "quantize", "action": "sigkill", "index": 2,
+                                             "once": str(marker)})}
+    r = _run(host, _job(tmp_path, model, tmp_path / "out"), fault).wait()
+    assert r.rc == 0, r.stderr
+    assert os.path.exists(marker) and any(e["index"] == 2 for e in r.of("Retrying")), r.of("Retrying")
+    assert cli.output_bytes(tmp_path / "out") == local_ref
+
+
+def test_node_removed_mid_export_and_nothing_listens_beyond_loopback(host, model, local_ref, tmp_path):
+    """While a worker holds layer 2, every listening socket in the cluster's namespace (Ray's, the run's port) is on
+    loopback; then that worker's node is removed: its part goes to a worker on the other node, the run ends
+    byte-identical. A node is added back for the tests after it."""
+    env, marker, go = _await_fault(tmp_path, 2)
+    with _run(host, _job(tmp_path, model, tmp_path / "out"), env) as r:
+        assert faultkit.wait_marker(marker, 180), r.stderr
+        listening = host.ask("listening")["listening"]
+        assert listening and all(a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")) for a in listening), \
+            listening
+        held = faultkit.read_marker(marker)["pid"]
+        where = next(e["where"] for e in r.of("WorkerStarted") if e["pid"] == held)
+        node = next(n for n in host.ask("nodes")["nodes"] if n.startswith(where.split("node ")[1][:8]))
+        host.ask("remove_node", node=node)
+        open(go, "w").close()
+        r.wait()
+    host.ask("add_node", num_cpus=2)
+    assert r.rc == 0, r.stderr
+    assert any(e["index"] == 2 for e in r.of("Retrying")), r.of("Retrying")
+    assert cli.output_bytes(tmp_path / "out") == local_ref
+    assert _gone([held]) == []
+
+
+def test_supervisor_sigkilled_leaves_no_worker_and_the_rerun_resumes(host, model, local_ref, tmp_path):
+    """The supervisor SIGKILLed while a worker holds layer 2: every worker and node agent of the run exits (their
+    connection drops; Ray ends a dead driver's actors), and the same command resumes to a byte-identical end."""
+    env, marker, go = _await_fault(tmp_path, 2)
+    job = _job(tmp_path, model, tmp_path / "out")
+    r = _run(host, job, env)
+    try:
+        assert faultkit.wait_marker(marker, 180), r.stderr
+        workers = [e["pid"] for e in r.of("WorkerStarted")]
+        agents = _agents()
+        assert agents, "no node agent process found while the run held a layer"
+        os.kill(r.pid, 9)
+        r.wait()
+    finally:
+        cli.end_group(r.proc)
+    assert _gone(workers) == [] and _gone(agents) == [], "workers or node agents outlived their supervisor"
+    open(go, "w").close()
+    again = _run(host, job).wait()
+    assert again.rc == 0, again.stderr
+    assert cli.output_bytes(tmp_path / "out") == local_ref
+
+
+def test_connections_without_the_secret_are_refused_and_the_run_goes_on(host, model, local_ref, tmp_path):
+    """A connection that sends nothing and one with a wrong secret are closed unread, each logged (event and
+    .export/logs/cluster.log); the run ends byte-identical."""
+    env, marker, go = _await_fault(tmp_path, 1)
+    with _run(host, _job(tmp_path, model, tmp_path / "out"), env) as r:
+        assert faultkit.wait_marker(marker, 180), r.stderr
+        joined = r.of("ClusterJoined")[0]
+        wrong = remote.MAGIC + b"x" * remote.SECRET_BYTES + b"t" * remote.TOKEN_BYTES
+        script = ("import socket, sys\n"
+                  f"a = socket.create_connection(({joined['host']!r}, {joined['port']}))\n"
+                  "a.shutdown(socket.SHUT_WR); a.recv(1); a.close()\n"
+                  f"b = socket.create_connection(({joined['host']!r}, {joined['port']}))\n"
+                  f"b.sendall({wrong!r}); b.recv(1); b.close()\n")
+        subprocess.run([*host.prefix, sys.executable, "-c", script], check=True, timeout=60)
+        deadline = time.monotonic() + 30
+        while len(r.of("ConnectionRefused")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        open(go, "w").close()
+        r.wait()
+    assert r.rc == 0, r.stderr
+    reasons = [e["reason"] for e in r.of("ConnectionRefused")]
+    assert any("preamble" in x for x in reasons) and "wrong secret" in reasons, reasons
+    with open(tmp_path / "out" / layout.STATE_DIR / layout.LOGS / "cluster.log") as f:
+        assert f.read().count("refused a connection") == 2
+    assert cli.output_bytes(tmp_path / "out") == local_ref
+
+
+def test_a_node_that_cannot_see_the_output_is_refused_before_anything_is_written(host, model, tmp_path):
+    """A third node that sees the file system under another root: with five workers (two CPUs per node) one lands
+    there, and the run exits 2 naming that node, with no output folder and no probe file left."""
+    node = host.ask("add_node", num_cpus=2, env={BLIND_ENV: str(tmp_path / "elsewhere")})["node"]
+    try:
+        proc = subprocess.run(cli.as_a_terminal([*host.prefix, cli.SUPERVISOR, "run",
+                                                 _job(tmp_path, model, tmp_path / "out", workers=5)]),
+                              env=cli.run_env({"RAY_ADDRESS": host.address}), capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=300)
+    finally:
+        host.ask("remove_node", node=node)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "node " in lines[0] and "cannot see" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not os.path.exists(tmp_path / "out")
+    assert not [fn for fn in os.listdir(tmp_path) if fn.startswith(".supervisor-probe")]
+
+
+N, SEQ = 16, 32
+
+
+def test_calibrated_group_across_nodes_equals_this_hosts(host, model, tmp_path):
+    """GPTQ W4A16 on a group of W = 2 ranks, one per node (rendezvous on rank 0's node), equals this host's W = 2
+    group byte for byte."""
+    data = write_jsonl(tmp_path / "ids.jsonl", token_rows(N, seed=7))
+    calibration = {"dataset": data, "samples": N, "seq_len": SEQ}
+
+    def job(name, cluster):
+        extra = {"cluster": "ray"} if cluster else {}
+        return cli.write_job(tmp_path / f"{name}.toml", model, tmp_path / name, "W4A16", method="gptq",
+                             calibration=calibration, workers=2, torch_threads=1, startup_timeout=120, **extra)
+
+    local = faultkit.run("run", job("local", False), "--json")
+    assert local.rc == 0, local.stderr
+    r = _run(host, job("ray", True)).wait()
+    assert r.rc == 0, r.stderr
+    assert r.of("Started")[0]["world"] == 2
+    nodes = {w["where"].split("node ")[1][:8] for w in r.of("WorkerStarted")}
+    assert len(nodes) == 2, r.of("WorkerStarted")
+    assert cli.output_bytes(tmp_path / "ray") == cli.output_bytes(tmp_path / "local")
