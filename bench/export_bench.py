@@ -159,11 +159,12 @@ def timed(cmd: list[str], env: dict | None = None) -> tuple[subprocess.Completed
 
 # ---- the tools --------------------------------------------------------------------------------------------
 def write_job(path: str, src: str, out: str, scheme: str, device: str, workers: int,
-              measure_error: bool | None = None, keep_warm: float = 0) -> str:
+              measure_error: bool | None = None, keep_warm: float = 0, cluster: bool = False) -> str:
     measure = "" if measure_error is None else f"measure_error = {str(measure_error).lower()}\n"
+    on_ray = 'cluster = "ray"\n' if cluster else ""
     with open(path, "w") as f:
         f.write(f'[source]\npath = "{src}"\n[export]\nscheme = "{scheme}"\noutput = "{out}"\n{measure}'
-                f'[resources]\ndevice = "{device}"\nworkers = {workers}\nkeep_warm = {keep_warm}\n')
+                f'[resources]\ndevice = "{device}"\nworkers = {workers}\nkeep_warm = {keep_warm}\n{on_ray}')
     return path
 
 
@@ -193,11 +194,11 @@ def stop_warm() -> None:
 
 
 def run_supervisor(args, src: str, out: str, work: str, workers: int, env: dict | None = None,
-                   check: bool = True, keep_warm: float = 0) -> dict:
+                   check: bool = True, keep_warm: float = 0, cluster: bool = False) -> dict:
     """One `supervisor run`. keep_warm 0: its warm parent ends with it (a cold run: imports included); > 0: it
     stays for the next run, or this run forks from one an earlier run kept ("reused")."""
     job = write_job(os.path.join(work, f"job-{os.path.basename(out)}.toml"), src, out, args.scheme,
-                    args.device, workers, measure_error=args.measure_error, keep_warm=keep_warm)
+                    args.device, workers, measure_error=args.measure_error, keep_warm=keep_warm, cluster=cluster)
     proc, wall, tree = timed([SUPERVISOR, "run", job, "--json"], env)
     if check and proc.returncode != 0:
         sys.exit(f"supervisor failed: {proc.stderr[-3000:]}")
