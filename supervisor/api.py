@@ -152,7 +152,8 @@ def _join_cluster(job: Job, source: SourceInfo, output: str):
                       for fn in sorted(os.listdir(folder)) if os.path.isfile(os.path.join(folder, fn))})
     if job.calibration is not None and os.path.isfile(job.calibration.dataset):
         files[job.calibration.dataset] = os.path.getsize(job.calibration.dataset)
-    return Cluster.join(job, files, output, warm_profile(job), remote_env(job))
+    return Cluster.join(job, files, output, warm_profile(job), remote_env(job),
+                        layer_bytes=source.nbytes // max(source.num_layers, 1))
 
 
 def _refuse_another_world(output: str, job: Job, source: SourceInfo, calib, extra, devs: list[str], world: int) -> None:

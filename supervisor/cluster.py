@@ -1,20 +1,23 @@
-"""A run's workers on a Ray cluster (`[resources] cluster = "ray"`): joining it, one node agent per slot, the check
-that every node sees the source and the output, and the agents' lives.
+"""A run's workers on a Ray cluster (`[resources] cluster = "ray"`): joining it, a seat per worker slot and a host
+per node, the check that every node sees the source and the output, and their lives.
 
-    Cluster.join(job, source, output)     ray.init(address): $RAY_ADDRESS, `ray_address`, or this node's cluster
+    Cluster.join(job, files, output, ...)  ray.init(address): `ray_address`, $RAY_ADDRESS, or this node's cluster
       slots: device "cuda" ─▶ one per GPU in the cluster (`workers` caps it); "cpu" ─▶ `workers` (0: one per node)
-      agents: one Ray actor per slot (num_gpus=1, or num_cpus=1), spread over the nodes (supervisor/node_agent.py)
-      probe: a file with a nonce next to the output; every agent reads it, writes its answer, checks every source
-             file's size ─▶ a node that cannot see them: InputError naming the node (exit 2), before anything is written
-    Cluster.listener                       the run's TCP port (supervisor/remote.py), on the address Ray uses here
-    Cluster.agent(slot)                    the slot's agent; a dead one (its node died) is replaced wherever Ray has
-                                           room, or NoRoom: the slot is left out and the run goes on
-    Cluster.close()                        agents killed, the port closed, ray.shutdown()
+      seats: one Ray actor per slot holding its GPU (or CPU), spread over the nodes (supervisor/node_agent.Seat);
+             with `workers` unset, a node keeps only the seats its free memory holds (one at least)
+      hosts: one NodeHost per node with seats, pinned there: the node's warm parent and workers
+      probe: a file with a nonce next to the output; every host reads it, writes its answer, checks every source
+             file's size ─▶ a node that cannot: ClusterError naming it (exit 2), before anything is written
+    Cluster.listener                        the run's TCP port (supervisor/remote.py), on the address Ray uses here
+    Cluster.agent(slot, wait)               the slot's seat and its node's host; a seat whose node died is replaced
+                                            wherever Ray has room; none within `wait`: NoRoom (the pending seat
+                                            stays asked for, so a node that comes back takes it)
+    Cluster.close()                         hosts (their workers) and seats ended, the port closed, ray.shutdown()
 
-Ray places the agents and reports their deaths (a worker's `RemoteProc`); it never carries a tensor: workers read
-the source and write shards on the shared file system. Ray is imported only here and in the modules it loads,
-and only for a cluster job. Owns the Ray connection and the agents; the run's scheduler, journal and events are
-the same as on one host.
+Ray places the actors and reports their deaths (a worker's `RemoteProc`); it never carries a tensor: workers read
+the source and write shards on the shared file system. Ray is imported only here and in the modules it loads, and
+only for a cluster job. Owns the Ray connection and the actors; the run's scheduler, journal and events are the
+same as on one host.
 """
 from __future__ import annotations
 
@@ -26,25 +29,32 @@ from dataclasses import dataclass
 
 from supervisor.errors import ClusterError, DeviceError, NoRoom
 
-AGENT_CONCURRENCY = 16  # wait_worker calls block in the actor while start_worker and signal_worker go on
-PLACE_SECONDS = 60.0  # how long a replacement agent may wait for room on the cluster before its slot is left out
+ACTOR_CONCURRENCY = 32  # wait_worker calls block in a host while start_worker and signal_worker go on
+PLACE_SECONDS = 60.0  # how long a replacement seat waits for room before its slot is left out (and waits on)
 
 
 @dataclass
 class Agent:
-    """One slot's node agent: the actor handle and where it runs."""
+    """One slot's seat, the host of its node, and where that is."""
 
-    handle: object
+    seat: object
+    host_actor: object
     node_id: str
     ip: str
     host: str
     gpus: list[str]
     cpus: int = 1
+    ram: int = 0
 
     @property
     def where(self) -> str:
         gpu = f" GPU {','.join(self.gpus)}" if self.gpus else ""
         return f"{self.host} ({self.ip}, node {self.node_id[:8]}){gpu}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What this slot's worker adds to its node's environment: the seat's GPUs."""
+        return {"CUDA_VISIBLE_DEVICES": ",".join(self.gpus)} if self.gpus else {}
 
 
 def _import_ray():
@@ -56,19 +66,41 @@ def _import_ray():
     return ray
 
 
+# The supervisor's variables a remote worker takes over its node's own environment: this package's switches
+# (test faults among them) and the libraries' offline and cache settings; nothing host-specific (paths, devices).
+_REMOTE_ENV_PREFIXES = ("SUPERVISOR_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
+
+
+def remote_env(job) -> dict[str, str]:
+    """What the run sets in a remote worker's environment (the node's host adds it to its node's own)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(_REMOTE_ENV_PREFIXES)}
+    env["PYTHONUNBUFFERED"] = "1"
+    if "OMP_NUM_THREADS" in os.environ:
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+    if job.resources.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU worker must not create a CUDA context on its node's GPUs
+    return env
+
+
 class Cluster:
-    def __init__(self, ray, device: str, agents: list[Agent], options: dict, init_args: tuple, listener):
-        self.ray, self.device, self.agents = ray, device, agents
-        self._options, self._init_args = options, init_args
-        self.listener = listener
+    def __init__(self, ray, device: str, options: dict, host_args: tuple):
+        self.ray, self.device = ray, device
+        self._options, self._host_args = options, host_args
+        self.agents: list[Agent] = []
+        self.hosts: dict[str, object] = {}  # node id -> its NodeHost
+        self.listener = None
+        self.left_out: list[str] = []  # seats given back at the join: their node's memory holds no more workers
         self.address = ray.get_runtime_context().gcs_address
         self.on_refused = None  # (peer, reason) of each connection closed for a wrong or missing secret (the run's)
+        self._pending: dict[int, object] = {}  # slot -> a replacement seat Ray has not placed yet
         self._lock = threading.Lock()
 
     # ---- joining ---------------------------------------------------------------------------------------------
     @classmethod
-    def join(cls, job, source_files: dict[str, int], output: str, fmt: str, env: dict[str, str]) -> "Cluster":
-        """Connect, start one agent per slot, probe the shared file system; raises ClusterError (bad input)."""
+    def join(cls, job, source_files: dict[str, int], output: str, fmt: str, env: dict[str, str],
+             layer_bytes: int) -> "Cluster":
+        """Connect, place a seat per slot and a host per node, probe the shared file system; raises ClusterError
+        (bad input) or NoRoom."""
         ray = _import_ray()
         address = job.resources.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
         try:
@@ -77,86 +109,135 @@ class Cluster:
         except Exception as exc:  # noqa: BLE001 - ConnectionError and Ray's own: one line to the user
             raise ClusterError(f"cannot join the Ray cluster at {address!r}: {_one_line(exc)}; start it (ray start "
                                "--head) or set [resources] ray_address / $RAY_ADDRESS") from None
+        cluster = None
         try:
             device, count = _slots(ray, job)
             options = {"num_gpus": 1} if device != "cpu" else {"num_cpus": 1}
-            init_args = (fmt, job.resources.startup_timeout, env, output)
-            agents = [_start_agent(ray, i, options, init_args) for i in range(count)]
-            _wait_placed(ray, agents, job.resources.startup_timeout, count, options)
-            placed = [_describe(ray, a) for a in agents]
-            _probe(ray, placed, source_files, output)
+            cluster = cls(ray, device, options, (fmt, job.resources.startup_timeout, env, output))
+            seats = [cluster._new_seat() for _ in range(count)]
+            infos = _wait_placed(ray, seats, job.resources.startup_timeout, count, options)
+            if job.resources.workers <= 0:
+                seats, infos = cluster._fit_memory(seats, infos, layer_bytes)
+            cluster.agents = [cluster._agent(seat, info) for seat, info in zip(seats, infos)]
+            _probe(ray, cluster, source_files, output)
             from supervisor.remote import Listener
 
-            cluster = cls(ray, device, placed, options, init_args, None)
             cluster.listener = Listener(ray.util.get_node_ip_address(), cluster._refuse)
             return cluster
         except BaseException:
-            ray.shutdown()
+            if cluster is not None:
+                cluster.close()
+            else:
+                ray.shutdown()
             raise
+
+    def _new_seat(self):
+        from supervisor.node_agent import Seat
+
+        return self.ray.remote(Seat).options(scheduling_strategy="SPREAD", max_restarts=0, **self._options).remote()
+
+    def _fit_memory(self, seats: list, infos: list[dict], layer_bytes: int) -> tuple[list, list[dict]]:
+        """Seats beyond what their node's free memory holds are given back (a worker wants devices.worker_bytes)."""
+        from supervisor.devices import worker_bytes
+
+        kept, kept_info, per_node = [], [], {}
+        for seat, info in zip(seats, infos):
+            fits = max(1, info["ram"] // worker_bytes(layer_bytes))
+            n = per_node.get(info["node_id"], 0)
+            if n < fits:
+                per_node[info["node_id"]] = n + 1
+                kept.append(seat)
+                kept_info.append(info)
+            else:
+                self.ray.kill(seat)
+                self.left_out.append(f"{info['host']} (node {info['node_id'][:8]}): its free memory "
+                                     f"({info['ram'] / 2**30:.0f} GiB) holds {fits} worker(s) of this model")
+        return kept, kept_info
+
+    def _host_for(self, node_id: str):
+        """The node's NodeHost, started (pinned to the node) on first use."""
+        host = self.hosts.get(node_id)
+        if host is not None:
+            try:
+                self.ray.get(host.ping.remote(), timeout=10)
+                return host
+            except Exception:  # noqa: BLE001 - its node died and came back, or it was killed: a new one
+                pass
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from shared import layout
+        from supervisor.node_agent import NodeHost
+
+        fmt, startup_timeout, env, output = self._host_args
+        log = layout.state_path(output, layout.LOGS, f"zygote-{node_id[:8]}.log")
+        host = self.ray.remote(NodeHost).options(
+            num_cpus=0, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        ).remote(fmt, startup_timeout, log, env)
+        self.hosts[node_id] = host
+        return host
+
+    def _agent(self, seat, info: dict) -> Agent:
+        return Agent(seat=seat, host_actor=self._host_for(info["node_id"]), node_id=info["node_id"], ip=info["ip"],
+                     host=info["host"], gpus=info["gpus"], cpus=info["cpus"], ram=info["ram"])
 
     def _refuse(self, peer: str, reason: str) -> None:
         logging.getLogger("supervisor").warning("refused a connection to the run's port from %s: %s", peer, reason)
         if self.on_refused is not None:
             self.on_refused(peer, reason)
 
-    # ---- agents ----------------------------------------------------------------------------------------------
-    def agent(self, slot: int) -> Agent:
-        """The slot's agent, replaced first when it died (its node left the cluster); NoRoom when no node has room
-        for it within PLACE_SECONDS."""
+    # ---- a slot's agent ----------------------------------------------------------------------------------------
+    def agent(self, slot: int, wait: float = PLACE_SECONDS) -> Agent:
+        """The slot's seat and host, the seat replaced first when it died (its node left the cluster); NoRoom when
+        Ray has not placed the replacement within `wait` s (it stays asked for: a later call takes it once placed)."""
         with self._lock:
             a = self.agents[slot]
-            try:
-                self.ray.get(a.handle.info.remote(), timeout=10)
-                return a
-            except Exception:  # noqa: BLE001 - dead actor or node: Ray's report
-                pass
-            handle = _start_agent(self.ray, slot, self._options, self._init_args)
-            ready, _ = self.ray.wait([handle.info.remote()], timeout=PLACE_SECONDS)
+            if slot not in self._pending:
+                try:
+                    self.ray.get([a.seat.info.remote(), a.host_actor.ping.remote()], timeout=10)
+                    return a
+                except Exception:  # noqa: BLE001 - dead actor or node: Ray's report
+                    self._pending[slot] = self._new_seat()
+            seat = self._pending[slot]
+            ref = seat.info.remote()
+            ready, _ = self.ray.wait([ref], timeout=wait)
             if not ready:
-                self.ray.kill(handle)
-                raise NoRoom(f"worker {slot}'s node left the cluster and no other node had room for it within "
-                             f"{PLACE_SECONDS:.0f}s")
-            self.agents[slot] = _describe(self.ray, handle)
+                raise NoRoom(f"worker {slot}'s node left the cluster and no node has room for it yet")
+            del self._pending[slot]
+            try:
+                self.ray.kill(a.seat)
+            except Exception:  # noqa: BLE001 - dead already
+                pass
+            self.agents[slot] = self._agent(seat, self.ray.get(ref))
             return self.agents[slot]
 
     def on_node(self, agent: Agent) -> int:
-        """How many of the run's agents share `agent`'s node (CPU workers there split its cores)."""
+        """How many of the run's slots share `agent`'s node (CPU workers there split its cores)."""
         return sum(a.node_id == agent.node_id for a in self.agents)
 
     def rendezvous(self, slot: int):
         """(address, port) for a calibrated group whose rank 0 runs on `slot`'s node."""
         a = self.agent(slot)
-        return a.ip, self.ray.get(a.handle.free_port.remote(), timeout=30)
+        return a.ip, self.ray.get(a.host_actor.free_port.remote(), timeout=30)
 
     def close(self) -> None:
+        """End every worker (through its host), every actor, the port, and the Ray connection; idempotent."""
         if self.listener is not None:
             self.listener.close()
-        for a in self.agents:
+            self.listener = None
+        ray = self.ray
+        closing = [h.close.remote() for h in self.hosts.values()]
+        try:
+            ray.wait(closing, num_returns=len(closing), timeout=15)
+        except Exception:  # noqa: BLE001 - dead hosts
+            pass
+        for actor in [*self.hosts.values(), *(a.seat for a in self.agents), *self._pending.values()]:
             try:
-                self.ray.get(a.handle.close.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - already dead
-                pass
-            try:
-                self.ray.kill(a.handle)
+                ray.kill(actor)
             except Exception:  # noqa: BLE001
                 pass
-        self.ray.shutdown()
-
-
-# The supervisor's variables a remote worker takes over its node's own environment: this package's switches
-# (test faults among them) and the libraries' offline and cache settings; nothing host-specific (paths, devices).
-_REMOTE_ENV_PREFIXES = ("SUPERVISOR_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
-
-
-def remote_env(job) -> dict[str, str]:
-    """What the run sets in a remote worker's environment (the node agent adds it to its node's own)."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(_REMOTE_ENV_PREFIXES)}
-    env["PYTHONUNBUFFERED"] = "1"
-    if "OMP_NUM_THREADS" in os.environ:
-        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
-    if job.resources.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU worker must not create a CUDA context on its node's GPUs
-    return env
+        self.hosts, self._pending = {}, {}
+        ray.shutdown()
 
 
 def _slots(ray, job) -> tuple[str, int]:
@@ -177,62 +258,46 @@ def _slots(ray, job) -> tuple[str, int]:
     return "cuda:0", min(gpus, r.workers) if r.workers > 0 else gpus
 
 
-def _start_agent(ray, slot: int, options: dict, init_args: tuple):
-    from supervisor.node_agent import NodeAgent
-
-    fmt, startup_timeout, env, output = init_args
-    from shared import layout
-
-    log = layout.state_path(output, layout.LOGS, f"zygote-{slot}.log")
-    remote = ray.remote(NodeAgent).options(max_concurrency=AGENT_CONCURRENCY, scheduling_strategy="SPREAD",
-                                           max_restarts=0, **options)
-    return remote.remote(fmt, startup_timeout, log, env)
-
-
-def _wait_placed(ray, handles, timeout: float, count: int, options: dict) -> None:
-    refs = [h.info.remote() for h in handles]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=min(timeout, PLACE_SECONDS))
+def _wait_placed(ray, seats, timeout: float, count: int, options: dict) -> list[dict]:
+    refs = [s.info.remote() for s in seats]
+    wait = min(timeout, PLACE_SECONDS)
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
     if len(ready) < len(refs):
-        for h in handles:
-            ray.kill(h)
+        for s in seats:
+            ray.kill(s)
         what = "GPU" if "num_gpus" in options else "CPU"
         raise NoRoom(f"the Ray cluster has room for {len(ready)} of the {count} workers asked (one {what} each) "
-                     f"within {min(timeout, PLACE_SECONDS):.0f}s; lower [resources] workers or add nodes")
+                     f"within {wait:.0f}s; lower [resources] workers or add nodes")
+    return ray.get(refs)
 
 
-def _describe(ray, handle) -> Agent:
-    info = ray.get(handle.info.remote(), timeout=60)
-    return Agent(handle=handle, node_id=info["node_id"], ip=info["ip"], host=info["host"], gpus=info["gpus"],
-                 cpus=info["cpus"])
-
-
-def _probe(ray, agents: list[Agent], source_files: dict[str, int], output: str) -> None:
-    """Every agent's node must see the source files at their sizes and the output's folder as this host does."""
+def _probe(ray, cluster: Cluster, source_files: dict[str, int], output: str) -> None:
+    """Every node with a seat must see the source files at their sizes and the output's folder as this host does."""
     where = output
     while not os.path.isdir(where):
         where = os.path.dirname(where)
-    token = secrets.token_hex(8)
-    probe = os.path.join(where, f".supervisor-probe-{token}")
-    replies = [f"{probe}.{i}" for i in range(len(agents))]
+    probe = os.path.join(where, f".supervisor-probe-{secrets.token_hex(8)}")
+    nodes = {a.node_id: a for a in cluster.agents}
+    replies = {node: f"{probe}.{i}" for i, node in enumerate(nodes)}
     nonce = secrets.token_hex(16)
     try:
         with open(probe, "w") as f:
             f.write(nonce)
-        answers = ray.get([a.handle.probe.remote(source_files, probe, nonce, reply)
-                           for a, reply in zip(agents, replies)], timeout=120)
-        for a, answer, reply in zip(agents, answers, replies):
+        answers = ray.get([cluster.hosts[node].probe.remote(source_files, probe, nonce, replies[node])
+                           for node in nodes], timeout=120)
+        for (node, a), answer in zip(nodes.items(), answers):
             if not answer:
                 try:
-                    with open(reply) as f:
+                    with open(replies[node]) as f:
                         ok = f.read() == nonce[::-1]
                 except OSError:
                     ok = False
-                answer = "" if ok else f"writes its files where this host cannot read them ({reply!r})"
+                answer = "" if ok else f"writes its files where this host cannot read them ({replies[node]!r})"
             if answer:
                 raise ClusterError(f"node {a.where} {answer}: source and output must be on a file system every node "
-                                  "of the cluster sees (the same paths)")
+                                   "of the cluster sees (the same paths)")
     finally:
-        for path in [probe, *replies]:
+        for path in [probe, *replies.values()]:
             try:
                 os.unlink(path)
             except OSError:
@@ -242,4 +307,3 @@ def _probe(ray, agents: list[Agent], source_files: dict[str, int], output: str) 
 def _one_line(exc: BaseException) -> str:
     text = [line for line in str(exc).strip().splitlines() if line.strip()]
     return text[-1] if text else type(exc).__name__
-

@@ -110,10 +110,10 @@ def worker_slots(devices: list[str], workers: int, layer_bytes: int) -> list[str
     0 means on GPUs one per GPU and at least GPU_WORKERS in all (GPU_WORKERS_BIG_LAYERS for layers over
     OVERLAP_MAX_LAYER_BYTES), those beyond one per GPU only as the host's free memory allows; on CPU one per
     CPU_CORES_PER_WORKER cores and at least CPU_WORKERS, as the free memory allows (they split the cores: torch's
-    threads do the rest), each wanting _worker_bytes."""
+    threads do the rest), each wanting worker_bytes."""
     import psutil
 
-    by_memory = psutil.virtual_memory().available // _worker_bytes(layer_bytes)
+    by_memory = psutil.virtual_memory().available // worker_bytes(layer_bytes)
     if workers <= 0 and devices != ["cpu"]:
         want = GPU_WORKERS if layer_bytes <= OVERLAP_MAX_LAYER_BYTES else GPU_WORKERS_BIG_LAYERS
         workers = max(len(devices), min(want, by_memory))
@@ -126,15 +126,15 @@ def worker_slots(devices: list[str], workers: int, layer_bytes: int) -> list[str
 def room_for_planner(slots: list[str], layer_bytes: int) -> bool:
     """Whether the export plan's worker may run beside the parts' workers (Scheduler.plan_beside): always on GPUs (it
     holds a CUDA context and one module's probe there); on a CPU when the host's free memory holds one worker more
-    than `slots` has, each wanting _worker_bytes."""
+    than `slots` has, each wanting worker_bytes."""
     if any(d != "cpu" for d in slots):
         return True
     import psutil
 
-    return psutil.virtual_memory().available // _worker_bytes(layer_bytes) > len(slots)
+    return psutil.virtual_memory().available // worker_bytes(layer_bytes) > len(slots)
 
 
-def _worker_bytes(layer_bytes: int) -> int:
+def worker_bytes(layer_bytes: int) -> int:
     """What one worker wants: ~1 GiB of private memory plus three layers (the one being quantized, its output, the
     next one read ahead)."""
     return (1 << 30) + 3 * max(layer_bytes, 1)

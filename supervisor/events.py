@@ -56,13 +56,14 @@ class WorkerStarted(Event):
 
 
 class ClusterJoined(Event):
-    """`[resources] cluster = "ray"`: the Ray cluster joined, one node agent per worker slot, every node's view of
+    """`[resources] cluster = "ray"`: the Ray cluster joined, a seat (GPU or CPU) per worker slot, every node's view of
     the source and output checked; workers connect to `host:port` (the run's port, per-run secret)."""
 
     address: str  # the Ray cluster's
     host: str
     port: int
     agents: list[str] = []  # per worker slot: its node (host, address, node id) and GPU
+    left_out: list[str] = []  # seats given back: their node's free memory holds no more workers of this model
 
 
 class ConnectionRefused(Event):

@@ -1,19 +1,24 @@
-"""The node agent: a Ray actor on a worker's node that starts and watches our workers there.
+"""What runs on a worker's node: a Seat per worker slot (it holds the slot's GPU, or CPU) and one NodeHost per node
+(its warm parent, and the workers it forks).
 
-    supervisor/cluster.py ── ray actor (one per GPU, or per CPU worker) ──▶ NodeAgent on that node
-      info()            node id, address, host name, the GPUs Ray gave it
+    supervisor/cluster.py ──▶ Seat (Ray actor, num_gpus=1 or num_cpus=1, spread over the nodes)
+                                info(): node id, address, host name, the GPUs Ray gave it, the node's cores and RAM
+                           ──▶ NodeHost (Ray actor pinned to that node, no resources; one per node and run)
       probe(...)        can this node see the source and the output folder as the supervisor does?
-      start_worker(…)   connect to the run's port (supervisor/remote.py), send the preamble, fork `python -m child`
-                        from this agent's warm parent (supervisor/zygote.py's Zygote, as on one host) with that
-                        socket as the worker's read and write fds and its log file (shared file system) as
-                        stdout/stderr; returns the pid
-      wait_worker(pid)  returns the exit code once the worker exits (the supervisor's RemoteProc waits on it)
+      start_worker(…)   connect to the run's port (supervisor/remote.py) and send the preamble, then fork
+                        `python -m child` from the node's warm parent (supervisor/zygote.py's Zygote, as on one host)
+                        with that socket as the worker's read and write fds, its log file (shared file system) as
+                        stdout/stderr and the seat's GPUs in CUDA_VISIBLE_DEVICES; returns the pid
+      wait_worker(pid)  the exit code once the worker exits (the supervisor's RemoteProc waits on it)
       signal_worker     SIGTERM / SIGKILL, as Worker.stop asks
 
-The worker is the same `python -m child` as on one host, with the same parent-death rules: it dies with the warm
-parent, which dies with this actor's spawner thread; the actor dies with its node or with the supervisor that
-owns it (Ray kills an owner's actors). Owns the processes on its node only; it never reads frames (the
-connection is the worker's) and never decides anything about the export.
+One warm parent per node, as on one host one per run: the libraries are imported once per node, and every worker
+there is forked from it. The worker is the same `python -m child` with the same parent-death rules: it dies with
+the warm parent, which dies with the NodeHost's spawner thread; the actors die with their node or with the
+supervisor that owns them (Ray kills an owner's actors). A worker whose supervisor vanished without closing the
+connection (its host lost) gets an error on its next heartbeat write within the heartbeat timeout
+(TCP_USER_TIMEOUT) and exits. Owns the processes on its node only; it never reads frames (the connection is the
+worker's) and never decides anything about the export.
 """
 from __future__ import annotations
 
@@ -28,7 +33,20 @@ from concurrent.futures import ThreadPoolExecutor
 BLIND_ENV = "SUPERVISOR_TEST_NODE_BLIND"
 
 
-class NodeAgent:
+class Seat:
+    """A worker slot's place on the cluster: Ray gives it its GPU (or CPU); it reports where that is."""
+
+    def info(self) -> dict:
+        import psutil
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "host": socket.gethostname(),
+                "gpus": [str(g) for g in ray.get_gpu_ids()], "cpus": os.cpu_count() or 1,
+                "ram": psutil.virtual_memory().available}
+
+
+class NodeHost:
     def __init__(self, fmt: str, startup_timeout: float, zygote_log: str, env: dict[str, str]):
         self.fmt, self.startup_timeout, self.zygote_log = fmt, startup_timeout, zygote_log
         self.env = self._worker_env(env)
@@ -36,24 +54,23 @@ class NodeAgent:
         self._children: dict[int, object] = {}
         self._lock = threading.Lock()
         # a warm parent's parent-death signal fires when the thread that spawned it ends: one thread for the actor's life
-        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-spawner")
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-spawner")
 
     @staticmethod
     def _worker_env(overrides: dict[str, str]) -> dict[str, str]:
-        """This node's environment (its paths, its CUDA_VISIBLE_DEVICES from Ray) with the run's own variables."""
+        """This node's environment (its paths) with the run's own variables."""
         # the run's SUPERVISOR_* variables, never ones the node was started with (a test's fault, a stale knob)
         env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}
         if "OMP_NUM_THREADS" not in overrides:
             env.pop("OMP_NUM_THREADS", None)  # Ray's default for an actor (1): not the run's choice
+        # Ray hides the GPUs from this actor (it holds none); the warm parent never touches CUDA, and each worker
+        # gets its seat's GPUs (start_worker)
+        env.pop("CUDA_VISIBLE_DEVICES", None)
         env.update(overrides)
         return env
 
-    def info(self) -> dict:
-        import ray
-
-        ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "host": socket.gethostname(),
-                "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid(), "cpus": os.cpu_count() or 1}
+    def ping(self) -> bool:
+        return True
 
     def probe(self, source_files: dict[str, int], probe_path: str, nonce: str, reply_path: str) -> str:
         """'' when this node sees every source file at its size and the supervisor's probe file with its nonce,
@@ -84,12 +101,14 @@ class NodeAgent:
 
     def free_port(self) -> int:
         """A port free on this node now (a calibrated group's rendezvous, hosted by its rank 0 here)."""
+        import ray
+
         with socket.socket() as s:
-            s.bind((_bind_host(), 0))
+            s.bind((ray.util.get_node_ip_address(), 0))
             return s.getsockname()[1]
 
-    def start_worker(self, host: str, port: int, preamble: bytes, env: dict[str, str], log_path: str,
-                     cwd: str) -> int:
+    def start_worker(self, host: str, port: int, preamble: bytes, env: dict[str, str], log_path: str, cwd: str,
+                     heartbeat_timeout: float) -> int:
         from supervisor.zygote import Zygote, ZygoteLost
 
         with self._lock:
@@ -106,10 +125,10 @@ class NodeAgent:
             try:
                 sock.sendall(preamble)
                 sock.settimeout(None)
-                worker_env = {**self.env, **env}
+                _bound_silence(sock, heartbeat_timeout)
                 if os.getcwd() != cwd and os.path.isdir(cwd):
                     os.chdir(cwd)  # relative paths mean what they mean to the supervisor (the fork takes this cwd)
-                child = self._zygote.fork([], worker_env, (sock.fileno(), sock.fileno()), (log, log))
+                child = self._zygote.fork([], {**self.env, **env}, (sock.fileno(), sock.fileno()), (log, log))
             finally:
                 sock.close()  # the worker holds its own copies
                 os.close(log)
@@ -132,11 +151,21 @@ class NodeAgent:
     def close(self) -> None:
         with self._lock:
             if self._zygote is not None:
-                self._zygote.close()  # kills this agent's workers, then the warm parent exits
+                self._zygote.close()  # kills this node's workers of the run, then the warm parent exits
                 self._zygote = None
 
 
-def _bind_host() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
+def _bound_silence(sock: socket.socket, seconds: float) -> None:
+    """A connection whose peer stopped acknowledging (its host is gone, no FIN ever comes) fails the next write
+    after `seconds`: the worker's heartbeat thread then exits it. Keepalive probes cover an idle connection."""
+    ms = max(1000, int(seconds * 1000))
+    for level, opt, value in ((socket.IPPROTO_TCP, getattr(socket, "TCP_USER_TIMEOUT", None), ms),
+                              (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+                              (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPIDLE", None), max(1, int(seconds // 3))),
+                              (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPINTVL", None), max(1, int(seconds // 6))),
+                              (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPCNT", None), 3)):
+        if opt is not None:
+            try:
+                sock.setsockopt(level, opt, value)
+            except OSError:
+                pass

@@ -77,6 +77,8 @@ class Display:
                 nodes = len(dict.fromkeys(a.split(" GPU ")[0] for a in e.agents))
                 p.console.print(f"Ray cluster {e.address}: {len(e.agents)} workers on {nodes} node(s); they connect "
                                 f"to {e.host}:{e.port}")
+                for why in e.left_out:
+                    p.console.print(f"[yellow]a worker left out on {why}")
             case ev.ConnectionRefused():
                 p.console.print(f"[yellow]refused a connection to the run's port from {e.peer}: {e.reason}")
             case ev.WorkerStarted():

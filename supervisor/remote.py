@@ -1,7 +1,7 @@
 """Workers on other nodes: the run's TCP port and secret, and a Worker whose process runs on another node.
 
-    supervisor (this host)                                  node agent (a Ray actor on the worker's node)
-      Listener: one TCP port for the run, bound to the      RemoteWorker.start ─▶ agent.start_worker(token, …)
+    supervisor (this host)                                  node host (a Ray actor on the worker's node)
+      Listener: one TCP port for the run, bound to the      RemoteWorker.start ─▶ host.start_worker(token, …)
       address the cluster reaches this host by                 connect to HOST:PORT, send PREAMBLE:
         ◀──────── TCP ──────── MAGIC · secret (32 B) · token (16 B) ────────
       accept thread: reads the preamble only (fixed size,     fork `python -m child` from the node's warm parent
@@ -13,7 +13,7 @@
 
 No tensor crosses the connection: workers read the source and write shards on the shared file system. A worker
 whose connection drops (its supervisor died) reads EOF and exits, as over a pipe. The process is watched through
-Ray: `RemoteProc.poll()` is the agent's `wait_worker` reference (resolved when the worker exits, or with an error
+Ray: `RemoteProc.poll()` is the node host's `wait_worker` reference (resolved when the worker exits, or with an error
 when the actor or its node died), so a dead node is a dead worker at once, without waiting for the heartbeat
 timeout. Owns the port, the secret check and the remote process handle; it never talks to Ray about placement
 (supervisor/cluster.py does) and never decides about retries (the scheduler does).
@@ -129,7 +129,7 @@ class Listener:
 
 class RemoteProc:
     """A worker process on another node, with the subset of subprocess.Popen that supervisor.worker uses; its
-    exit is the agent's `wait_worker` reference (an error there: the actor or its node died)."""
+    exit is the node host's `wait_worker` reference (an error there: the actor or its node died)."""
 
     def __init__(self, agent, pid: int, where: str):
         import ray
@@ -149,7 +149,7 @@ class RemoteProc:
             self.returncode = ray.get(self._ref)
         except Exception as exc:  # noqa: BLE001 - RayActorError, ActorDiedError, node death: Ray's own reports
             self.returncode = -9
-            self.lost = f"its node agent died ({type(exc).__name__})"
+            self.lost = f"its node's host died ({type(exc).__name__}: the node left the cluster, or was stopped)"
         return True
 
     def poll(self) -> int | None:
@@ -179,8 +179,8 @@ class RemoteProc:
 
 
 class RemoteWorker(Worker):
-    """A Worker whose child runs on another node: started by that node's agent, its frames over the run's TCP
-    connection (Listener), its log written by the agent on the shared file system."""
+    """A Worker whose child runs on another node: started by that node's host, its frames over the run's TCP
+    connection (Listener), its log written by the host on the shared file system."""
 
     def __init__(self, *args, agent, listener: Listener, where: str, cancelled: Callable[[], bool], **kwargs):
         super().__init__(*args, **kwargs)
@@ -199,7 +199,7 @@ class RemoteWorker(Worker):
         try:
             ref = self.agent.start_worker.remote(self.listener.host, self.listener.port,
                                                  preamble(self.listener.secret, token), self.env, self.log_path,
-                                                 os.getcwd())
+                                                 os.getcwd(), self.heartbeat_timeout)
             pid = self._wait_ref(ray, ref, deadline)
             self.proc = RemoteProc(self.agent, pid, self.where)
             while True:
@@ -224,7 +224,7 @@ class RemoteWorker(Worker):
                 try:
                     return ray.get(ref)
                 except Exception as exc:  # noqa: BLE001 - the agent's error or its death, as Ray reports it
-                    raise WorkerLost(f"the node agent on {self.where} could not start a worker: "
+                    raise WorkerLost(f"the node host on {self.where} could not start a worker: "
                                      f"{_one_line(exc)}", "") from None
             self._check_wait(deadline, "was not started")
 

@@ -61,6 +61,8 @@ class Slot:
     died_at: float | None = None  # when its last worker was lost, for the restart-latency event
     planner: bool = False  # the export plan's worker (Scheduler.plan_beside): it exports no part
     optional: bool = False  # added by the default count beyond one per GPU: left out when its GPU has no room (NoRoom)
+    elastic: bool = False  # a cluster slot: left out while its node is gone, back once Ray has room for it again
+    parked: bool = False  # an elastic slot waiting for room (its worker starts ask Ray briefly, not for long)
 
 
 @dataclass
@@ -106,7 +108,7 @@ class Scheduler:
                  start_worker: Callable[[Slot, Callable[[], None]], Worker],
                  on_written: Callable[[LayerWritten, Worker | None, int], None],
                  on_heartbeat: Callable[[Heartbeat], None], recycle: Callable[[Worker], bool],
-                 boundary: Callable[[int], list[Boundary] | None] = lambda index: None):
+                 boundary: Callable[[int], list[Boundary] | None] = lambda index: None, room_timeout: float = 0.0):
         if sequential and len(slots) != 1:
             raise ValueError("a sequential export runs on exactly one slot")
         self.slots = slots
@@ -116,6 +118,7 @@ class Scheduler:
         self.emit, self.start_worker, self.on_written = emit, start_worker, on_written
         self.on_heartbeat, self.recycle = on_heartbeat, recycle
         self.boundary = boundary  # calibrated: the journaled inputs of a layer, for workers without them
+        self.room_timeout = room_timeout  # elastic slots: how long all of them may wait for room before the run fails
         self._cond = threading.Condition()
         self._record = threading.Lock()
         self._q = _Queue(non_layer_first=len(slots) > 1 and not sequential)
@@ -289,16 +292,23 @@ class Scheduler:
 
     def _slot_main(self, slot: Slot) -> None:
         try:
-            while (index := self._next(slot)) is not None:
-                self._export_one(slot, index)
+            while True:
+                try:
+                    while (index := self._next(slot)) is not None:
+                        self._export_one(slot, index)
+                    return
+                except NoRoom as exc:
+                    if not slot.optional:
+                        raise
+                    # an extra worker its GPU cannot hold, or a cluster slot whose node is gone: the others go on;
+                    # its part is back in the queue already
+                    self._drop(slot, kill=True)
+                    self.emit(ev.WorkerLeftOut(worker=slot.id, device=slot.device, reason=str(exc)))
+                    if not (slot.elastic and self._await_room(slot)):
+                        return
         except Cancelled:
             pass
         except BaseException as exc:  # noqa: BLE001 - fatal: stop every slot, raise it from run()
-            if isinstance(exc, NoRoom) and slot.optional:
-                # an extra worker its GPU cannot hold: the others go on; its part is back in the queue already
-                self._drop(slot, kill=True)
-                self.emit(ev.WorkerLeftOut(worker=slot.id, device=slot.device, reason=str(exc)))
-                return
             self._await_verdict()  # a refusal of the whole export comes first
             self._fail(exc)
         finally:
@@ -309,6 +319,40 @@ class Scheduler:
                 self._cond.notify_all()
             if slot.id != 0 or self._stopping():
                 self._drop(slot, kill=self._stopping())
+
+    def _await_room(self, slot: Slot) -> bool:
+        """An elastic slot left out (its node gone): start its worker again once there is room (a node came back),
+        while parts remain; False when the run ends first or its starts keep failing."""
+        slot.parked = True
+        failures = 0
+        all_parked_since = None
+        try:
+            while not self._stopping():
+                with self._cond:
+                    if not self._q.waiting and not self._q.running:
+                        return False  # nothing left that it could take
+                if all(s.parked for s in self.slots):
+                    all_parked_since = all_parked_since or time.monotonic()
+                    if time.monotonic() - all_parked_since > self.room_timeout:
+                        raise NoRoom(f"no node of the cluster has had room for any worker for "
+                                     f"{self.room_timeout:.0f}s; add nodes and run the same job again to resume")
+                else:
+                    all_parked_since = None
+                try:
+                    slot.worker = self.start_worker(slot, lambda: None)
+                    return True
+                except NoRoom:
+                    pass  # not yet: the start asked Ray briefly
+                except (WorkerLost, CancelledWait):
+                    self._drop(slot, kill=True)
+                    failures += 1
+                    if failures >= self.max_attempts:
+                        return False
+                    if self._wait(min(self.retry_delay * 2 ** failures, MAX_BACKOFF)):
+                        return False
+            return False
+        finally:
+            slot.parked = False
 
     def _export_one(self, slot: Slot, index: int) -> None:
         with self._cond:
@@ -410,7 +454,9 @@ class Scheduler:
     def request(self, msg, success: type, what: str, slot: Slot | None = None):
         """One request about the whole export (config.json, the plan, the loader check) on slot 0's worker (or
         `slot`'s), with the same retries as a part; returns the `success` reply."""
-        slot = slot if slot is not None else self.slots[0]
+        # slot 0's, or (a cluster slot left out while its node is gone) the first slot that has a worker
+        slot = slot if slot is not None else next((s for s in self.slots if s.worker is not None and not s.parked),
+                                                  self.slots[0])
         for attempt in range(1, self.max_attempts + 1):
             if self.cancel.is_set():
                 raise Cancelled("export cancelled; run the same job again to resume")

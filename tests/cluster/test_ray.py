@@ -137,11 +137,11 @@ def _gone(pids, timeout=60.0) -> list[int]:
 
 
 def _agents() -> list[int]:
-    """Processes of our node agents (Ray names its actor processes ray::NodeAgent...)."""
+    """Processes of our actors (Ray names an actor's process ray::CLASS...): seats and node hosts."""
     out = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if cmd.startswith("ray::NodeAgent"):
+        if cmd.startswith(("ray::Seat", "ray::NodeHost")):
             out.append(p.pid)
     return out
 
@@ -196,8 +196,36 @@ def test_node_removed_mid_export_and_nothing_listens_beyond_loopback(host, model
     assert _gone([held]) == []
 
 
+def test_slots_whose_node_left_wait_for_room_and_use_a_node_that_joins(host, tiny_models, tmp_path):
+    """Four workers fill both nodes, each held at its first layer (8 layers: one each and one reserved); one node is
+    removed: its two slots find no room and are left out (WorkerLeftOut), then a new node joins and they start there
+    again, take parts, and the run ends byte-identical to this host's export."""
+    model = tiny_models("llama", layers=8, hidden=128, seed=4)
+    ref = faultkit.run("run", _job(tmp_path, model, tmp_path / "ref", cluster=False), "--json")
+    assert ref.rc == 0, ref.stderr
+    go = tmp_path / "go"
+    env = {faultkit.FAULT_ENV: json.dumps({"point": "quantize", "action": "await", "path": str(go)}),
+           "SUPERVISOR_TEST_PLACE_SECONDS": "3"}
+    with _run(host, _job(tmp_path, model, tmp_path / "out", workers=4), env) as r:
+        r.wait_for("LayerStarted", 180, where=lambda e: len(r.of("LayerStarted")) >= 4)
+        started = r.of("WorkerStarted")
+        node = started[0]["where"].split("node ")[1][:8]
+        gone = next(n for n in host.ask("nodes")["nodes"] if n.startswith(node))
+        host.ask("remove_node", node=gone)
+        left = lambda e: len(r.of("WorkerLeftOut")) >= 2  # noqa: E731
+        assert r.wait_for("WorkerLeftOut", 180, where=left), r.stderr
+        new = host.ask("add_node", num_cpus=2)["node"][:8]
+        back = lambda e: sum(new in w["where"] for w in r.of("WorkerStarted")) >= 2  # noqa: E731
+        assert r.wait_for("WorkerStarted", 180, where=back), r.stderr
+        open(go, "w").close()
+        r.wait()
+    assert r.rc == 0, r.stderr
+    assert sum(new in s["where"] for s in _shards(tmp_path / "out")) >= 1, _shards(tmp_path / "out")
+    assert cli.output_bytes(tmp_path / "out") == cli.output_bytes(tmp_path / "ref")
+
+
 def test_supervisor_sigkilled_leaves_no_worker_and_the_rerun_resumes(host, model, local_ref, tmp_path):
-    """The supervisor SIGKILLed while a worker holds layer 2: every worker and node agent of the run exits (their
+    """The supervisor SIGKILLed while a worker holds layer 2: every worker, seat and node host of the run exits (their
     connection drops; Ray ends a dead driver's actors), and the same command resumes to a byte-identical end."""
     env, marker, go = _await_fault(tmp_path, 2)
     job = _job(tmp_path, model, tmp_path / "out")
@@ -206,12 +234,12 @@ def test_supervisor_sigkilled_leaves_no_worker_and_the_rerun_resumes(host, model
         assert faultkit.wait_marker(marker, 180), r.stderr
         workers = [e["pid"] for e in r.of("WorkerStarted")]
         agents = _agents()
-        assert agents, "no node agent process found while the run held a layer"
+        assert agents, "no seat or node host process found while the run held a layer"
         os.kill(r.pid, 9)
         r.wait()
     finally:
         cli.end_group(r.proc)
-    assert _gone(workers) == [] and _gone(agents) == [], "workers or node agents outlived their supervisor"
+    assert _gone(workers) == [] and _gone(agents) == [], "workers or actors outlived their supervisor"
     open(go, "w").close()
     again = _run(host, job).wait()
     assert again.rc == 0, again.stderr

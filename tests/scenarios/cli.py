@@ -142,7 +142,7 @@ def end_started(since: int = 0) -> None:
 # The product's test-only knobs (child/faults.py, supervisor/verbatim.py, supervisor/run.py): a run gets those its test
 # passes, never one left in the environment the suite was started from.
 TEST_KNOBS = ("SUPERVISOR_TEST_FAULT", "SUPERVISOR_TEST_NO_COPY_AHEAD", "SUPERVISOR_TEST_PLAN_BESIDE",
-              "SUPERVISOR_TEST_TENSOR_LOG", "SUPERVISOR_TEST_STAGE_HOST")
+              "SUPERVISOR_TEST_TENSOR_LOG", "SUPERVISOR_TEST_STAGE_HOST", "SUPERVISOR_TEST_PLACE_SECONDS")
 
 
 def run_env(env=None) -> dict[str, str]:
