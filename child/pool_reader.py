@@ -25,7 +25,10 @@ from shared.messages import Pool, PoolTensor
 
 
 class PoolSource(NamedTensors):
-    def __init__(self, pool: Pool):
+    def __init__(self, pool: Pool, *, autocast: bool = False):
+        # autocast: merge the pairs as PeftModel.from_pretrained would (fp16/bf16 A and B upcast to fp32), the
+        # reference of a QLoRA model's export; False: as the live model's own merge_and_unload() would
+        self._autocast = autocast
         self._maps = [mmap.mmap(fd, size, access=mmap.ACCESS_COPY) for fd, size in zip(pool.fds, pool.sizes)]
         self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self._entries = {t.name: t for t in pool.tensors}
@@ -52,7 +55,8 @@ class PoolSource(NamedTensors):
             lora = self._loras.get(name)
             if lora is not None:
                 a, b = self._tensor(lora.a), self._tensor(lora.b)
-                out[name] = LoraPair(a, b, r=a.shape[0], lora_alpha=1.0, scaling=lora.scaling)
+                out[name] = LoraPair(a, b, r=a.shape[0], lora_alpha=1.0, scaling=lora.scaling,
+                                     autocast=self._autocast)
         return out
 
     def trim(self) -> None:
@@ -70,6 +74,14 @@ class PoolSource(NamedTensors):
     def digest(self, names: list[str]) -> str:
         entries = [self._entries[n] for n in names]
         entries += [t for n in names if n in self._loras for t in (self._loras[n].a, self._loras[n].b)]
+        return tensor_digest((e.name, e.dtype, e.shape, _raw(self._tensor(e))) for e in entries)
+
+
+    def pairs_digest(self, names: list[str]) -> str:
+        """The digest of these names' LoRA pairs only (supervisor/qlora.py's Shared.digest): "" when none has one."""
+        entries = [t for n in names if n in self._loras for t in (self._loras[n].a, self._loras[n].b)]
+        if not entries:
+            return ""
         return tensor_digest((e.name, e.dtype, e.shape, _raw(self._tensor(e))) for e in entries)
 
 

@@ -82,15 +82,25 @@ def _check_writable(output: str) -> None:
 
 def prepare(job: Job, model=None) -> Plan:
     """Validate everything about the job before anything is written; raises InputError subclasses. A job without
-    [source] exports `model` itself (a live model, Python API only)."""
+    [source] exports `model` itself (a live model, Python API only); a PEFT `model` over a quantized base is
+    exported from its 16-bit checkpoint ([source] path, or the local folder it names) plus its LoRA pairs
+    (supervisor/qlora.py), unless the job names a [source] adapter."""
     from supervisor import devices
 
     output = os.path.abspath(job.export.output)
-    saved = None
+    saved = lora = None
+    if model is not None and (job.source is None or not job.source.adapter):
+        from supervisor import qlora  # imports torch: only with a live model, which has it loaded already
+
+        if qlora.quantized_base(model) is not None:
+            # a PEFT model over a quantized base: its 16-bit checkpoint on disk + its LoRA pairs from memory
+            job, lora = qlora.plan(job, model)
     if job.source is None:
         source, extra, saved = _live_source(model, output)
     else:
         source, extra = _disk_source(job, output)
+        if lora is not None:
+            extra = qlora.check(lora, source)
     probe(output)
     devs = devices.resolve_devices(job.resources.device)
     world, world_note = calibration.group_size(job, devs) if is_calibrated(job) else (1, "")
@@ -109,7 +119,7 @@ def prepare(job: Job, model=None) -> Plan:
         torchao_job.check(job, source, devs[0])
     fresh = not os.path.exists(output) or not os.listdir(output)
     return Plan(job, output, source, fp, state, devs[0], devs, calib, live=saved, fresh=fresh, world=world,
-                world_note=world_note)
+                world_note=world_note, lora=lora)
 
 
 def _refuse_another_world(output: str, job: Job, source: SourceInfo, calib, extra, devs: list[str], world: int) -> None:

@@ -122,24 +122,42 @@ def _unwrap_peft(model: nn.Module) -> tuple[nn.Module, str | None]:
     return base.model, active[0]
 
 
-def _lora_layers(inner: nn.Module, adapter: str) -> tuple[dict, dict[str, str]]:
+def _lora_layers(inner: nn.Module, adapter: str, quantized: bool = False) -> tuple[dict, dict[str, str]]:
+    """The active adapter's unmerged pairs {"<module>.weight": (A path, B path, scaling)} and the renames of the
+    PEFT-wrapped modules. `quantized`: the base is quantized (supervisor/qlora.py), so a base Linear may be a
+    subclass (bnb Linear4bit/Linear8bitLt) and an adapter merged into it is refused (its exact pair is gone)."""
     loras, renames = {}, {}
     for name, module in inner.named_modules():
         if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
             continue
         renames[f"{name}.base_layer."] = f"{name}."
-        if adapter not in module.lora_A or adapter in getattr(module, "merged_adapters", ()):
-            continue  # not targeted by the active adapter, or already merged into the base weight
+        if adapter not in module.lora_A:
+            continue  # not targeted by the active adapter
         base = module.get_base_layer()
+        if adapter in getattr(module, "merged_adapters", ()):
+            if quantized:
+                raise SourceError(f"the live adapter is merged into the quantized weights of {name} "
+                                  f"({type(base).__name__}), so its exact LoRA pair is gone; unmerge it "
+                                  "(model.unmerge_adapter()) before exporting")
+            continue  # already merged into the (16-bit) base weight, which is exported as it is
         odd = [what for what, bad in (("DoRA", module.use_dora.get(adapter)),
                                       ("a LoRA bias", module.lora_bias.get(adapter)),
                                       ("fan_in_fan_out", getattr(module, "fan_in_fan_out", False)),
                                       ("a LoRA variant", adapter in getattr(module, "lora_variant", {})))
                if bad]
-        if type(base) is not nn.Linear or odd:
+        plain = type(getattr(base, "weight", None)) in (torch.Tensor, nn.Parameter)
+        if odd or not isinstance(base, nn.Linear) or (type(base) is not nn.Linear and plain and not quantized):
             kind = ", ".join(odd) or type(base).__name__
-            raise SourceError(f"the live adapter on {name} ({kind}) cannot be merged exactly per layer; merge it "
-                              "with merge_and_unload() before exporting")
+            fix = ("save the adapter, merge it into the 16-bit base with PEFT (PeftModel.from_pretrained(base, "
+                   "adapter).merge_and_unload()), save that and export it" if quantized else
+                   "merge it with merge_and_unload() before exporting")
+            raise SourceError(f"the live adapter on {name} ({kind}) cannot be merged exactly per layer; {fix}")
+        if not plain and not quantized:
+            # a quantized Linear (bnb Linear4bit, ...): merging into it loses the LoRA's precision, quantizes twice
+            raise SourceError(f"the live adapter on {name} sits on a quantized {type(base).__name__}: pass "
+                              "[source] path = \"<the 16-bit checkpoint the model was loaded from>\" and its LoRA "
+                              "pairs are merged over that from memory (not merge_and_unload(): merging into "
+                              "quantized weights loses the LoRA's precision)")
         loras[f"{name}.weight"] = (f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight",
                                    float(module.scaling[adapter]))
     return loras, renames
