@@ -98,7 +98,7 @@ def check(lora: LiveLora, source: SourceInfo) -> dict:
     """The base checkpoint is the live model's (config.json) and each pair fits its weight; returns the fingerprint's
     part for the pairs (names, dtypes, shapes, scaling: their bytes are checked per part, see Shared.digest)."""
     where = (f"[source] path {source.path!r}" if not lora.found_by else
-             f"the live model's base {source.path!r} (its {lora.found_by})")
+             f"the folder the live model names ({source.path!r}, its {lora.found_by})")
     fix = ("point it at the 16-bit checkpoint the live model was loaded from" if not lora.found_by else _SET_PATH)
     diff = _config_difference(lora.saved.inner.config, source.path)
     if diff:
