@@ -9,7 +9,8 @@ lands in a private page of the child, never in the live model. Tensors are views
 of the shared memory), so reading a layer costs no copy and the child's memory holds only what it touches;
 `trim()` after each part unmaps what it touched, so the child's RSS stays one layer's.
 `digest(names)` hashes a part's tensors (and its LoRA pairs) so the journal can tell a changed live model from the
-one the shards came from. Owns reading the mapping only; it never writes to it and never closes the supervisor's
+one the shards came from. A QLoRA model's pool holds LoRA pairs only (supervisor/qlora.py): `pairs` and
+`pairs_digest` serve them, merged over the checkpoint on disk (child/source.py's open_source). Owns reading the mapping only; it never writes to it and never closes the supervisor's
 memory (closing the fds here closes only the child's copies).
 """
 from __future__ import annotations

@@ -10,8 +10,10 @@
 
 A PEFT-wrapped model (one active LoRA adapter, unmerged) is exported as `merge_and_unload()` + `save_pretrained`
 would write it: `X.base_layer.weight` is named `X.weight` and its pair (the live tensors and scaling) goes to the
-child, which merges it with PEFT's code (child/adapter.py). Owns naming and describing the live model; it never
-moves it (supervisor/offload.py does) and never copies a weight.
+child, which merges it with PEFT's code (child/adapter.py). A PEFT model over a quantized base (QLoRA) is not
+exported from here but from its 16-bit checkpoint plus its pairs (supervisor/qlora.py, which uses the PEFT helpers
+below). Owns naming and describing the live model; it never moves it (supervisor/offload.py does) and never copies
+a weight.
 """
 from __future__ import annotations
 
