@@ -38,8 +38,8 @@ def load_nf4(base_dir: str):
                                                 dtype=torch.bfloat16).eval()
 
 
-def qlora(base_dir: str, seed: int = 1, **config):
-    return lora_model(load_nf4(base_dir), seed=seed, targets=TARGETS, r=16, lora_alpha=32, **config)
+def qlora(base_dir: str, seed: int = 1, targets=TARGETS, **config):
+    return lora_model(load_nf4(base_dir), seed=seed, targets=targets, r=16, lora_alpha=32, **config)
 
 
 def _job(out, source: dict | None = None, **resources):
@@ -114,12 +114,14 @@ def cpu_accelerator(monkeypatch):
 
 def test_qlora_model_with_source_path_is_released_restored_and_merged_as_from_pretrained(tiny_models, tmp_path,
                                                                                        cpu_accelerator):
-    """[source] path = a copy of the bf16 base (not the folder the model names) and bf16 LoRA tensors: the 4-bit
-    model is released (its Params4bit moved by their own .to()) and restored equal; the pairs are upcast as
-    PeftModel.from_pretrained does, so the output equals its merge of the saved adapter, then export."""
+    """[source] path = a copy of the bf16 base (not the folder the model names), bf16 LoRA tensors, a LoRA on the
+    (unquantized) lm_head too: the 4-bit model is released (its Params4bit moved by their own .to()) and restored
+    equal; the pairs are upcast as PeftModel.from_pretrained does and the non-layer part is merged by a worker (not
+    copied as it is), so the output equals its merge of the saved adapter, then export."""
     base = tiny_models("llama")
     shutil.copytree(base, tmp_path / "base")
-    live = qlora(base, seed=2)
+    live = qlora(base, seed=2, targets=TARGETS + ["lm_head"])
+    assert type(live.base_model.model.lm_head.base_layer.weight) is torch.nn.Parameter
     with torch.no_grad():
         for name, module in live.named_modules():
             if hasattr(module, "lora_A") and "default" in module.lora_A:
@@ -131,6 +133,7 @@ def test_qlora_model_with_source_path_is_released_restored_and_merged_as_from_pr
     released = next(e for e in seen if isinstance(e, ev.MemoryReleased))
     assert released.released and released.moved_bytes > 0
     assert any(isinstance(e, ev.ModelRestored) for e in seen)
+    assert not any(isinstance(e, ev.LayerWritten) and e.index == -1 and "copy" in e.stages for e in seen)
     _assert_same_model(live, before, objects)
     assert output_bytes(tmp_path / "out") == reference(str(tmp_path / "base"), live, tmp_path)
 
