@@ -26,7 +26,8 @@ from shared.job import Job, JobSyntaxError, is_calibrated, parse_toml
 from shared.messages import PROTOCOL_VERSION, Describe, Described, Failed, Hello
 from supervisor import events as ev
 from supervisor import calibration, journal
-from supervisor.errors import Cancelled, ExportFailed, FingerprintMismatch, InputError, JobError, OutputError
+from supervisor.errors import (Cancelled, ExportFailed, FingerprintMismatch, InputError, JobError, OutputError,
+                               SourceError)
 from supervisor.lock import probe
 # Plan and the LOG_* bounds are the run's; importable from here as they were before it had a module of its own
 from supervisor.run import LOG_KEEP, LOG_QUEUED_MAX, Plan, Run, check_layers  # noqa: F401
@@ -162,8 +163,13 @@ def _live_source(model, output: str) -> tuple[SourceInfo, dict, Saved]:
     if model is None:
         raise JobError("the job has no [source]: set [source] path to a checkpoint folder (only the Python API "
                        "exports a live model without one: Supervisor(job, model=...))")
-    from supervisor import live
+    from supervisor import live, qlora
 
+    kind = qlora.quantized(model)  # a PEFT model over a quantized base got its [source] from prepare already
+    if kind is not None:
+        raise SourceError(f"the live model's weights are quantized ({kind}), its 16-bit weights are in no memory: "
+                          "set [source] path = \"<the 16-bit checkpoint it was loaded from>\" (the live model is "
+                          "released while that is exported)")
     # named and checked now; the tensors themselves are looked at again after the release (they move)
     saved = live.saved_state(model)
     return (*live.describe(saved, layout.state_path(output, live.CONFIG_DIR)), saved)

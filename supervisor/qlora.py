@@ -62,7 +62,12 @@ def quantized_base(model: nn.Module) -> str | None:
     peft_config, base = getattr(model, "peft_config", None), getattr(model, "base_model", None)
     if not isinstance(peft_config, dict) or base is None or not hasattr(base, "model"):
         return None
-    for name, t in [*base.model.named_parameters(), *base.model.named_buffers()]:
+    return quantized(base.model)
+
+
+def quantized(model: nn.Module) -> str | None:
+    """The type name of the first quantized (tensor subclass) parameter or buffer of `model` (LoRA's aside)."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if ".lora_" not in name and type(t) not in _PLAIN:
             return type(t).__name__
     return None

@@ -187,7 +187,7 @@ def test_qlora_model_whose_base_is_not_found_or_not_its_own_is_refused_before_an
                                                                                                  tmp_path):
     """One-line refusals, nothing written, the model untouched: a base named by a hub id (not a local folder), a
     named local folder of another model, a [source] path of another model, an adapter merged into the 4-bit
-    weights."""
+    weights, and an nf4 model without PEFT and without [source]."""
     base = tiny_models("llama")
     live = qlora(base)
     out = tmp_path / "outs" / "out"
@@ -206,3 +206,7 @@ def test_qlora_model_whose_base_is_not_found_or_not_its_own_is_refused_before_an
 
     live.merge_adapter()
     _refused(_job(out, {"path": base}), live, "merged into the quantized weights", out)
+
+    plain = load_nf4(base)  # no PEFT: nothing to merge, and no 16-bit weights in memory
+    msg = _refused(_job(out), plain, r"quantized \(Params4bit\)", out)
+    assert '[source] path = "<the 16-bit checkpoint' in msg and "weight conversion" not in msg
