@@ -28,7 +28,7 @@ from torch import nn
 
 from shared import tensor_names
 from shared.durable import tensor_digest
-from shared.lora import unsupported
+from shared.lora import FIX_QUANTIZED, unsupported
 from shared.messages import NON_LAYER, Pool, PoolLora, PoolTensor
 from supervisor.errors import SourceError
 from supervisor.source import SourceInfo, find_layers
@@ -108,7 +108,7 @@ def _offloaded(inner: nn.Module, paths: set[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _unwrap_peft(model: nn.Module) -> tuple[nn.Module, str | None]:
+def _unwrap_peft(model: nn.Module, quantized: bool = False) -> tuple[nn.Module, str | None]:
     peft_config = getattr(model, "peft_config", None)
     base = getattr(model, "base_model", None)
     if not isinstance(peft_config, dict) or base is None or not hasattr(base, "model"):
@@ -118,7 +118,8 @@ def _unwrap_peft(model: nn.Module) -> tuple[nn.Module, str | None]:
         raise SourceError(f"the live PEFT model has {len(active)} active adapters ({active}); set one with "
                           "set_adapter() before exporting")
     cfg = peft_config[active[0]]
-    problem = unsupported({k: getattr(v, "value", v) for k, v in cfg.to_dict().items()})
+    problem = unsupported({k: getattr(v, "value", v) for k, v in cfg.to_dict().items()},
+                          **({"fix": FIX_QUANTIZED} if quantized else {}))
     if problem:
         raise SourceError(problem)
     return base.model, active[0]
@@ -150,9 +151,7 @@ def _lora_layers(inner: nn.Module, adapter: str, quantized: bool = False) -> tup
         plain = type(getattr(base, "weight", None)) in (torch.Tensor, nn.Parameter)
         if odd or not isinstance(base, nn.Linear) or (type(base) is not nn.Linear and plain and not quantized):
             kind = ", ".join(odd) or type(base).__name__
-            fix = ("save the adapter, merge it into the 16-bit base with PEFT (PeftModel.from_pretrained(base, "
-                   "adapter).merge_and_unload()), save that and export it" if quantized else
-                   "merge it with merge_and_unload() before exporting")
+            fix = FIX_QUANTIZED if quantized else "merge it with merge_and_unload() before exporting"
             raise SourceError(f"the live adapter on {name} ({kind}) cannot be merged exactly per layer; {fix}")
         if not plain and not quantized:
             # a quantized Linear (bnb Linear4bit, ...): merging into it loses the LoRA's precision, quantizes twice

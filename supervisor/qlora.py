@@ -77,7 +77,7 @@ def plan(job: Job, model: nn.Module) -> tuple[Job, LiveLora]:
     """The job to run (with [source] path set to the discovered base when it had no [source]) and the live pairs;
     raises SourceError with a one-line message. Reads the model's names only, never its tensors."""
     quantized = quantized_base(model)
-    inner, adapter = live._unwrap_peft(model)
+    inner, adapter = live._unwrap_peft(model, quantized=True)
     loras, _ = live._lora_layers(inner, adapter, quantized=True)
     lora = LiveLora(live.Saved(inner, {}, loras), quantized)
     if job.source is None:

@@ -187,7 +187,8 @@ def test_qlora_model_whose_base_is_not_found_or_not_its_own_is_refused_before_an
                                                                                                  tmp_path):
     """One-line refusals, nothing written, the model untouched: a base named by a hub id (not a local folder), a
     named local folder of another model, a [source] path of another model, an adapter merged into the 4-bit
-    weights, and an nf4 model without PEFT and without [source]."""
+    weights, DoRA (the advice: merge into the 16-bit base, not into 4 bits), and an nf4 model without PEFT and
+    without [source]."""
     base = tiny_models("llama")
     live = qlora(base)
     out = tmp_path / "outs" / "out"
@@ -206,6 +207,10 @@ def test_qlora_model_whose_base_is_not_found_or_not_its_own_is_refused_before_an
 
     live.merge_adapter()
     _refused(_job(out, {"path": base}), live, "merged into the quantized weights", out)
+
+    dora = qlora(base, use_dora=True)
+    msg = _refused(_job(out), dora, "DoRA", out)
+    assert "merge it into the 16-bit base" in msg and "merge it with PEFT (merge_and_unload), save the model" not in msg
 
     plain = load_nf4(base)  # no PEFT: nothing to merge, and no 16-bit weights in memory
     msg = _refused(_job(out), plain, r"quantized \(Params4bit\)", out)
