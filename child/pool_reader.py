@@ -10,8 +10,9 @@ of the shared memory), so reading a layer costs no copy and the child's memory h
 `trim()` after each part unmaps what it touched, so the child's RSS stays one layer's.
 `digest(names)` hashes a part's tensors (and its LoRA pairs) so the journal can tell a changed live model from the
 one the shards came from. A QLoRA model's pool holds LoRA pairs only (supervisor/qlora.py): `pairs` and
-`pairs_digest` serve them, merged over the checkpoint on disk (child/source.py's open_source). Owns reading the mapping only; it never writes to it and never closes the supervisor's
-memory (closing the fds here closes only the child's copies).
+`pairs_digest` serve them, merged over the checkpoint on disk (child/source.py's open_source). Owns reading the
+mapping only; it never writes to it and never closes the supervisor's memory (closing the fds here closes only the
+child's copies).
 """
 from __future__ import annotations
 
@@ -76,7 +77,6 @@ class PoolSource(NamedTensors):
         entries = [self._entries[n] for n in names]
         entries += [t for n in names if n in self._loras for t in (self._loras[n].a, self._loras[n].b)]
         return tensor_digest((e.name, e.dtype, e.shape, _raw(self._tensor(e))) for e in entries)
-
 
     def pairs_digest(self, names: list[str]) -> str:
         """The digest of these names' LoRA pairs only (supervisor/qlora.py's Shared.digest): "" when none has one."""
