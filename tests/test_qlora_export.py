@@ -150,26 +150,29 @@ def test_source_adapter_wins_over_the_live_models_pairs(tiny_models, tmp_path):
 
 
 def test_changed_adapter_after_a_failed_run_is_redone_not_mixed(tiny_models, tmp_path, monkeypatch):
-    """A run fails at layer 1 after layer 0 was journaled; the re-run's live adapter changed on layer 0 only: layer 0
-    is redone (its journaled digest of the pairs differs), layers without a change stand, and the output equals the
-    reference of the changed adapter."""
-    base = tiny_models("llama")
+    """A run fails at layer 2 after layers 0 and 1 were journaled; the re-run's live adapter changed on layer 0 only:
+    layer 0 is redone (its journaled digest of the pairs differs), layer 1 stands (the same pairs' digest, computed
+    by the supervisor, equals the child's), and the output equals the reference of the changed adapter."""
+    base = tiny_models("llama", layers=3)
     live = qlora(base, seed=5)
-    monkeypatch.setenv("SUPERVISOR_TEST_FAULT", json.dumps({"point": "read", "action": "raise", "index": 1}))
+    monkeypatch.setenv("SUPERVISOR_TEST_FAULT", json.dumps({"point": "read", "action": "raise", "index": 2}))
     with Supervisor(_job(tmp_path / "out", max_attempts=1, workers=1), model=live, retry_delay=0.05) as run:
         list(run.events())
-        with pytest.raises(Exception, match="layer 1 failed"):
+        with pytest.raises(Exception, match="layer 2 failed"):
             run.wait()
     monkeypatch.delenv("SUPERVISOR_TEST_FAULT")
     with open(tmp_path / "out" / ".export" / "journal.jsonl") as f:
-        journaled = {json.loads(line)["index"] for line in f if '"Shard"' in line}
-    assert 0 in journaled and 1 not in journaled, journaled
+        shards = [json.loads(line) for line in f if '"Shard"' in line]
+    journaled = {r["index"] for r in shards}
+    assert {0, 1} <= journaled and 2 not in journaled, journaled
+    assert all(r["source_digest"] for r in shards if r["index"] >= 0)  # each layer's pairs, hashed by the child
 
     with torch.no_grad():
         live.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.mul_(1.5)  # trained on
     seen = _export(_job(tmp_path / "out", workers=1), model=live)
     started = next(e for e in seen if isinstance(e, ev.Started))
     assert started.redo == [0] and started.resumed == len(journaled) - 1
+    assert not any(isinstance(e, ev.LayerStarted) and e.index == 1 for e in seen)  # layer 1 stood
     assert output_bytes(tmp_path / "out") == reference(base, live, tmp_path)
 
 
