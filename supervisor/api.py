@@ -182,7 +182,8 @@ class Supervisor:
     def __init__(self, job: Job | str | os.PathLike, model=None, *, tokenizer=None, pool=None,
                  retry_delay: float = 0.5):
         """`model`: the live model to release while the child runs (and, for a job without [source], the model
-        to export); `tokenizer`: saved into the output of such a job; `pool`: an offload.PinnedPool to reuse
+        to export; a PEFT model over a quantized base: its LoRA pairs are merged over the 16-bit checkpoint,
+        supervisor/qlora.py); `tokenizer`: saved into the output of a job without [source]; `pool`: an offload.PinnedPool to reuse
         across exports (pinning costs once), else one is made for this run and freed at its end."""
         self.job = job if isinstance(job, Job) else load_job(job)
         self.plan = prepare(self.job, model)
