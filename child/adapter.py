@@ -43,7 +43,8 @@ class LoraPair:
     lora_alpha: float
     use_rslora: bool = False
     scaling: float | None = None  # a live PEFT layer's own value; None: PEFT computes it from r/alpha/rsLoRA
-    autocast: bool = True  # PeftModel.from_pretrained's autocast_adapter_dtype (True: bf16/fp16 -> fp32)
+    autocast: bool = True  # PeftModel.from_pretrained's autocast_adapter_dtype (True: bf16/fp16 -> fp32); a live
+    # pair (scaling set) is upcast only when asked (child/pool_reader.py)
 
 
 _configs: dict[bool, object] = {}
@@ -78,9 +79,12 @@ def merge_pair(weight: torch.Tensor, pair: LoraPair) -> torch.Tensor:
             cast_adapter_dtype(layer, adapter_name=_NAME, autocast_adapter_dtype=pair.autocast)
             layer.load_state_dict({f"lora_A.{_NAME}.weight": pair.a, f"lora_B.{_NAME}.weight": pair.b}, strict=False)
         else:
-            # a live PEFT layer: its own tensors (their dtype decides PEFT's arithmetic) and its own scaling
+            # a live PEFT layer: its own tensors (their dtype decides PEFT's arithmetic) and its own scaling;
+            # autocast: upcast as from_pretrained would have (a QLoRA model's reference, supervisor/qlora.py)
             layer.lora_A[_NAME].weight = nn.Parameter(pair.a, requires_grad=False)
             layer.lora_B[_NAME].weight = nn.Parameter(pair.b, requires_grad=False)
+            if pair.autocast:
+                cast_adapter_dtype(layer, adapter_name=_NAME, autocast_adapter_dtype=True)
             layer.scaling[_NAME] = pair.scaling
         layer.merge(adapter_names=[_NAME])
     return layer.get_base_layer().weight.data
@@ -133,8 +137,9 @@ class AdapterFolder:
 class Merged:
     """A Source whose targeted Linear weights come out with their LoRA pair merged (see the module docstring)."""
 
-    def __init__(self, inner, pairs_for):
+    def __init__(self, inner, pairs_for, digest=None):
         self.inner, self._pairs_for = inner, pairs_for  # pairs_for(weight_names) -> {weight name: LoraPair}
+        self._digest = digest  # digest(names): of pairs that can change under the same fingerprint (live ones)
 
     def layer_names(self, prefix: str, index: int) -> list[str]:
         return self.inner.layer_names(prefix, index)
@@ -158,7 +163,7 @@ class Merged:
         return self.inner.all_names()
 
     def digest(self, names: list[str]) -> str:
-        return self.inner.digest(names)
+        return self._digest(names) if self._digest is not None else self.inner.digest(names)
 
     def trim(self) -> None:
         self.inner.trim()

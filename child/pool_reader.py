@@ -9,8 +9,10 @@ lands in a private page of the child, never in the live model. Tensors are views
 of the shared memory), so reading a layer costs no copy and the child's memory holds only what it touches;
 `trim()` after each part unmaps what it touched, so the child's RSS stays one layer's.
 `digest(names)` hashes a part's tensors (and its LoRA pairs) so the journal can tell a changed live model from the
-one the shards came from. Owns reading the mapping only; it never writes to it and never closes the supervisor's
-memory (closing the fds here closes only the child's copies).
+one the shards came from. A QLoRA model's pool holds LoRA pairs only (supervisor/qlora.py): `pairs` and
+`pairs_digest` serve them, merged over the checkpoint on disk (child/source.py's open_source). Owns reading the
+mapping only; it never writes to it and never closes the supervisor's memory (closing the fds here closes only the
+child's copies).
 """
 from __future__ import annotations
 
@@ -25,7 +27,10 @@ from shared.messages import Pool, PoolTensor
 
 
 class PoolSource(NamedTensors):
-    def __init__(self, pool: Pool):
+    def __init__(self, pool: Pool, *, autocast: bool = False):
+        # autocast: merge the pairs as PeftModel.from_pretrained would (fp16/bf16 A and B upcast to fp32), the
+        # reference of a QLoRA model's export; False: as the live model's own merge_and_unload() would
+        self._autocast = autocast
         self._maps = [mmap.mmap(fd, size, access=mmap.ACCESS_COPY) for fd, size in zip(pool.fds, pool.sizes)]
         self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self._entries = {t.name: t for t in pool.tensors}
@@ -52,7 +57,8 @@ class PoolSource(NamedTensors):
             lora = self._loras.get(name)
             if lora is not None:
                 a, b = self._tensor(lora.a), self._tensor(lora.b)
-                out[name] = LoraPair(a, b, r=a.shape[0], lora_alpha=1.0, scaling=lora.scaling)
+                out[name] = LoraPair(a, b, r=a.shape[0], lora_alpha=1.0, scaling=lora.scaling,
+                                     autocast=self._autocast)
         return out
 
     def trim(self) -> None:
@@ -70,6 +76,13 @@ class PoolSource(NamedTensors):
     def digest(self, names: list[str]) -> str:
         entries = [self._entries[n] for n in names]
         entries += [t for n in names if n in self._loras for t in (self._loras[n].a, self._loras[n].b)]
+        return tensor_digest((e.name, e.dtype, e.shape, _raw(self._tensor(e))) for e in entries)
+
+    def pairs_digest(self, names: list[str]) -> str:
+        """The digest of these names' LoRA pairs only (supervisor/qlora.py's Shared.digest): "" when none has one."""
+        entries = [t for n in names if n in self._loras for t in (self._loras[n].a, self._loras[n].b)]
+        if not entries:
+            return ""
         return tensor_digest((e.name, e.dtype, e.shape, _raw(self._tensor(e))) for e in entries)
 
 

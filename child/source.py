@@ -59,9 +59,17 @@ class Source(Protocol):
 
 def open_source(job, pool=None) -> Source:
     """The Source the job names: a live model's pool (Hello.pool) or the checkpoint on disk, with its LoRA
-    adapter (a [source] adapter folder, or the live PEFT model's own pairs) merged on top."""
+    adapter (a [source] adapter folder, or the live PEFT model's own pairs) merged on top. A pool with a [source]
+    holds only a live QLoRA model's pairs, merged over that checkpoint."""
     from child.adapter import Merged
 
+    if pool is not None and job.source is not None:
+        from child.pool_reader import PoolSource
+
+        # a live PEFT model over a quantized base (supervisor/qlora.py): the 16-bit checkpoint, and the live
+        # pairs from the pool merged as PeftModel.from_pretrained(base, <the adapter saved>) would (upcast)
+        pairs = PoolSource(pool, autocast=True)
+        return Merged(Checkpoint(job.source.path), pairs.pairs, digest=pairs.pairs_digest)
     if pool is not None:
         from child.pool_reader import PoolSource
 

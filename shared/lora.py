@@ -28,18 +28,22 @@ _UNSUPPORTED = {
     "mica": "MiCA (mica)",
 }
 _FIX = ("merge it with PEFT (merge_and_unload), save the model and export that checkpoint instead")
+# the same for a live adapter on a quantized base (QLoRA): merge_and_unload() there would merge into the quantized
+# weights (the LoRA's precision lost, then quantized twice); the merge belongs in the 16-bit base
+FIX_QUANTIZED = ("save the adapter, merge it into the 16-bit base with PEFT (PeftModel.from_pretrained(base, "
+                 "adapter).merge_and_unload()), save that and export it")
 
 
-def unsupported(config: dict) -> str | None:
+def unsupported(config: dict, fix: str = _FIX) -> str | None:
     """Why an adapter with this config (adapter_config.json, or a live LoraConfig's fields) cannot be merged
-    exactly per layer, or None."""
+    exactly per layer, or None; `fix`: the advice that ends the message."""
     if config.get("peft_type", "LORA") not in ("LORA", None):
         return f"the adapter is {config.get('peft_type')}, not LoRA: only LoRA adapters are merged per layer"
     found = [label for key, label in _UNSUPPORTED.items() if config.get(key)]
     if config.get("bias", "none") != "none":
         found.append(f"trained biases (bias = {config['bias']!r})")
     if found:
-        return f"the adapter uses {', '.join(found)}, which cannot be merged exactly per layer; {_FIX}"
+        return f"the adapter uses {', '.join(found)}, which cannot be merged exactly per layer; {fix}"
     return None
 
 

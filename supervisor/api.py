@@ -27,7 +27,7 @@ from shared.messages import PROTOCOL_VERSION, Describe, Described, Failed, Hello
 from supervisor import events as ev
 from supervisor import calibration, journal
 from supervisor.errors import (Cancelled, ClusterError, ExportFailed, FingerprintMismatch, InputError, JobError,
-                               OutputError)
+                               OutputError, SourceError)
 from supervisor.lock import probe
 # Plan and the LOG_* bounds are the run's; importable from here as they were before it had a module of its own
 from supervisor.run import LOG_KEEP, LOG_QUEUED_MAX, Plan, Run, check_layers  # noqa: F401
@@ -83,13 +83,25 @@ def _check_writable(output: str) -> None:
 
 def prepare(job: Job, model=None, *, join: bool = False) -> Plan:
     """Validate everything about the job before anything is written; raises InputError subclasses. A job without
-    [source] exports `model` itself (a live model, Python API only). `join`: a cluster job joins its Ray cluster
+    [source] exports `model` itself (a live model, Python API only); a PEFT `model` over a quantized base is
+    exported from its 16-bit checkpoint ([source] path, or the local folder it names) plus its LoRA pairs
+    (supervisor/qlora.py), unless the job names a [source] adapter. `join`: a cluster job joins its Ray cluster
     once the source and output are checked (supervisor.cluster: the agents started, every node's view of the files
     probed), and its devices are the agents'; without it (`supervisor plan`) it plans as if on this host."""
     from supervisor import devices
 
     output = os.path.abspath(job.export.output)
-    saved = None
+    saved = lora = None
+    if model is not None and (job.source is None or not job.source.adapter):
+        from supervisor import qlora  # imports torch: only with a live model, which has it loaded already
+
+        if qlora.quantized_base(model) is not None:
+            # a PEFT model over a quantized base: its 16-bit checkpoint on disk + its LoRA pairs from memory
+            job, lora = qlora.plan(job, model)
+    if job.resources.cluster and lora is not None:
+        raise ClusterError('[resources] cluster = "ray" cannot export a live PEFT model\'s LoRA pairs: they are in this '
+                           "host's memory; export it here (remove cluster) or save the adapter and name it in "
+                           "[source] adapter")
     if job.source is None:
         if job.resources.cluster:
             raise ClusterError('[resources] cluster = "ray" needs [source]: a live model\'s memory is on this host; '
@@ -97,13 +109,15 @@ def prepare(job: Job, model=None, *, join: bool = False) -> Plan:
         source, extra, saved = _live_source(model, output)
     else:
         source, extra = _disk_source(job, output)
+        if lora is not None:
+            extra = qlora.check(lora, source)
     probe(output)
     cluster = None
     if job.resources.cluster and join:
         _check_writable(output)  # the file-system probe writes beside the output
         cluster = _join_cluster(job, source, output)
     try:
-        plan = _plan(job, output, source, extra, saved, cluster)
+        plan = _plan(job, output, source, extra, saved, cluster, lora)
     except BaseException:
         if cluster is not None:
             cluster.close()
@@ -112,7 +126,7 @@ def prepare(job: Job, model=None, *, join: bool = False) -> Plan:
     return plan
 
 
-def _plan(job: Job, output: str, source: SourceInfo, extra: dict | None, saved, cluster) -> Plan:
+def _plan(job: Job, output: str, source: SourceInfo, extra: dict | None, saved, cluster, lora) -> Plan:
     from supervisor import devices
 
     if cluster is not None:  # one device per agent: the agents' GPUs, or the CPU
@@ -137,7 +151,7 @@ def _plan(job: Job, output: str, source: SourceInfo, extra: dict | None, saved, 
         torchao_job.check(job, source, devs[0])
     fresh = not os.path.exists(output) or not os.listdir(output)
     return Plan(job, output, source, fp, state, devs[0], devs, calib, live=saved, fresh=fresh, world=world,
-                world_note=world_note)
+                world_note=world_note, lora=lora)
 
 
 def _join_cluster(job: Job, source: SourceInfo, output: str):
@@ -196,8 +210,13 @@ def _live_source(model, output: str) -> tuple[SourceInfo, dict, Saved]:
     if model is None:
         raise JobError("the job has no [source]: set [source] path to a checkpoint folder (only the Python API "
                        "exports a live model without one: Supervisor(job, model=...))")
-    from supervisor import live
+    from supervisor import live, qlora
 
+    kind = qlora.quantized(model)  # a PEFT model over a quantized base got its [source] from prepare already
+    if kind is not None:
+        raise SourceError(f"the live model's weights are quantized ({kind}), its 16-bit weights are in no memory: "
+                          "set [source] path = \"<the 16-bit checkpoint it was loaded from>\" (the live model is "
+                          "released while that is exported)")
     # named and checked now; the tensors themselves are looked at again after the release (they move)
     saved = live.saved_state(model)
     return (*live.describe(saved, layout.state_path(output, live.CONFIG_DIR)), saved)
@@ -210,7 +229,8 @@ class Supervisor:
     def __init__(self, job: Job | str | os.PathLike, model=None, *, tokenizer=None, pool=None,
                  retry_delay: float = 0.5):
         """`model`: the live model to release while the child runs (and, for a job without [source], the model
-        to export); `tokenizer`: saved into the output of such a job; `pool`: an offload.PinnedPool to reuse
+        to export; a PEFT model over a quantized base: its LoRA pairs are merged over the 16-bit checkpoint,
+        supervisor/qlora.py); `tokenizer`: saved into the output of a job without [source]; `pool`: an offload.PinnedPool to reuse
         across exports (pinning costs once), else one is made for this run and freed at its end."""
         self.job = job if isinstance(job, Job) else load_job(job)
         self.plan = prepare(self.job, model, join=True)

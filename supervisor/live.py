@@ -10,8 +10,10 @@
 
 A PEFT-wrapped model (one active LoRA adapter, unmerged) is exported as `merge_and_unload()` + `save_pretrained`
 would write it: `X.base_layer.weight` is named `X.weight` and its pair (the live tensors and scaling) goes to the
-child, which merges it with PEFT's code (child/adapter.py). Owns naming and describing the live model; it never
-moves it (supervisor/offload.py does) and never copies a weight.
+child, which merges it with PEFT's code (child/adapter.py). A PEFT model over a quantized base (QLoRA) is not
+exported from here but from its 16-bit checkpoint plus its pairs (supervisor/qlora.py, which uses the PEFT helpers
+below). Owns naming and describing the live model; it never moves it (supervisor/offload.py does) and never copies
+a weight.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from torch import nn
 
 from shared import tensor_names
 from shared.durable import tensor_digest
-from shared.lora import unsupported
+from shared.lora import FIX_QUANTIZED, unsupported
 from shared.messages import NON_LAYER, Pool, PoolLora, PoolTensor
 from supervisor.errors import SourceError
 from supervisor.source import SourceInfo, find_layers
@@ -106,7 +108,7 @@ def _offloaded(inner: nn.Module, paths: set[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _unwrap_peft(model: nn.Module) -> tuple[nn.Module, str | None]:
+def _unwrap_peft(model: nn.Module, quantized: bool = False) -> tuple[nn.Module, str | None]:
     peft_config = getattr(model, "peft_config", None)
     base = getattr(model, "base_model", None)
     if not isinstance(peft_config, dict) or base is None or not hasattr(base, "model"):
@@ -116,30 +118,47 @@ def _unwrap_peft(model: nn.Module) -> tuple[nn.Module, str | None]:
         raise SourceError(f"the live PEFT model has {len(active)} active adapters ({active}); set one with "
                           "set_adapter() before exporting")
     cfg = peft_config[active[0]]
-    problem = unsupported({k: getattr(v, "value", v) for k, v in cfg.to_dict().items()})
+    problem = unsupported({k: getattr(v, "value", v) for k, v in cfg.to_dict().items()},
+                          **({"fix": FIX_QUANTIZED} if quantized else {}))
     if problem:
         raise SourceError(problem)
     return base.model, active[0]
 
 
-def _lora_layers(inner: nn.Module, adapter: str) -> tuple[dict, dict[str, str]]:
+def _lora_layers(inner: nn.Module, adapter: str, quantized: bool = False) -> tuple[dict, dict[str, str]]:
+    """The active adapter's unmerged pairs {"<module>.weight": (A path, B path, scaling)} and the renames of the
+    PEFT-wrapped modules. `quantized`: the base is quantized (supervisor/qlora.py), so a base Linear may be a
+    subclass (bnb Linear4bit/Linear8bitLt) and an adapter merged into it is refused (its exact pair is gone)."""
     loras, renames = {}, {}
     for name, module in inner.named_modules():
         if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
             continue
         renames[f"{name}.base_layer."] = f"{name}."
-        if adapter not in module.lora_A or adapter in getattr(module, "merged_adapters", ()):
-            continue  # not targeted by the active adapter, or already merged into the base weight
+        if adapter not in module.lora_A:
+            continue  # not targeted by the active adapter
         base = module.get_base_layer()
+        if adapter in getattr(module, "merged_adapters", ()):
+            if quantized:
+                raise SourceError(f"the live adapter is merged into the quantized weights of {name} "
+                                  f"({type(base).__name__}), so its exact LoRA pair is gone; unmerge it "
+                                  "(model.unmerge_adapter()) before exporting")
+            continue  # already merged into the (16-bit) base weight, which is exported as it is
         odd = [what for what, bad in (("DoRA", module.use_dora.get(adapter)),
                                       ("a LoRA bias", module.lora_bias.get(adapter)),
                                       ("fan_in_fan_out", getattr(module, "fan_in_fan_out", False)),
                                       ("a LoRA variant", adapter in getattr(module, "lora_variant", {})))
                if bad]
-        if type(base) is not nn.Linear or odd:
+        plain = type(getattr(base, "weight", None)) in (torch.Tensor, nn.Parameter)
+        if odd or not isinstance(base, nn.Linear) or (type(base) is not nn.Linear and plain and not quantized):
             kind = ", ".join(odd) or type(base).__name__
-            raise SourceError(f"the live adapter on {name} ({kind}) cannot be merged exactly per layer; merge it "
-                              "with merge_and_unload() before exporting")
+            fix = FIX_QUANTIZED if quantized else "merge it with merge_and_unload() before exporting"
+            raise SourceError(f"the live adapter on {name} ({kind}) cannot be merged exactly per layer; {fix}")
+        if not plain and not quantized:
+            # a quantized Linear (bnb Linear4bit, ...): merging into it loses the LoRA's precision, quantizes twice
+            raise SourceError(f"the live adapter on {name} sits on a quantized {type(base).__name__}: pass "
+                              "[source] path = \"<the 16-bit checkpoint the model was loaded from>\" and its LoRA "
+                              "pairs are merged over that from memory (not merge_and_unload(): merging into "
+                              "quantized weights loses the LoRA's precision)")
         loras[f"{name}.weight"] = (f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight",
                                    float(module.scaling[adapter]))
     return loras, renames

@@ -59,6 +59,7 @@ from supervisor.zygote import Zygote, ZygoteLost, keep_warm_seconds
 if TYPE_CHECKING:  # supervisor.live imports torch; a plan for a checkpoint never needs it
     from supervisor.cluster import Cluster
     from supervisor.live import Saved
+    from supervisor.qlora import LiveLora, Shared
 
 ENOSPC = 28
 # Test-only: "1" judges the export plan beside the first parts, "0" before them, whatever the host's free memory
@@ -91,6 +92,9 @@ class Plan:
     # the source is the live model handed to Supervisor (its pool), not a folder: its names, as the fingerprint
     # saw them (supervisor.live.Saved; tensors are looked up again by path after the release moves them)
     live: Saved | None = None
+    # a PEFT model over a quantized base: its LoRA pairs, merged over the 16-bit checkpoint job.source names
+    # (supervisor.qlora.LiveLora; the pairs are copied into a pool of their own at the release)
+    lora: LiveLora | None = None
     fresh: bool = False  # the output folder did not exist or was empty: a refused run leaves it that way
     world: int = 1  # calibrated: the ranks of the group that calibrates each layer (calibration.group_size)
     world_note: str = ""  # why it is 1 where more were asked
@@ -111,6 +115,8 @@ class Run:
         self._pool, self._own_pool = pool, False
         self._live = None  # live.Saved while a live model is the source: its tensors, now in the pool
         self._pool_spec = None  # shared.messages.Pool sent to every worker
+        self._pairs: Shared | None = None  # plan.lora's pairs, copied into self._pairs_pool (supervisor.qlora)
+        self._pairs_pool = None
         self._logs: collections.deque = collections.deque(maxlen=LOG_KEEP)
         self._log_lock = threading.Lock()
         self._logs_queued = self._logs_dropped = 0
@@ -289,6 +295,8 @@ class Run:
             self._handle = result
             self._share_live_model()
         else:
+            if self.plan.lora is not None:
+                self._share_pairs()  # before the release: a failed copy leaves the model as it was
             result = offload.release(self.model, buffers=self._pool)
         if isinstance(result, offload.NotReleased):
             self._emit(ev.MemoryReleased(released=False, reason=result.reason))
@@ -305,8 +313,20 @@ class Run:
         self._pool_spec = live.manifest(self._live, self._pool, config_dir)
         live.write_config_dir(self._live, self.tokenizer, config_dir)
 
+    def _share_pairs(self) -> None:
+        """A QLoRA model's pairs, copied into a pool of their own that the child maps (supervisor.qlora)."""
+        from supervisor import offload, qlora
+
+        self._pairs_pool = offload.PinnedPool()
+        self._pairs = qlora.share(self.plan.lora, self._pairs_pool, self.plan.source.path)
+        self._pool_spec = self._pairs.spec
+
     def _close_pool(self) -> None:
-        self._live = self._pool_spec = None
+        self._live = self._pool_spec = self._pairs = None
+        if self._pairs_pool is not None:
+            self._pairs_pool.end_lease()
+            self._pairs_pool.close()
+            self._pairs_pool = None
         if self._own_pool and self._pool is not None and not self._pool.leased:
             self._pool.close()
             self._pool, self._own_pool = None, False
@@ -411,6 +431,8 @@ class Run:
     # ---- the non-layer part written ahead, while the workers' libraries import (supervisor.verbatim) -------------
     def _copy_ahead(self, todo: list[int]) -> None:
         part = verbatim.plan(self.job, self.plan.source) if NON_LAYER in todo else None
+        if part is not None and self._pairs is not None and self._pairs.touches(self._part_names(NON_LAYER)):
+            part = None  # a live LoRA pair merges into the non-layer part (lm_head): a worker exports it
         if part is not None:
             self._copy = verbatim.Copy(part, self.plan.output, self._await_plan, self._settle_copy)
             self._copy.start()
@@ -435,15 +457,22 @@ class Run:
             self._emit(ev.CopyDeclined(index=NON_LAYER, reason=why))
             scheduler.take_back(NON_LAYER)
 
+    def _part_names(self, index: int) -> list[str]:
+        from supervisor import live  # the rule the child reads a part's names with
+
+        src = self.plan.source
+        return live.part_names(src.tensor_names, src.layer_prefix, index, src.num_layers)
+
     def _source_changed(self, index: int, rec: journal.Shard) -> str | None:
         """A live model's part whose tensors differ from those its shard was made from (a re-run after a crash
         with a changed model): redone, never mixed in."""
-        if self._live is None:
+        if self._live is None and self._pairs is None:
             return None
         from supervisor import live
 
-        src = self.plan.source
-        names = live.part_names(src.tensor_names, src.layer_prefix, index, src.num_layers)
+        names = self._part_names(index)
+        if self._pairs is not None:
+            return None if self._pairs.digest(names) == rec.source_digest else "the live adapter changed"
         return None if live.part_digest(self._live, names) == rec.source_digest else "the live model changed"
 
     def _make_scheduler(self) -> Scheduler:

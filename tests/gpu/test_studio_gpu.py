@@ -90,3 +90,56 @@ def test_live_lora_model_exports_without_a_checkpoint(gpus, tmp_path):
     _export({"source": {"path": str(tmp_path / "merged")}, "export": {**job["export"], "output": str(tmp_path / "ref")},
              "resources": job["resources"]})
     assert output_bytes(tmp_path / "out") == output_bytes(tmp_path / "ref")
+
+
+def test_live_qlora_model_exports_from_its_bf16_base_and_pairs(tmp_path):
+    """A PEFT LoRA (r=16, q/v/down_proj, random B) over a real bitsandbytes nf4 base on cuda:0, exported with no
+    [source]: the base is the bf16 folder it was loaded from, the pairs come from memory; the 4-bit model is off the
+    GPU meanwhile and comes back equal (every state_dict entry: Params4bit data, absmax, quant_state; same logits);
+    the output equals PeftModel.from_pretrained(bf16 base, saved adapter).merge_and_unload() exported."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from tests.ref_studio import merged_checkpoint
+
+    _model().save_pretrained(tmp_path / "base")
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quant, device_map={"": 0},
+                                                dtype=torch.bfloat16).eval()
+    live = lora_model(base, r=16, lora_alpha=32, targets=["q_proj", "v_proj", "down_proj"])
+    layer0 = live.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    assert type(layer0).__name__ == "Params4bit" and layer0.device == torch.device("cuda:0")
+    del layer0  # a reference would keep its GPU copy alive through the release
+    state = {k: v.detach().to("cpu", copy=True) for k, v in live.state_dict().items()}
+    ids = torch.randint(0, 32000, (1, 16), device="cuda:0")
+    with torch.no_grad():
+        before = live(ids).logits.clone()
+    on_gpu = torch.cuda.memory_allocated(0)
+    model_bytes = sum(p.numel() * p.element_size() for p in live.parameters())  # Params4bit: the packed bytes
+
+    job = {"export": {"scheme": "FP8_DYNAMIC", "output": str(tmp_path / "out")}, "resources": {"device": "cuda:0"}}
+    during = []
+    seen = []
+    with Supervisor(parse_job(job), model=live) as run:
+        for e in run.events():
+            seen.append(e)
+            if isinstance(e, ev.LayerWritten) and not during:
+                during.append(torch.cuda.memory_allocated(0))
+        run.wait()
+    released = next(e for e in seen if isinstance(e, ev.MemoryReleased))
+    assert released.released and released.freed["cuda:0"] >= 0.99 * model_bytes
+    assert during[0] <= on_gpu - released.freed["cuda:0"] + (1 << 20)  # off the GPU while the child works
+    restored = next(e for e in seen if isinstance(e, ev.ModelRestored))
+    now = live.state_dict()
+    assert set(now) == set(state) and all(torch.equal(now[k].cpu(), v) for k, v in state.items())
+    assert live.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.device == torch.device("cuda:0")
+    with torch.no_grad():
+        assert torch.equal(live(ids).logits, before)
+    print(f"released {released.freed['cuda:0'] / 1e9:.2f} GB in {released.seconds:.2f} s, "
+          f"restored in {restored.seconds:.2f} s")
+
+    live.save_pretrained(tmp_path / "adapter")
+    merged_checkpoint(str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "merged"))
+    _export({"source": {"path": str(tmp_path / "merged")}, "export": {**job["export"], "output": str(tmp_path / "ref")},
+             "resources": job["resources"]})
+    assert output_bytes(tmp_path / "out") == output_bytes(tmp_path / "ref")
