@@ -139,7 +139,7 @@ def test_moe_is_refused_naming_the_experts_module(tiny_models, tmp_path):
     from shared.job import DEFAULT_IGNORE
 
     source = Checkpoint(src)
-    backend = TorchaoBackend(src, "Int8WeightOnly", {}, list(DEFAULT_IGNORE), tensor_names=source.all_names())
+    backend = TorchaoBackend(src, "Int8WeightOnly", {}, list(DEFAULT_IGNORE), source_meta=source.meta(source.all_names()))
     with pytest.raises(NotImplementedError, match=r"model\.layers\.1\.mlp\.experts \(Qwen3MoeExperts\)"):
         backend.quantize_layer(1, source.read(source.layer_names(backend.layer_prefix, 1)))
 
