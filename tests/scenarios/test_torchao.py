@@ -2,6 +2,7 @@
 path, a killed run resumes byte-identically, and bad tables, GPU-only schemes and MoE are refused (exit 2)."""
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -97,7 +98,8 @@ def test_export_equals_whole_model_reference(kind, scheme, tiny_models, exported
 def test_killed_child_then_rerun_is_byte_identical(tiny_models, exported, tmp_path):
     """A child SIGKILLed right after layer 0's shard is renamed (not yet journaled) fails the run; `run` again
     redoes it and the folder is byte-identical to an uninterrupted export through the Python API (other
-    processes: so the shard headers' metadata order is fixed, not left to safetensors); verify passes."""
+    processes: so the shard headers' metadata order is fixed, not left to safetensors); verify passes (and
+    `verify --vllm` on the unfinished folder says it is unfinished, without starting vLLM)."""
     scheme = "Int8DynamicActivationInt8Weight"
     uninterrupted = exported("llama", scheme)
     out = tmp_path / "out"
@@ -108,6 +110,9 @@ def test_killed_child_then_rerun_is_byte_identical(tiny_models, exported, tmp_pa
     assert first.returncode == 1 and "layer 0" in first.stderr, first.stderr
     assert os.path.exists(out / "model-layer-00000.safetensors")  # on disk, but never journaled
     assert json.loads(cli.run("status", out, "--json").stdout)["left"] == [0, 1, "non-layer"]
+    # verify --vllm on an unfinished export: exit 1 saying so, vLLM never started (any Python passes the path check)
+    unfinished = cli.run("verify", out, "--vllm", sys.executable, check=False)
+    assert unfinished.returncode == 1 and "BAD  vLLM: the export is not finished" in unfinished.stdout, unfinished
     second = cli.events(cli.run("run", job, "--json"))
     assert second[0]["type"] == "Started" and second[-1]["type"] == "Finished"
     assert cli.output_bytes(out) == cli.output_bytes(uninterrupted)
