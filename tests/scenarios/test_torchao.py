@@ -176,6 +176,33 @@ def test_a_shard_whose_entries_differ_from_the_prediction_is_refused(tiny_models
         backend.serialize(backend.quantize_layer(0, halved))
 
 
+@pytest.mark.parametrize("scheme", list(REFERENCE_CONFIGS))
+def test_prediction_from_zeros_on_the_device_equals_the_one_on_meta(scheme, tiny_models, monkeypatch):
+    """Where torchao refuses the meta device (its CUDA-only paths may), the entries are predicted from a weight of
+    zeros on the job's device: the same metadata as from meta (checked on the CPU schemes)."""
+    from child import torchao_backend
+    from child.source import Checkpoint
+    from shared.job import DEFAULT_IGNORE
+
+    source = Checkpoint(tiny_models("llama"))
+
+    def make():
+        return torchao_backend.TorchaoBackend(tiny_models("llama"), scheme, {}, list(DEFAULT_IGNORE),
+                                              source_meta=source.meta(source.all_names()))
+
+    on_meta = make()._metadata
+    quantize, devices = torchao_backend.TorchaoBackend._quantize_weight, []
+
+    def refuse_meta(self, name, weight, device=None):
+        devices.append(weight.device.type)
+        if weight.device.type == "meta":
+            raise AssertionError("Torch not compiled with CUDA enabled")  # what torchao 0.18 says for Int4 on meta
+        return quantize(self, name, weight, device)
+
+    monkeypatch.setattr(torchao_backend.TorchaoBackend, "_quantize_weight", refuse_meta)
+    assert make()._metadata == on_meta and "cpu" in devices
+
+
 def test_torchao_refusal_of_a_combination_is_a_job_error(tiny_models):
     """A table torchao itself refuses (mixed float8 granularities) is a one-line JobError from prepare's check,
     before any worker; the device string alone decides GPU-only (CUDA is never touched here)."""
