@@ -193,12 +193,13 @@ def make_backend(job: Job, config_dir: str, device: str, *, output: str = "", so
     from child.source import open_source
     from shared.job import effective_ignore
 
-    names = (source if source is not None else open_source(job)).all_names()
+    src = source if source is not None else open_source(job)
+    names = src.all_names()
     if job.export.format == "torchao":
         from child.torchao_backend import TorchaoBackend
 
         return TorchaoBackend(config_dir, job.export.scheme, job.export.torchao or {}, effective_ignore(job),
-                              device=device, tensor_names=names)
+                              device=device, source_meta=src.meta(names))
     if job.export.format != "compressed-tensors":
         raise ValueError(f"unknown export format {job.export.format!r}")
     allow = job.source is not None and job.source.allow_remote_code  # a live model (no [source]) runs no code

@@ -5,8 +5,10 @@ torchao's safetensors layout, and the `quantization_config` transformers' `Torch
     {name: tensor} of part i ─▶ for each quantized Linear whose weight is in the part:
                                     nn.Linear holding that weight ─▶ quantize_(linear, config) ─▶ its weight
                                 everything else passes through unchanged
-        ─▶ serialize: flatten_tensor_state_dict ─▶ ({name: plain tensor}, per-tensor metadata
-                      + "tensor_names": the GLOBAL list + "format": "pt")
+        ─▶ serialize: flatten_tensor_state_dict ─▶ {name: plain tensor}
+                      metadata: EVERY tensor's entry of the checkpoint (predicted at start-up, below; this part's
+                      own entries must equal torchao's for its tensors) + "tensor_names": the GLOBAL list
+                      + "format": "pt"
 
 Why per Linear: transformers' torchao path quantizes exactly the nn.Linear weights not in
 `modules_to_not_convert`, each by its own `quantize_(module, config)` call as it loads (TorchAoQuantize); no
@@ -16,6 +18,16 @@ quantized here equals the whole-model `from_pretrained(src, quantization_config=
 Why the global list: transformers merges every shard's metadata with dict.update and unflattens each tensor
 with the merged "tensor_names"; a shard carrying only its own names would leave the others unloaded (measured,
 DESIGN.md). The list is the checkpoint's tensor names (quantization keeps each logical name).
+
+Why every entry in every shard: vLLM (0.32, `safetensors_weights_iterator`) unflattens file by file with that
+file's own metadata, and torchao's `unflatten_tensor_state_dict` reads the entry of every name in "tensor_names"
+(another shard's tensors wait, as leftovers, for their data). transformers' own save_pretrained writes the same
+whole-model metadata into every shard. A shard is written before later layers exist, so the entries are
+predicted at start-up: an entry (`_type`, `_data`: block_size, the weight's dtype, the activation kwargs...,
+`_tensor_data_names`) depends only on the config, the weight's shape and dtype, never on its values, so
+`quantize_` on a meta-device Linear of that shape and dtype gives it (measured equal for every CPU scheme; where
+torchao refuses meta, a zero weight on the job's device). `serialize` checks each part's own entries against the
+prediction and refuses a shard where they differ, so a wrong prediction can never be written.
 
 The ignore list: ours has llm-compressor's semantics (a module name, a class name, or "re:" + a regex matched
 from the start of the name); transformers and vLLM match `modules_to_not_convert` differently (see
@@ -54,7 +66,9 @@ class TorchaoBackend:
     checks_loading = False  # the meta loader check (child/loadcheck.py) covers compressed-tensors outputs only
 
     def __init__(self, config_dir: str, scheme: str, keywords: dict, ignore: list[str], *, device: str = "cpu",
-                 tensor_names: list[str]):
+                 source_meta: dict[str, torch.Tensor]):
+        """`source_meta`: every tensor of the checkpoint on the meta device (Source.meta of all its names): the
+        global name list and the shapes and dtypes every shard's metadata entries are predicted from."""
         self.scheme = scheme
         self.ignore = list(ignore)
         self.config = torchao_schemes.build(scheme, keywords)
@@ -74,7 +88,7 @@ class TorchaoBackend:
                            if n not in set(ignored) and (not keep or should_convert_module(f"{n}.weight", keep))}
         self.modules_to_not_convert = modules_to_not_convert(ignored, list(self._quantized))
         self._held = set(self._skeleton.state_dict())
-        self._tensor_names = json.dumps(sorted(tensor_names))
+        self._metadata = self._predict_metadata(source_meta)
 
     def describe(self) -> str:
         return f"{type(self._skeleton).__name__} (transformers' model class), torchao quantize_ per Linear"
@@ -99,10 +113,44 @@ class TorchaoBackend:
         return None
 
     def serialize(self, tensors: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        flat, metadata = flatten_tensor_state_dict(tensors)
-        metadata["tensor_names"] = self._tensor_names
+        flat, own = flatten_tensor_state_dict(tensors)
+        for name in sorted(own.keys() - {"tensor_names"}):
+            predicted = self._metadata.get(name)
+            if predicted is None:
+                raise RuntimeError(f"{name} is not a tensor of the source checkpoint, so no shard's metadata lists it")
+            if own[name] != predicted:
+                raise RuntimeError(f"{name}: torchao's metadata entry {own[name]} differs from {predicted}, the one "
+                                   "predicted at start-up for every shard; the shard is not written (a bug of ours)")
+        return {k: v.to("cpu").contiguous() for k, v in flat.items()}, dict(self._metadata)
+
+    def _predict_metadata(self, source_meta: dict[str, torch.Tensor]) -> dict[str, str]:
+        """Every shard's metadata: torchao's entry of each tensor of the checkpoint, as flatten_tensor_state_dict
+        writes it, from a quantize_ of a weight of the same shape and dtype (one per kind), and plain tensors as
+        they are; "tensor_names" the sorted global list, "format": "pt" as transformers writes."""
+        kinds: dict[tuple, torch.Tensor] = {}
+        predicted = {}
+        for name in sorted(source_meta):
+            t = source_meta[name]
+            module = name.removesuffix(".weight")
+            if name.endswith(".weight") and module in self._quantized:
+                key = (tuple(t.shape), t.dtype)
+                if key not in kinds:
+                    kinds[key] = self._predict_weight(module, t)
+                t = kinds[key]
+            predicted[name] = t
+        _, metadata = flatten_tensor_state_dict(predicted)
+        metadata["tensor_names"] = json.dumps(sorted(source_meta))
         metadata["format"] = "pt"  # what transformers' save_pretrained writes into every shard
-        return {k: v.to("cpu").contiguous() for k, v in flat.items()}, metadata
+        return metadata
+
+    def _predict_weight(self, module: str, weight: torch.Tensor) -> torch.Tensor:
+        """The torchao tensor quantize_ makes of a weight like `weight` (shape, dtype): on the meta device, or,
+        where torchao refuses meta (CUDA-only paths may), of zeros on the job's device."""
+        try:
+            return self._quantize_weight(module, torch.empty_like(weight, device="meta"), device=torch.device("meta"))
+        except Exception:  # noqa: BLE001 - any refusal on meta: quantize real zeros instead, as the layers will be
+            zeros = torch.zeros(weight.shape, dtype=weight.dtype, device=self.device)
+            return self._quantize_weight(module, zeros)
 
     def write_config(self, source_config_json: str, dest_dir: str) -> str:
         with open(source_config_json) as f:
@@ -126,7 +174,7 @@ class TorchaoBackend:
                 out[name] = self._quantize_weight(module, value)
         return out
 
-    def _quantize_weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+    def _quantize_weight(self, name: str, weight: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
         # w: [out, in]. The same module type and call transformers' TorchAoQuantize makes (quantize_ on the
         # nn.Linear itself, default filter); the bias is not touched by any scheme, so it is not needed here.
         meta = self._quantized[name]
@@ -135,7 +183,7 @@ class TorchaoBackend:
                              f"{(meta.out_features, meta.in_features)}")
         with torch.device("meta"):
             linear = nn.Linear(meta.in_features, meta.out_features, bias=False)
-        linear.weight = nn.Parameter(weight.to(self.device), requires_grad=False)
+        linear.weight = nn.Parameter(weight.to(device or self.device), requires_grad=False)
         with torch.no_grad():
             quantize_(linear, self.config)
         return linear.weight.detach()

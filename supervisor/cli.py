@@ -80,19 +80,40 @@ def cmd_status(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from supervisor.status import LOADER, verify
+    from supervisor.status import LOADER, read_state, verify
 
+    python = None
+    if args.vllm is not None:
+        from supervisor import vllm_check
+
+        python = vllm_check.vllm_python(args.vllm or None)  # a missing venv is refused before the re-hash
     problems = verify(args.output)
+    vllm = None
+    if python is not None and not problems:
+        if read_state(args.output).finalized is None:
+            problems[VLLM] = "the export is not finished: run the job to the end, then verify --vllm"
+        else:
+            vllm = vllm_check.generate(args.output, python)
+            if "error" in vllm:
+                problems[VLLM] = f"vLLM refused or failed: {vllm['error']}"
     if args.json:
-        print(json.dumps({"output": args.output, "ok": not problems, "problems": problems}))
+        print(json.dumps({"output": args.output, "ok": not problems, "problems": problems,
+                          **({"vllm": vllm} if vllm is not None else {})}))
     elif problems:
         for fn, why in problems.items():
             print(f"BAD  {fn}: {why}")
-        fix = "see docs/fidelity.md" if list(problems) == [LOADER] else "run the job again to redo those shards"
+        fix = ("see docs/fidelity.md" if list(problems) == [LOADER] else "see README, Checked with vLLM"
+               if list(problems) == [VLLM] else "run the job again to redo those shards")
         print(f"{len(problems)} problem(s); {fix}")
     else:
         print(f"ok: every journaled file in {args.output} matches its digest")
+        if vllm is not None:
+            print(f"ok: vLLM ({python}) loaded it and generated {vllm['ids']} from the token ids "
+                  f"{vllm_check.prompt_for(args.output)}")
     return 1 if problems else 0
+
+
+VLLM = "vLLM"  # verify's problem key for `--vllm`
 
 
 def cmd_plan(args) -> int:
@@ -217,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "loads every weight (exit 1 if not)")
     p.add_argument("output")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--vllm", nargs="?", const="", metavar="PYTHON", help="also load the finished export in vLLM "
+                   "and generate a few tokens, with PYTHON, a virtualenv's Python that has vLLM (default: "
+                   "./.venv-vllm/bin/python, as .ci/setup.sh builds it)")
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("report", parents=[common], help="per layer: time, bytes, peak memory, retries and "
                        "quantization error, from the journal (finished or not)")

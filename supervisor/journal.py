@@ -112,6 +112,9 @@ def fingerprint(job: Job, source_stats: list[tuple[str, int, int]], calibration:
         # Only for torchao jobs, so compressed-tensors fingerprints (and the outputs they resume) stay as they were.
         parts["torchao"] = job.export.torchao or {}
         parts["versions"] = _versions(_FINGERPRINT_PACKAGES + ("torchao",))
+        # Shards written before every shard held every tensor's metadata entry (which vLLM needs) load in
+        # transformers only: such an output is not resumed, so no folder mixes the two layouts.
+        parts["torchao_shard_metadata"] = "every entry"
     if calibration is not None:
         parts["calibration"] = calibration
     elif not device.startswith("cpu"):

@@ -43,6 +43,19 @@ def merged_metadata(folder: str) -> dict[str, str]:
     return merged
 
 
+def shard_metadata(folder: str) -> dict[str, dict[str, str]]:
+    """{shard file name: its safetensors metadata}, each shard on its own (as vLLM reads them)."""
+    import glob
+
+    from safetensors import safe_open
+
+    out = {}
+    for fn in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        with safe_open(fn, "pt") as f:
+            out[os.path.basename(fn)] = dict(f.metadata() or {})
+    return out
+
+
 def load_and_run(folder: str, ids: torch.Tensor, device: str = "cpu"):
     """(state_dict of the loaded model, its logits for ids, the loading info): loaded as a user would."""
     from transformers import AutoModelForCausalLM

@@ -179,6 +179,8 @@ def test_fingerprint_holds_torchao_version_and_table_only_for_torchao_jobs():
     assert fp_a != fp_b
     _, ct = fingerprint(_job("FP8_DYNAMIC", fmt="compressed-tensors"), stats)
     assert "torchao" not in ct and "torchao" not in ct["versions"]
+    # the shard-metadata layout (every entry in every shard, for vLLM): an older torchao output is not resumed
+    assert parts["torchao_shard_metadata"] == "every entry" and "torchao_shard_metadata" not in ct
 
 
 def test_fingerprint_holds_the_device_kind_of_gpu_jobs():

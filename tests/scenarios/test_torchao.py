@@ -2,6 +2,7 @@
 path, a killed run resumes byte-identically, and bad tables, GPU-only schemes and MoE are refused (exit 2)."""
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -75,8 +76,15 @@ def test_export_equals_whole_model_reference(kind, scheme, tiny_models, exported
                                      modules_to_not_convert=DENSE_NOT_CONVERTED)
     assert ref.quantization_config(out) == ref.quantization_config(expected)
     mine, theirs = ref.merged_metadata(out), ref.merged_metadata(expected)
-    assert sorted(json.loads(mine.pop("tensor_names"))) == sorted(json.loads(theirs.pop("tensor_names")))
+    names = sorted(json.loads(theirs.pop("tensor_names")))
+    assert sorted(json.loads(mine.pop("tensor_names"))) == names
     assert mine == theirs
+    # and each shard alone holds all of it, as transformers' save_pretrained writes every shard (vLLM unflattens
+    # file by file with that file's metadata only)
+    shards = ref.shard_metadata(out)
+    assert len(shards) == 3
+    for shard, meta in shards.items():
+        assert sorted(json.loads(meta.pop("tensor_names"))) == names and meta == theirs, shard
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     state_a, logits_a, info = ref.load_and_run(out, ids)
     state_b, logits_b, _ = ref.load_and_run(expected, ids)
@@ -90,7 +98,8 @@ def test_export_equals_whole_model_reference(kind, scheme, tiny_models, exported
 def test_killed_child_then_rerun_is_byte_identical(tiny_models, exported, tmp_path):
     """A child SIGKILLed right after layer 0's shard is renamed (not yet journaled) fails the run; `run` again
     redoes it and the folder is byte-identical to an uninterrupted export through the Python API (other
-    processes: so the shard headers' metadata order is fixed, not left to safetensors); verify passes."""
+    processes: so the shard headers' metadata order is fixed, not left to safetensors); verify passes (and
+    `verify --vllm` on the unfinished folder says it is unfinished, without starting vLLM)."""
     scheme = "Int8DynamicActivationInt8Weight"
     uninterrupted = exported("llama", scheme)
     out = tmp_path / "out"
@@ -101,6 +110,9 @@ def test_killed_child_then_rerun_is_byte_identical(tiny_models, exported, tmp_pa
     assert first.returncode == 1 and "layer 0" in first.stderr, first.stderr
     assert os.path.exists(out / "model-layer-00000.safetensors")  # on disk, but never journaled
     assert json.loads(cli.run("status", out, "--json").stdout)["left"] == [0, 1, "non-layer"]
+    # verify --vllm on an unfinished export: exit 1 saying so, vLLM never started (any Python passes the path check)
+    unfinished = cli.run("verify", out, "--vllm", sys.executable, check=False)
+    assert unfinished.returncode == 1 and "BAD  vLLM: the export is not finished" in unfinished.stdout, unfinished
     second = cli.events(cli.run("run", job, "--json"))
     assert second[0]["type"] == "Started" and second[-1]["type"] == "Finished"
     assert cli.output_bytes(out) == cli.output_bytes(uninterrupted)
@@ -139,9 +151,56 @@ def test_moe_is_refused_naming_the_experts_module(tiny_models, tmp_path):
     from shared.job import DEFAULT_IGNORE
 
     source = Checkpoint(src)
-    backend = TorchaoBackend(src, "Int8WeightOnly", {}, list(DEFAULT_IGNORE), tensor_names=source.all_names())
+    backend = TorchaoBackend(src, "Int8WeightOnly", {}, list(DEFAULT_IGNORE),
+                             source_meta=source.meta(source.all_names()))
     with pytest.raises(NotImplementedError, match=r"model\.layers\.1\.mlp\.experts \(Qwen3MoeExperts\)"):
         backend.quantize_layer(1, source.read(source.layer_names(backend.layer_prefix, 1)))
+
+
+def test_a_shard_whose_entries_differ_from_the_prediction_is_refused(tiny_models):
+    """Every shard's metadata is predicted at start-up from the source's shapes and dtypes; a part whose torchao
+    entries differ (here a layer handed over in float16 while the checkpoint holds bfloat16) is refused, naming the
+    tensor, instead of being written with metadata that does not describe it."""
+    from child.source import Checkpoint
+    from child.torchao_backend import TorchaoBackend
+    from shared.job import DEFAULT_IGNORE
+
+    source = Checkpoint(tiny_models("llama"))
+    backend = TorchaoBackend(tiny_models("llama"), "Int8WeightOnly", {}, list(DEFAULT_IGNORE),
+                             source_meta=source.meta(source.all_names()))
+    tensors = source.read(source.layer_names(backend.layer_prefix, 0))
+    flat, meta = backend.serialize(backend.quantize_layer(0, tensors))
+    assert json.loads(meta["model.layers.1.mlp.down_proj.weight"])["_type"] == "Int8Tensor"  # another layer's entry
+    halved = {k: v.half() for k, v in tensors.items()}
+    with pytest.raises(RuntimeError, match=r"^model\.layers\.0\.mlp\.down_proj\.weight: torchao's metadata entry"):
+        backend.serialize(backend.quantize_layer(0, halved))
+
+
+@pytest.mark.parametrize("scheme", list(REFERENCE_CONFIGS))
+def test_prediction_from_zeros_on_the_device_equals_the_one_on_meta(scheme, tiny_models, monkeypatch):
+    """Where torchao refuses the meta device (its CUDA-only paths may), the entries are predicted from a weight of
+    zeros on the job's device: the same metadata as from meta (checked on the CPU schemes)."""
+    from child import torchao_backend
+    from child.source import Checkpoint
+    from shared.job import DEFAULT_IGNORE
+
+    source = Checkpoint(tiny_models("llama"))
+
+    def make():
+        return torchao_backend.TorchaoBackend(tiny_models("llama"), scheme, {}, list(DEFAULT_IGNORE),
+                                              source_meta=source.meta(source.all_names()))
+
+    on_meta = make()._metadata
+    quantize, devices = torchao_backend.TorchaoBackend._quantize_weight, []
+
+    def refuse_meta(self, name, weight, device=None):
+        devices.append(weight.device.type)
+        if weight.device.type == "meta":
+            raise AssertionError("Torch not compiled with CUDA enabled")  # what torchao 0.18 says for Int4 on meta
+        return quantize(self, name, weight, device)
+
+    monkeypatch.setattr(torchao_backend.TorchaoBackend, "_quantize_weight", refuse_meta)
+    assert make()._metadata == on_meta and "cpu" in devices
 
 
 def test_torchao_refusal_of_a_combination_is_a_job_error(tiny_models):

@@ -1,6 +1,6 @@
 """Run INSIDE .venv-vllm (vLLM's CPU build): greedy generation from several checkpoint folders in one process.
 
-    .venv-vllm/bin/python tests/clients/vllm_generate.py REQUEST.json RESULT.json
+    .venv-vllm/bin/python -P supervisor/vllm_generate.py REQUEST.json RESULT.json
 
 REQUEST: {"folders": [path, ...], "prompts": [[token id, ...], ...], "max_tokens": N}
 RESULT:  {path: {"ids": [[generated id, ...] per prompt]} or {"error": "one line: why vLLM refused or failed"}}
@@ -9,7 +9,9 @@ Each folder is loaded with `LLM(model=folder, skip_tokenizer_init=True, enforce_
 the prompts are given as token ids (the tiny test models' tokenizers are word-level; no tokenizer is needed).
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): one import of vLLM for all folders, and a
 refusal raises here instead of killing a spawned engine. Between folders the LLM is deleted and vLLM's distributed
-state torn down, so the next folder starts clean. Imports nothing of this repository (its venv has none of it).
+state torn down, so the next folder starts clean. Imports nothing of this repository (its venv has none of it), so
+it is run as a file (`-P`: its folder, which holds this package's modules, stays off sys.path); its users are
+`supervisor verify --vllm` (supervisor/vllm_check.py) and tests/clients/test_vllm.py.
 """
 from __future__ import annotations
 
