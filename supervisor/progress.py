@@ -98,6 +98,8 @@ class Display:
                     stage += f" ({e.ranks} ranks)"
                 p.update(task, completed=e.done, rate=rate, eta=eta, rss=_mb(e.worker_rss) if e.worker_rss else "-",
                          stage=stage)
+            case ev.LayerWritten() if e.where:  # on a cluster: which node (and GPU) wrote it
+                p.console.print(f"{_part(e.index)} written on {e.where}", style="dim")
             case ev.Retrying():
                 p.console.print(f"[yellow]retrying {e.what or _part(e.index)} (attempt {e.attempt}) in {e.delay:.1f}s: "
                                 f"{e.reason}")

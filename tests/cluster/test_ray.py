@@ -84,6 +84,14 @@ def host():
     h.close()
 
 
+@pytest.fixture(autouse=True)
+def no_actor_left(host):
+    """After every test: no seat or node host of any run is left (a run's end, or its supervisor's death, ends
+    them with their workers)."""
+    yield
+    assert _gone(_agents(), 60) == [], "seats or node hosts outlived their run"
+
+
 @pytest.fixture(scope="module")
 def model(tiny_models):
     return tiny_models("llama", layers=LAYERS, hidden=128, seed=4)
@@ -297,7 +305,8 @@ N, SEQ = 16, 32
 
 def test_calibrated_group_across_nodes_equals_this_hosts(host, model, tmp_path):
     """GPTQ W4A16 on a group of W = 2 ranks, one per node (rendezvous on rank 0's node), equals this host's W = 2
-    group byte for byte."""
+    group byte for byte; so does a run whose rank 1 is SIGKILLed while calibrating layer 1 (the group is torn down
+    and rebuilt from the journaled boundaries)."""
     data = write_jsonl(tmp_path / "ids.jsonl", token_rows(N, seed=7))
     calibration = {"dataset": data, "samples": N, "seq_len": SEQ}
 
@@ -314,3 +323,10 @@ def test_calibrated_group_across_nodes_equals_this_hosts(host, model, tmp_path):
     nodes = {w["where"].split("node ")[1][:8] for w in r.of("WorkerStarted")}
     assert len(nodes) == 2, r.of("WorkerStarted")
     assert cli.output_bytes(tmp_path / "ray") == cli.output_bytes(tmp_path / "local")
+    marker = tmp_path / "rank-killed"
+    fault = {faultkit.FAULT_ENV: json.dumps({"point": "calibrate", "action": "sigkill", "index": 1, "worker": 1,
+                                             "once": str(marker)})}
+    killed = _run(host, job("ray-killed", True), fault).wait()
+    assert killed.rc == 0, killed.stderr
+    assert os.path.exists(marker) and any(e["index"] == 1 for e in killed.of("Retrying")), killed.of("Retrying")
+    assert cli.output_bytes(tmp_path / "ray-killed") == cli.output_bytes(tmp_path / "local")
