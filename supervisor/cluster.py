@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import socket
 import threading
 from dataclasses import dataclass
 
@@ -102,7 +103,7 @@ class Cluster:
         """Connect, place a seat per slot and a host per node, probe the shared file system; raises ClusterError
         (bad input) or NoRoom."""
         ray = _import_ray()
-        address = job.resources.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+        address = _reachable(job.resources.ray_address or os.environ.get("RAY_ADDRESS") or "auto")
         try:
             ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False, include_dashboard=False,
                      configure_logging=False, namespace=f"supervisor-{secrets.token_hex(4)}")
@@ -238,6 +239,33 @@ class Cluster:
                 pass
         self.hosts, self._pending = {}, {}
         ray.shutdown()
+
+
+REACH_SECONDS = 5.0
+
+
+def _reachable(address: str) -> str:
+    """The cluster's HOST:PORT, once something answers there: ray.init retries an address where no cluster runs
+    (a stale /tmp/ray/ray_current_cluster, a typo) for minutes, so a dead address is refused here at once."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address  # Ray's own resolution of "auto"
+
+        resolved = canonicalize_bootstrap_address(address)
+    except ConnectionError as exc:
+        raise ClusterError(f"no Ray cluster to join ({_one_line(exc)}); start one (ray start --head) or set "
+                           "[resources] ray_address / $RAY_ADDRESS") from None
+    except Exception:  # noqa: BLE001 - a Ray without that helper: take the address as given
+        resolved = address
+    if not resolved or ":" not in resolved:
+        return address
+    host, _, port = resolved.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_SECONDS).close()
+    except (OSError, ValueError) as exc:
+        raise ClusterError(f"cannot reach the Ray cluster at {resolved} ({exc.__class__.__name__}: "
+                           f"{getattr(exc, 'strerror', None) or exc}); check that it runs there, or set [resources] "
+                           "ray_address / $RAY_ADDRESS") from None
+    return resolved
 
 
 def _slots(ray, job) -> tuple[str, int]:

@@ -300,6 +300,19 @@ def test_a_node_that_cannot_see_the_output_is_refused_before_anything_is_written
     assert not [fn for fn in os.listdir(tmp_path) if fn.startswith(".supervisor-probe")]
 
 
+def test_a_cluster_that_does_not_answer_is_refused_at_once(host, model, tmp_path):
+    """ray_address where no cluster runs: exit 2 within seconds (Ray itself would retry for minutes), one line,
+    nothing written."""
+    job = _job(tmp_path, model, tmp_path / "out", ray_address="127.0.0.1:1")
+    t = time.monotonic()
+    proc = subprocess.run(cli.as_a_terminal([*host.prefix, cli.SUPERVISOR, "run", job]), env=cli.run_env(),
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert proc.returncode == 2 and time.monotonic() - t < 60, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "cannot reach the Ray cluster at 127.0.0.1:1" in lines[0], proc.stderr
+    assert not os.path.exists(tmp_path / "out")
+
+
 N, SEQ = 16, 32
 
 
