@@ -762,7 +762,7 @@ class Run:
                             retries=retries, quant_error=reply.quant_error, stages=reply.stages,
                             boundary=reply.boundary, boundaries=reply.boundaries, losses=reply.losses,
                             ranks=reply.ranks, source_digest=reply.source_digest,
-                            where=w.where if w is not None else "")
+                            where=w.where if w is not None else self._here)
         self._journal.append(rec)
         self._done[reply.index] = rec
         if self.plan.calibration is not None and reply.index >= 0:
@@ -776,6 +776,15 @@ class Run:
                                    ranks=reply.ranks, losses=reply.losses, where=rec.where))
         self._progress.add(reply.source_bytes, reply.nbytes)
         self._emit(self._progress.event(worker_rss=reply.rss))
+
+    @property
+    def _here(self) -> str:
+        """Where a part this process wrote itself (the non-layer copy) was written: named on a cluster only."""
+        if self.plan.cluster is None:
+            return ""
+        import socket
+
+        return f"{socket.gethostname()} (the supervisor)"
 
     def _refused(self, peer: str, reason: str) -> None:
         """A connection to the run's port closed unread (supervisor.remote): logged under .export/logs, an event."""
