@@ -628,7 +628,7 @@ class Run:
         if cluster is not None:  # this slot's seat and node host (a group's rank r: seat r; the planner: seat 0)
             agent = cluster.agent(worker_id if group is not None else 0 if slot.planner else slot.id,
                                   wait=ROOM_POLL if slot.parked else cluster_place_seconds())
-            # CPU workers on one node split its cores; each GPU agent has a GPU of its own
+            # CPU workers on one node split its cores; each GPU seat has a GPU of its own
             sharing, cores = (cluster.on_node(agent) if device == "cpu" else 1), agent.cpus
         else:
             # the slots on this slot's device: CPU workers split the cores; GPU workers may take turns on their GPU
