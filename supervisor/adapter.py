@@ -41,7 +41,7 @@ def inspect_adapter(folder: str, base_folder: str, base_files: list[str]) -> dic
     if problem:
         raise SourceError(f"[source] adapter {shown!r}: {problem}")
     shapes = _adapter_shapes(folder)
-    base = _base_shapes(base_folder, base_files)
+    base = base_shapes(base_folder, base_files)
     pairs: dict[str, dict[str, list[int]]] = {}
     for key, shape in shapes.items():
         module, kind = split_key(key)
@@ -71,7 +71,7 @@ def _adapter_shapes(folder: str) -> dict[str, list[int]]:
         raise SourceError(f"[source] adapter {ADAPTER_WEIGHTS} is not a valid safetensors file ({exc})") from exc
 
 
-def _base_shapes(folder: str, files: list[str]) -> dict[str, list[int]]:
+def base_shapes(folder: str, files: list[str]) -> dict[str, list[int]]:
     out = {}
     for fn in files:
         with safe_open(os.path.join(folder, fn), "np") as f:

@@ -86,10 +86,8 @@ def prepare(job: Job, model=None, *, join: bool = False) -> Plan:
     [source] exports `model` itself (a live model, Python API only); a PEFT `model` over a quantized base is
     exported from its 16-bit checkpoint ([source] path, or the local folder it names) plus its LoRA pairs
     (supervisor/qlora.py), unless the job names a [source] adapter. `join`: a cluster job joins its Ray cluster
-    once the source and output are checked (supervisor.cluster: the agents started, every node's view of the files
-    probed), and its devices are the agents'; without it (`supervisor plan`) it plans as if on this host."""
-    from supervisor import devices
-
+    once the source and output are checked (supervisor.cluster: the seats placed, every node's view of the files
+    probed), and its devices are the seats'; without it (`supervisor plan`) it plans as if on this host."""
     output = os.path.abspath(job.export.output)
     saved = lora = None
     if model is not None and (job.source is None or not job.source.adapter):

@@ -70,10 +70,10 @@ def saved_state(model: nn.Module) -> Saved:
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    inner, adapter = _unwrap_peft(model)
+    inner, adapter = unwrap_peft(model)
     state = inner.state_dict(keep_vars=True)
     path_of = {id(t): key for key, t in state.items()}
-    loras, renames = _lora_layers(inner, adapter) if adapter is not None else ({}, {})
+    loras, renames = lora_layers(inner, adapter) if adapter is not None else ({}, {})
     for old, new in renames.items():
         for key in [k for k in state if k.startswith(old)]:
             state[new + key[len(old):]] = state.pop(key)
@@ -108,7 +108,7 @@ def _offloaded(inner: nn.Module, paths: set[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _unwrap_peft(model: nn.Module, quantized: bool = False) -> tuple[nn.Module, str | None]:
+def unwrap_peft(model: nn.Module, quantized: bool = False) -> tuple[nn.Module, str | None]:
     peft_config = getattr(model, "peft_config", None)
     base = getattr(model, "base_model", None)
     if not isinstance(peft_config, dict) or base is None or not hasattr(base, "model"):
@@ -125,7 +125,7 @@ def _unwrap_peft(model: nn.Module, quantized: bool = False) -> tuple[nn.Module, 
     return base.model, active[0]
 
 
-def _lora_layers(inner: nn.Module, adapter: str, quantized: bool = False) -> tuple[dict, dict[str, str]]:
+def lora_layers(inner: nn.Module, adapter: str, quantized: bool = False) -> tuple[dict, dict[str, str]]:
     """The active adapter's unmerged pairs {"<module>.weight": (A path, B path, scaling)} and the renames of the
     PEFT-wrapped modules. `quantized`: the base is quantized (supervisor/qlora.py), so a base Linear may be a
     subclass (bnb Linear4bit/Linear8bitLt) and an adapter merged into it is refused (its exact pair is gone)."""
@@ -177,8 +177,8 @@ def describe(saved: Saved, config_dir: str) -> tuple[SourceInfo, dict]:
     names = sorted(tensors)
     prefix, num_layers = find_layers(names, config, "the live model")
     structure = {
-        "tensors": [[n, _dtype(tensors[n]), list(tensors[n].shape)] for n in names],
-        "loras": [[w, _dtype(a), list(a.shape), _dtype(b), list(b.shape), s]
+        "tensors": [[n, dtype_name(tensors[n]), list(tensors[n].shape)] for n in names],
+        "loras": [[w, dtype_name(a), list(a.shape), dtype_name(b), list(b.shape), s]
                   for w, a, b, s in ((w, *saved.pair(w)) for w in sorted(saved.loras))],
         "config": config,
     }
@@ -218,21 +218,32 @@ def _model_dtype(saved: Saved) -> torch.dtype:
 
 def manifest(saved: Saved, pool, config_dir: str) -> Pool:
     """Where each tensor lives in the pool (after release(share_host=True)); refuses one that is not there."""
-    tensors = [_entry(name, t, pool) for name, t in sorted(saved.tensors.items())]
-    loras = [PoolLora(weight=w, a=_entry(w[: -len("weight")] + "lora_A.weight", a, pool),
-                      b=_entry(w[: -len("weight")] + "lora_B.weight", b, pool), scaling=s)
-             for w, a, b, s in ((w, *saved.pair(w)) for w in sorted(saved.loras))]
+    return pool_message(pool, saved.tensors, {w: saved.pair(w) for w in saved.loras}, config_dir)
+
+
+def pool_message(pool, tensors: dict[str, torch.Tensor], pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
+                 config_dir: str) -> Pool:
+    """The Pool a child maps: where each of `tensors` and each LoRA pair (weight -> A, B, scaling) lives in `pool`."""
+    entries = [pool_entry(name, t, pool) for name, t in sorted(tensors.items())]
+    loras = [PoolLora(weight=w, a=pool_entry(a_name, a, pool), b=pool_entry(b_name, b, pool), scaling=s)
+             for w, (a, b, s) in sorted(pairs.items()) for a_name, b_name in [pair_names(w)]]
     shared = pool.shared()
-    return Pool(fds=[fd for fd, _ in shared], sizes=[n for _, n in shared], tensors=tensors, loras=loras,
+    return Pool(fds=[fd for fd, _ in shared], sizes=[n for _, n in shared], tensors=entries, loras=loras,
                 config_dir=config_dir)
 
 
-def _entry(name: str, t: torch.Tensor, pool) -> PoolTensor:
+def pair_names(weight: str) -> tuple[str, str]:
+    """The names a LoRA pair of `weight` travels under (pool entries, digests): <module>.lora_A/B.weight."""
+    stem = weight[: -len("weight")]
+    return stem + "lora_A.weight", stem + "lora_B.weight"
+
+
+def pool_entry(name: str, t: torch.Tensor, pool) -> PoolTensor:
     where = pool.locate(t)
     if where is None:
         raise SourceError(f"{name} of the live model is not in the released memory (a weight conversion made a new "
                           "tensor for it); export this model from a checkpoint instead")
-    return PoolTensor(name=name, chunk=where[0], offset=where[1], dtype=_dtype(t), shape=list(t.shape),
+    return PoolTensor(name=name, chunk=where[0], offset=where[1], dtype=dtype_name(t), shape=list(t.shape),
                       stride=list(t.stride()))
 
 
@@ -247,16 +258,23 @@ def part_names(names: list[str], prefix: str, index: int, num_layers: int) -> li
 def part_digest(saved: Saved, names: list[str]) -> str:
     """The digest the child computes for these names (child/pool_reader.py): same tensors, same bytes."""
     items = [(n, saved.lookup(saved.paths[n])) for n in names]  # this part's tensors only, not the whole map
-    for n in names:
-        if n in saved.loras:
-            a, b, _ = saved.pair(n)
-            items += [(n[: -len("weight")] + "lora_A.weight", a), (n[: -len("weight")] + "lora_B.weight", b)]
-    return tensor_digest((n, _dtype(t), list(t.shape), _raw(t)) for n, t in items)
+    items += pair_items(names, {n: saved.pair(n) for n in names if n in saved.loras})
+    return digest(items)
+
+
+def pair_items(names: list[str], pairs: dict) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the LoRA pairs (weight -> (A, B, ...)) of the weights among `names`, as digests list them."""
+    return [(pn, t) for n in names if n in pairs for pn, t in zip(pair_names(n), pairs[n][:2])]
+
+
+def digest(items) -> str:
+    """The digest of (name, tensor) items, as the child computes it from the pool (shared.durable.tensor_digest)."""
+    return tensor_digest((n, dtype_name(t), list(t.shape), _raw(t)) for n, t in items)
 
 
 def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
 
 
-def _dtype(t: torch.Tensor) -> str:
+def dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")

@@ -34,9 +34,8 @@ import msgspec
 import torch
 from torch import nn
 
-from shared.durable import tensor_digest
 from shared.job import Job, Source
-from shared.messages import Pool, PoolLora
+from shared.messages import Pool
 from supervisor import live
 from supervisor.errors import SourceError
 from supervisor.source import SourceInfo
@@ -77,8 +76,8 @@ def plan(job: Job, model: nn.Module) -> tuple[Job, LiveLora]:
     """The job to run (with [source] path set to the discovered base when it had no [source]) and the live pairs;
     raises SourceError with a one-line message. Reads the model's names only, never its tensors."""
     quantized = quantized_base(model)
-    inner, adapter = live._unwrap_peft(model, quantized=True)
-    loras, _ = live._lora_layers(inner, adapter, quantized=True)
+    inner, adapter = live.unwrap_peft(model, quantized=True)
+    loras, _ = live.lora_layers(inner, adapter, quantized=True)
     lora = LiveLora(live.Saved(inner, {}, loras), quantized)
     if job.source is None:
         path, lora.found_by = _discover(model, inner, adapter, quantized)
@@ -108,9 +107,9 @@ def check(lora: LiveLora, source: SourceInfo) -> dict:
     diff = _config_difference(lora.saved.inner.config, source.path)
     if diff:
         raise SourceError(f"{where} is not the live model's base: {diff}; {fix}")
-    from supervisor.adapter import _base_shapes
+    from supervisor.adapter import base_shapes
 
-    shapes = _base_shapes(source.path, source.files)
+    shapes = base_shapes(source.path, source.files)
     rows = []
     for weight in sorted(lora.saved.loras):
         a, b, scaling = lora.saved.pair(weight)
@@ -120,7 +119,7 @@ def check(lora: LiveLora, source: SourceInfo) -> dict:
         if len(shape) != 2 or list(a.shape) != [a.shape[0], shape[1]] or list(b.shape) != [shape[0], a.shape[0]]:
             raise SourceError(f"the live adapter's pair on {weight} (A{list(a.shape)} B{list(b.shape)}) does not fit "
                               f"{weight} {shape} of {where}; {fix}")
-        rows.append([weight, live._dtype(a), list(a.shape), live._dtype(b), list(b.shape), scaling])
+        rows.append([weight, live.dtype_name(a), list(a.shape), live.dtype_name(b), list(b.shape), scaling])
     return {"live_lora": hashlib.sha256(json.dumps(rows).encode()).hexdigest()}
 
 
@@ -151,11 +150,8 @@ class Shared:
 
     def digest(self, names: list[str]) -> str:
         """What the child's PoolSource.pairs_digest computes for these names: their pairs' bytes; "" for none."""
-        items = [(n[: -len("weight")] + kind + ".weight", t) for n in names if n in self.pairs
-                 for kind, t in zip(("lora_A", "lora_B"), self.pairs[n])]
-        if not items:
-            return ""
-        return tensor_digest((n, live._dtype(t), list(t.shape), live._raw(t)) for n, t in items)
+        items = live.pair_items(names, self.pairs)
+        return live.digest(items) if items else ""
 
 
 def share(lora: LiveLora, pool, config_dir: str) -> Shared:
@@ -171,10 +167,5 @@ def share(lora: LiveLora, pool, config_dir: str) -> Shared:
             host.copy_(t.detach())
             hosts.append(host)
     copies = {w: (hosts[2 * i], hosts[2 * i + 1]) for i, w in enumerate(pairs)}
-    entries = [PoolLora(weight=w, a=live._entry(w[: -len("weight")] + "lora_A.weight", a, pool),
-                        b=live._entry(w[: -len("weight")] + "lora_B.weight", b, pool), scaling=pairs[w][2])
-               for w, (a, b) in copies.items()]
-    fds = pool.shared()
-    spec = Pool(fds=[fd for fd, _ in fds], sizes=[n for _, n in fds], tensors=[], loras=entries,
-                config_dir=config_dir)
+    spec = live.pool_message(pool, {}, {w: (a, b, pairs[w][2]) for w, (a, b) in copies.items()}, config_dir)
     return Shared(spec, copies)

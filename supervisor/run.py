@@ -597,8 +597,6 @@ class Run:
         return self._start_one(slot, slot.device, slot.id, on_hello)
 
     def _start_group(self, slot: Slot, on_hello) -> Group:
-        from supervisor import devices
-
         self._check_cancel()
         world, devs = self.plan.world, self.plan.devices
         rank_devices = [devs[r] for r in range(world)] if devs != ["cpu"] else ["cpu"] * world
