@@ -108,7 +108,7 @@ class Cluster:
             ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False, include_dashboard=False,
                      configure_logging=False, namespace=f"supervisor-{secrets.token_hex(4)}")
         except Exception as exc:  # noqa: BLE001 - ConnectionError and Ray's own: one line to the user
-            raise ClusterError(f"cannot join the Ray cluster at {address!r}: {_one_line(exc)}; start it (ray start "
+            raise ClusterError(f"cannot join the Ray cluster at {address!r}: {one_line(exc)}; start it (ray start "
                                "--head) or set [resources] ray_address / $RAY_ADDRESS") from None
         cluster = None
         try:
@@ -252,7 +252,7 @@ def _reachable(address: str) -> str:
 
         resolved = canonicalize_bootstrap_address(address)
     except ConnectionError as exc:
-        raise ClusterError(f"no Ray cluster to join ({_one_line(exc)}); start one (ray start --head) or set "
+        raise ClusterError(f"no Ray cluster to join ({one_line(exc)}); start one (ray start --head) or set "
                            "[resources] ray_address / $RAY_ADDRESS") from None
     except Exception:  # noqa: BLE001 - a Ray without that helper: take the address as given
         resolved = address
@@ -332,6 +332,7 @@ def _probe(ray, cluster: Cluster, source_files: dict[str, int], output: str) -> 
                 pass
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """A foreign exception's message as one line (its last non-empty one: Ray's own end with the cause)."""
     text = [line for line in str(exc).strip().splitlines() if line.strip()]
     return text[-1] if text else type(exc).__name__

@@ -62,6 +62,7 @@ class ClusterJoined(Event):
     address: str  # the Ray cluster's
     host: str
     port: int
+    nodes: int = 0  # the nodes the workers are on
     agents: list[str] = []  # per worker slot: its node (host, address, node id) and GPU
     left_out: list[str] = []  # seats given back: their node's free memory holds no more workers of this model
 

@@ -74,9 +74,8 @@ class Display:
                     p.console.print(f"the warm parent stays {e.kept:.0f}s after this run for the next one "
                                     "(resources.keep_warm; `supervisor warm --stop` ends it)", style="dim")
             case ev.ClusterJoined():
-                nodes = len(dict.fromkeys(a.split(" GPU ")[0] for a in e.agents))
-                p.console.print(f"Ray cluster {e.address}: {len(e.agents)} workers on {nodes} node(s); they connect "
-                                f"to {e.host}:{e.port}")
+                p.console.print(f"Ray cluster {e.address}: {len(e.agents)} workers on {e.nodes} node(s); they "
+                                f"connect to {e.host}:{e.port}")
                 for why in e.left_out:
                     p.console.print(f"[yellow]a worker left out on {why}")
             case ev.ConnectionRefused():

@@ -30,6 +30,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable
 
+from supervisor.cluster import one_line
 from supervisor.worker import CancelledWait, Worker, WorkerLost
 
 MAGIC = b"LWSUP01\n"
@@ -131,14 +132,14 @@ class RemoteProc:
     """A worker process on another node, with the subset of subprocess.Popen that supervisor.worker uses; its
     exit is the node host's `wait_worker` reference (an error there: the actor or its node died)."""
 
-    def __init__(self, agent, pid: int, where: str):
+    def __init__(self, host, pid: int, where: str):
         import ray
 
         self._ray = ray
-        self.agent, self.pid, self.where = agent, pid, where
+        self.host, self.pid, self.where = host, pid, where
         self.returncode: int | None = None
         self.lost = ""  # why the process is taken for dead without an exit code (its node or actor died)
-        self._ref = agent.wait_worker.remote(pid)
+        self._ref = host.wait_worker.remote(pid)
 
     def _settle(self, timeout: float | None) -> bool:
         ray = self._ray
@@ -165,8 +166,8 @@ class RemoteProc:
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
             try:
-                self.agent.signal_worker.remote(self.pid, int(sig))
-            except Exception:  # noqa: BLE001 - a dead actor: the process is gone with it
+                self.host.signal_worker.remote(self.pid, int(sig))
+            except Exception:  # noqa: BLE001 - a dead host: the process is gone with it
                 pass
 
     def terminate(self) -> None:
@@ -182,9 +183,10 @@ class RemoteWorker(Worker):
     """A Worker whose child runs on another node: started by that node's host, its frames over the run's TCP
     connection (Listener), its log written by the host on the shared file system."""
 
-    def __init__(self, *args, agent, listener: Listener, where: str, cancelled: Callable[[], bool], **kwargs):
+    def __init__(self, *args, host, listener: Listener, where: str, cancelled: Callable[[], bool], **kwargs):
+        """host: the NodeHost actor of the worker's node (supervisor/node_agent.py)."""
         super().__init__(*args, **kwargs)
-        self.agent, self.listener, self.where, self._cancelled = agent, listener, where, cancelled
+        self.host, self.listener, self.where, self._cancelled = host, listener, where, cancelled
 
     def _launch(self) -> tuple[int, int]:
         import ray
@@ -197,11 +199,11 @@ class RemoteWorker(Worker):
         deadline = time.monotonic() + self.startup_timeout
         sock = None
         try:
-            ref = self.agent.start_worker.remote(self.listener.host, self.listener.port,
+            ref = self.host.start_worker.remote(self.listener.host, self.listener.port,
                                                  preamble(self.listener.secret, token), self.env, self.log_path,
                                                  os.getcwd(), self.heartbeat_timeout)
             pid = self._wait_ref(ray, ref, deadline)
-            self.proc = RemoteProc(self.agent, pid, self.where)
+            self.proc = RemoteProc(self.host, pid, self.where)
             while True:
                 try:
                     sock = arrived.result(timeout=0.2)
@@ -223,9 +225,9 @@ class RemoteWorker(Worker):
             if ready:
                 try:
                     return ray.get(ref)
-                except Exception as exc:  # noqa: BLE001 - the agent's error or its death, as Ray reports it
+                except Exception as exc:  # noqa: BLE001 - the host's error or its death, as Ray reports it
                     raise WorkerLost(f"the node host on {self.where} could not start a worker: "
-                                     f"{_one_line(exc)}", "") from None
+                                     f"{one_line(exc)}", "") from None
             self._check_wait(deadline, "was not started")
 
     def _check_wait(self, deadline: float, what: str) -> None:
@@ -239,7 +241,3 @@ class RemoteWorker(Worker):
         lost = getattr(self.proc, "lost", "")
         return f"{text}: {lost}" if lost else text
 
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[-1] if text else type(exc).__name__

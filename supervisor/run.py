@@ -367,7 +367,8 @@ class Run:
             c = plan.cluster
             c.on_refused = self._refused
             self._emit(ev.ClusterJoined(address=c.address, host=c.listener.host, port=c.listener.port,
-                                        agents=[a.where for a in c.agents], left_out=c.left_out))
+                                        nodes=len({a.node_id for a in c.agents}), agents=[a.where for a in c.agents],
+                                        left_out=c.left_out))
         if not todo and st.finalized is not None and not redo and not journal.verify_files(out, journal.not_shards(st.finalized.files, done)):
             return ev.Finished(output=out, parts=len(parts), nbytes=sum(r.nbytes for r in done.values()),
                                seconds=0.0, already_complete=True)
@@ -648,7 +649,7 @@ class Run:
             from supervisor.remote import RemoteWorker
 
             w = RemoteWorker(hello, log, agent.env, startup_timeout=r.startup_timeout,
-                             heartbeat_timeout=r.heartbeat_timeout, agent=agent.host_actor, listener=cluster.listener,
+                             heartbeat_timeout=r.heartbeat_timeout, host=agent.host_actor, listener=cluster.listener,
                              where=agent.where,
                              cancelled=cancelled or self._cancel.is_set)
         else:

@@ -161,7 +161,7 @@ def test_data_free_export_on_two_nodes_equals_this_hosts(host, model, local_ref,
     assert r.rc == 0, r.stderr
     assert cli.output_bytes(tmp_path / "out") == local_ref
     joined = r.of("ClusterJoined")[0]
-    assert len(joined["agents"]) == 2 and joined["host"] == "127.0.0.1", joined
+    assert len(joined["agents"]) == 2 and joined["nodes"] == 2 and joined["host"] == "127.0.0.1", joined
     nodes = {w["where"] for w in r.of("WorkerStarted")}
     assert len({n.split("node ")[1][:8] for n in nodes}) == 2, nodes
     wheres = [s["where"] for s in _shards(tmp_path / "out") if s["index"] >= 0]
