@@ -5,7 +5,7 @@ uninterrupted export. Not part of the test suite (it takes ~20 s per run); anyon
     python bench/soak.py --runs 40 --jobs 2 --seed 7 --markdown
 
 A fault is a (point, action) of the child (see child/faults.py: start, read, quantize, write_tmp,
-after_rename, config x sigkill, sigsegv, exit, raise, memoryerror, hang, garbage, truncated, oversized) firing
+staged, config x sigkill, sigsegv, exit, raise, memoryerror, hang, garbage, truncated, oversized) firing
 once on a random part, or the supervisor itself SIGKILLed at a random moment after its worker started (then
 the same command is run again). Prints one row per run: the fault, whether it fired, whether the export
 recovered, seconds from the fault to the supervisor's Retrying (detect) and to the part being written again

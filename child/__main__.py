@@ -17,6 +17,7 @@ import faulthandler
 import gc
 import os
 import resource
+import secrets
 import signal
 import sys
 import threading
@@ -260,9 +261,10 @@ class Exporter:
 
     def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:
         from child import quant_error
-        from child.writer import write_shard
+        from child.writer import stage_shard
 
         index, t0 = msg.index, time.perf_counter()
+        fence = msg.fence or secrets.token_hex(8)  # every file of this attempt is named by it (messages: Fencing)
         self._index, self._writer = index, writer
         quant_error.take()  # drop what a failed earlier part may have left
         quant_error.take_losses()
@@ -275,7 +277,7 @@ class Exporter:
         source_bytes = self.source.nbytes(tensors)
         faults.hit("read", index, writer)
         t_read = time.perf_counter()
-        self.backend.begin(index, msg.boundary)  # calibrated: this layer's inputs (from memory, a file, or computed)
+        self.backend.begin(index, msg.boundary, fence)  # calibrated: this layer's inputs (from memory, a file, or computed)
         self.beat.set(index, "quantize")
         staged_before = self._staging.capacity
         t1 = time.perf_counter()
@@ -290,8 +292,8 @@ class Exporter:
         t2 = time.perf_counter()
         substages = self._take_substages()
         if out is None:  # a group's rank other than 0: calibrated with the others, rank 0 writes the shard
-            return self._rank_done(index, t0, {"read": t_read - t0, "inputs": t1 - t_read, "quantize": t2 - t1},
-                                   source_bytes, gpu, digest, substages)
+            return self._rank_done(index, fence, t0, {"read": t_read - t0, "inputs": t1 - t_read,
+                                                      "quantize": t2 - t1}, source_bytes, gpu, digest, substages)
         self._prefetch_onto_device(msg.prefetch)
         error_seconds = quant_error.spent
         errors = quant_error.take()
@@ -304,11 +306,10 @@ class Exporter:
             parent_alive()
             faults.hit(stage, index, writer)
 
-        name = layout.shard_name(index)
         out, metadata = self.backend.serialize(out)
         stages = {"read": t_read - t0, "inputs": t1 - t_read, "wait": turn["wait"],
                   "quantize": t2 - t1 - turn["wait"] - error_seconds, "error": error_seconds}
-        w = write_shard(out, self.output, layout.state_path(self.output, layout.TMP), name, checkpoint,
+        w = stage_shard(out, os.path.join(self.output, layout.staged_name(index, fence)), checkpoint,
                         metadata=metadata, timings=stages)
         del out
         if index == NON_LAYER and self._staging.capacity > staged_before:
@@ -324,13 +325,13 @@ class Exporter:
         stages["cleanup"] = time.perf_counter() - t4
         faults.log_live_tensors(index, settle=lambda: [f.result() for f in self._ahead.values()])
         self.beat.set(None, "idle")
-        return LayerWritten(index=index, file=name, digest=w.digest, nbytes=w.nbytes, ino=w.ino, mtime_ns=w.mtime_ns,
+        return LayerWritten(index=index, file=layout.shard_name(index), fence=fence, digest=w.digest, nbytes=w.nbytes, ino=w.ino, mtime_ns=w.mtime_ns,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
                             peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), quant_error=errors,
                             stages={k: round(v, 4) for k, v in stages.items()}, boundary=boundary,
                             source_digest=digest, rank=self.rank, losses=losses, ranks=substages)
 
-    def _rank_done(self, index: int, t0: float, stages: dict, source_bytes: int, gpu, digest: str,
+    def _rank_done(self, index: int, fence: str, t0: float, stages: dict, source_bytes: int, gpu, digest: str,
                    substages: dict) -> LayerWritten:
         """A group rank's part of a layer: no shard, only the boundary of its own samples, made durable."""
         from child import quant_error
@@ -345,7 +346,7 @@ class Exporter:
         _malloc_trim()
         self.source.trim()
         self.beat.set(None, "idle")
-        return LayerWritten(index=index, file="", digest="", nbytes=0, seconds=time.perf_counter() - t0,
+        return LayerWritten(index=index, file="", fence=fence, digest="", nbytes=0, seconds=time.perf_counter() - t0,
                             source_bytes=source_bytes, peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu),
                             stages={k: round(v, 4) for k, v in stages.items()}, boundary=boundary,
                             source_digest=digest, rank=self.rank, losses=quant_error.take_losses(),

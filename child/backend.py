@@ -2,7 +2,7 @@
 config.json says, and (calibrated methods) the activations that cross from one layer to the next.
 
     Exporter (child/__main__.py)          Backend (one per job, built once per worker)
-      ExportLayer(i, boundary) ──────────▶ begin(i, boundary)       calibrated: layer i's inputs at hand
+      ExportLayer(i, boundary, fence) ───▶ begin(i, boundary, fence)  calibrated: layer i's inputs at hand
       tensors of part i ─────────────────▶ quantize_layer(i, tensors) | quantize_non_layer(tensors)
       ◀──────────────────────── {name: tensor}  (the format's own objects, e.g. torchao tensor subclasses)
       that dict ─────────────────────────▶ serialize(tensors)
@@ -42,9 +42,10 @@ class Backend(Protocol):
     previews: bool  # quantize_* accept meta tensors (shapes and dtypes only) and return meta tensors
     checks_loading: bool  # transformers' loader check (child/loadcheck.py) applies to this format's output
 
-    def begin(self, index: int, boundary: Boundary | None) -> None:
+    def begin(self, index: int, boundary: Boundary | None, fence: str = "") -> None:
         """Before part `index` (NON_LAYER included): `boundary` is the journaled input of layer `index` when the
-        supervisor knows one (calibrated methods); a backend that keeps it in memory may ignore it."""
+        supervisor knows one (calibrated methods); a backend that keeps it in memory may ignore it. `fence`: the
+        attempt's token (ExportLayer.fence), in the name of every file the backend writes for this part."""
 
     def quantize_layer(self, index: int, tensors: dict) -> dict:
         """Layer `index`'s checkpoint tensors (full names) in, the tensors of its output shard out (host memory;

@@ -121,13 +121,16 @@ class Calibrator:
         self._pin = self.device.type == "cuda"
         self._args_key = None
         self._args = None
+        self._fence = ""  # the current attempt's (begin)
         r = job.resources
         self._ram_budget = int(r.activation_ram_gb * 2**30) if r.activation_ram_gb else \
             psutil.virtual_memory().total // 4
 
     # ---- Backend -------------------------------------------------------------------------------------------
-    def begin(self, index: int, boundary: Boundary | None) -> None:
-        """Make sure the inputs of layer `index` are at hand (the non-layer part needs none)."""
+    def begin(self, index: int, boundary: Boundary | None, fence: str = "") -> None:
+        """Make sure the inputs of layer `index` are at hand (the non-layer part needs none); every file this
+        attempt writes carries `fence` in its name."""
+        self._fence = fence
         if index < 0 or (self._inputs is not None and self._inputs.feeds == index):
             return
         self._drop_inputs()
@@ -268,7 +271,7 @@ class Calibrator:
                               keep_in_ram=2 * inputs.nbytes <= self._ram_budget, buffer=spare, pin=self._pin)
 
     def _boundary_name(self, feeds: int) -> str:
-        return layout.boundary_name(feeds, self.rank if self.world > 1 else None)
+        return layout.boundary_name(feeds, self.rank if self.world > 1 else None, self._fence)
 
     def _drop_inputs(self) -> None:
         if self._inputs is not None:
@@ -325,7 +328,8 @@ class Calibrator:
                     shapes = [(1, int(s.shape[1]), *hidden.shape[2:]) for s in ids]
                     size = sum(torch.Size(s).numel() for s in shapes) * hidden.dtype.itemsize
                     fits = 2 * size <= self._ram_budget
-                    tmp = None if fits else layout.state_path(self.output, layout.TMP, "inputs-layer-00000.bin.tmp")
+                    tmp = None if fits else layout.state_path(
+                        self.output, layout.TMP, os.path.basename(self._boundary_name(0)) + ".tmp")
                     writer = BoundaryWriter(0, shapes, hidden.dtype, tmp_path=tmp, keep_in_ram=fits, pin=self._pin)
                 writer.put(j, hidden)
             acts, _, _ = writer.commit(None)

@@ -7,15 +7,16 @@ reach it. The value is one fault object or a list of them::
     [{"point": "read", "action": "hang", "index": 0, "once": "/tmp/m0"},
      {"point": "start", "action": "garbage", "once": "/tmp/m1", "after": "/tmp/m0"}]
 
-point:  start | read | device | quantize | write_tmp | after_rename | boundary | config | plan | any | zygote
+point:  start | read | device | quantize | write_tmp | staged | boundary | config | plan | any | zygote
         (action "unforkable"); device fires inside a worker's turn on a GPU it shares (Hello.device_lock), lock held;
         plan fires as a worker starts describing the export (Describe)
         calibrated methods also: forward | calibrate | propagate (stages inside quantize), and boundary fires
         after the next layer's inputs were made durable, before the supervisor hears of the layer
 action: sigkill | sigsegv | exit | raise | repeats | memoryerror | hang | stall | garbage | truncated | oversized |
-        leak | enospc | flood | await  (raise: a RuntimeError, retried; repeats: a ValueError, which the child
-        reports as certain to repeat; await: wait until the file `path` exists, then go on; after `timeout`
-        seconds (default 300) raise a RuntimeError instead)
+        leak | enospc | flood | await | partitioned  (raise: a RuntimeError, retried; repeats: a ValueError, which
+        the child reports as certain to repeat; await: wait until the file `path` exists, then go on; after
+        `timeout` seconds (default 300) raise a RuntimeError instead; partitioned: as await, with heartbeats
+        stopped from then on, as a worker cut off from its supervisor that later goes on with its part)
         (hang stops heartbeats too; stall keeps them going, as a main thread stuck in a GIL-free C call would)
 index:  the layer it fires on (omit: every layer; -1 is the non-layer shard); start and config have no layer
 worker: the worker slot it fires in (Hello.worker; omit: every worker; the export plan's own worker, on GPUs, is
@@ -123,7 +124,9 @@ def _fire(action: str, s: dict, writer) -> None:
         _stop_beating()  # no heartbeat may follow the bad bytes: the supervisor must act on the frame itself
         writer.send_raw(payload)
         _hang()
-    elif action == "await":  # an ordering made to happen: this point waits for another process's progress
+    elif action in ("await", "partitioned"):  # an ordering made to happen: wait for another process's progress
+        if action == "partitioned":
+            _stop_beating()  # for good: the supervisor hears nothing more of this worker
         deadline = time.monotonic() + s.get("timeout", 300)
         while not os.path.exists(s["path"]):
             if time.monotonic() > deadline:

@@ -69,7 +69,7 @@ class NameOnlyQuantizer:
     def serialize(self, tensors: dict) -> tuple[dict, dict[str, str]]:
         return tensors, dict(SHARD_METADATA)
 
-    def begin(self, index: int, boundary) -> None:
+    def begin(self, index: int, boundary, fence: str = "") -> None:
         """Data-free: no state crosses layers."""
 
     def commit(self, index: int):

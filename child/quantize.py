@@ -157,7 +157,7 @@ class LayerQuantizer:
         return write_config(source_config_json, dest_dir, self.scheme, self.ignore, self._modifier,
                             self.trust_remote_code, self.tensor_names, self._compressed[source_config_json])
 
-    def begin(self, index: int, boundary) -> None:
+    def begin(self, index: int, boundary, fence: str = "") -> None:
         """Data-free: no state crosses layers."""
 
     def commit(self, index: int):

@@ -105,7 +105,7 @@ class TorchaoBackend:
         A tied lm_head has no tensor of its own, so it stays the (dense) embedding, as in transformers."""
         return self._quantize(tensors)
 
-    def begin(self, index: int, boundary) -> None:
+    def begin(self, index: int, boundary, fence: str = "") -> None:
         """Data-free: no state crosses layers."""
 
     def commit(self, index: int):

@@ -1,9 +1,12 @@
-"""Durable shard writes: safetensors into a temp file under OUT/.export/tmp, fsync, rename, fsync the folder.
+"""Durable shard writes: safetensors into the attempt's own temp file under OUT/.export/tmp, then fsync.
 
-A shard is visible at its final name only once it is complete. Its digest is computed from the bytes it was
+The worker stages a shard and never gives it its final name: the supervisor moves it there (rename, fsync the
+folder) once it has taken the attempt's reply, and only for the attempt it is waiting on (shared/messages.py,
+Fencing). So a shard is visible at its final name only complete, and only from the attempt that counts. Its digest is computed from the bytes it was
 written from (the header read back from the file, then each tensor's memory in file order), not by re-reading
 the file: the hash costs a pass over memory, not a second pass over the disk.
-Owns writing one shard; it never decides what goes in it and never touches the journal (the supervisor's).
+Owns writing one staged shard; it never decides what goes in it, never names a final file and never touches the
+journal (the supervisor's).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ _OS_ERROR = re.compile(r"\(os error (\d+)\)")
 class Written:
     digest: str  # "algo:hex" of the file's bytes
     nbytes: int
-    ino: int  # the file's identity once in place: resume trusts a shard whose (ino, mtime_ns, size) match
+    ino: int  # the file's identity (a rename keeps it): resume trusts a shard whose (ino, mtime_ns, size) match
     mtime_ns: int
 
 
@@ -82,33 +85,30 @@ def digest_written(path: str, tensors: dict, algo: str = durable.ALGO) -> str:
     return durable.digest_safetensors(path, lambda name: _bytes_of(tensors[name]) if name in tensors else None, algo)
 
 
-def write_shard(tensors: dict, output: str, tmp_dir: str, name: str,
-                checkpoint: Callable[[str], None] = lambda stage: None,
+def stage_shard(tensors: dict, path: str, checkpoint: Callable[[str], None] = lambda stage: None,
                 metadata: dict[str, str] | None = None, timings: dict[str, float] | None = None) -> Written:
-    """Write `tensors` as OUT/name with `metadata` in its header. `checkpoint(stage)` is the fault-injection
-    hook; `timings` (if given) gets the seconds spent in "save", "hash" and "sync" (fsync, rename, fsync dir)."""
+    """Write `tensors` with `metadata` in its header as the complete, fsynced file `path` (the attempt's staged
+    name, layout.staged_name). `checkpoint(stage)` is the fault-injection hook ("write_tmp": written, not synced;
+    "staged": synced, the reply not sent); `timings` (if given) gets the seconds spent in "save", "hash" and "sync"."""
     timings = {} if timings is None else timings
-    os.makedirs(tmp_dir, exist_ok=True)
-    tmp = os.path.join(tmp_dir, name + ".tmp")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     try:
         t0 = time.perf_counter()
-        _save(tensors, tmp, SHARD_METADATA if metadata is None else metadata)
-        os.chmod(tmp, 0o644)  # safetensors creates 0600 files; shards are meant to be shared like any checkpoint
+        _save(tensors, path, SHARD_METADATA if metadata is None else metadata)
+        os.chmod(path, 0o644)  # safetensors creates 0600 files; shards are meant to be shared like any checkpoint
         t1 = time.perf_counter()
-        digest = digest_written(tmp, tensors)
+        digest = digest_written(path, tensors)
         t2 = time.perf_counter()
         checkpoint("write_tmp")
-        dest = os.path.join(output, name)
-        t3 = time.perf_counter()
-        durable.replace(tmp, dest, drop_cache=True)  # measured: the next shard's save 0.09 -> 0.015 s (docs)
-        timings.update(save=t1 - t0, hash=t2 - t1, sync=time.perf_counter() - t3)
+        durable.fsync_file(path, drop_cache=True)  # measured: the next shard's save 0.09 -> 0.015 s (docs)
+        timings.update(save=t1 - t0, hash=t2 - t1, sync=time.perf_counter() - t2)
     except BaseException:
         try:
-            os.unlink(tmp)
+            os.unlink(path)
         except FileNotFoundError:
             pass
         raise
-    checkpoint("after_rename")
-    st = os.stat(dest)
+    checkpoint("staged")
+    st = os.stat(path)
     return Written(digest=digest, nbytes=st.st_size, ino=st.st_ino, mtime_ns=st.st_mtime_ns)

@@ -52,6 +52,13 @@ def replace(tmp: str, dest: str, drop_cache: bool = False) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(dest)))
 
 
+def place(tmp: str, dest: str) -> None:
+    """Move a complete file that its writer already fsynced (`tmp`) to `dest`, atomically and durably: the second
+    half of replace(), for the supervisor placing a shard a worker staged (child/writer.py)."""
+    os.replace(tmp, dest)
+    fsync_dir(os.path.dirname(os.path.abspath(dest)))
+
+
 def write_bytes(dest: str, data: bytes, tmp_dir: str | None = None) -> None:
     tmp_dir = tmp_dir or os.path.dirname(os.path.abspath(dest))
     tmp = os.path.join(tmp_dir, f".{os.path.basename(dest)}.{os.getpid()}.tmp")

@@ -22,7 +22,7 @@ JOURNAL = "journal.jsonl"
 LOCK = "lock"
 DONE = "done.json"
 LOGS = "logs"
-TMP = "tmp"  # shard tmp files; on the output's filesystem so rename is atomic
+TMP = "tmp"  # each attempt's temp files (staged shards, boundaries being written); on the output's filesystem
 STAGING = "staging"  # config.json staging before it is moved into place
 BOUNDARY = "boundary"  # calibration activations entering the next layer (only the newest is kept)
 INDEX = "model.safetensors.index.json"
@@ -40,11 +40,19 @@ def shard_name(index: int) -> str:
     return NON_LAYER_FILE if index == NON_LAYER else f"model-layer-{index:05d}.safetensors"
 
 
-def boundary_name(feeds: int, rank: int | None = None) -> str:
+def staged_name(index: int, fence: str) -> str:
+    """Where the attempt `fence` (ExportLayer.fence) leaves part `index`'s complete, fsynced shard, relative to the
+    output folder: only the supervisor moves it to shard_name(index), and only for the attempt it is waiting on."""
+    return f"{STATE_DIR}/{TMP}/{shard_name(index)}.{fence}.tmp"
+
+
+def boundary_name(feeds: int, rank: int | None = None, fence: str = "") -> str:
     """The boundary file feeding layer `feeds`, relative to the output folder; a group's rank has one of its own (the
-    activations of its samples)."""
+    activations of its samples). `fence`: the attempt that wrote it (a late writer's file never has the name the
+    journal holds); "" in journals written before attempts were fenced."""
     own = "" if rank is None else f"-rank-{rank:03d}"
-    return f"{STATE_DIR}/{BOUNDARY}/inputs-layer-{feeds:05d}{own}.bin"
+    attempt = f".{fence}" if fence else ""
+    return f"{STATE_DIR}/{BOUNDARY}/inputs-layer-{feeds:05d}{own}{attempt}.bin"
 
 
 def device_lock(output: str, device: str) -> str:

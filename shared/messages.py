@@ -5,10 +5,11 @@ Data flow (one worker)::
     supervisor                                   child (python -m child)
       Hello(version, job, device) ────────────▶  imports torch/llm-compressor, builds the meta skeleton
       ◀──────────── Ready(pid, versions, layer_prefix, num_layers)   (Heartbeat while importing)
-      ExportLayer(index, attempt, prefetch) ──▶  read (mmap) → quantize → write tmp → fsync → rename
+      ExportLayer(index, attempt, fence, …) ──▶  read (mmap) → quantize → write the attempt's temp file → fsync
         (+ boundary: calibrated jobs)            (calibrated: forward → calibrate → propagate → quantize → write)
-      ◀──────────── Heartbeat(index, stage) …  then  LayerWritten(index, file, digest, …) | Failed(…)
+      ◀──────────── Heartbeat(index, stage) …  then  LayerWritten(index, file, fence, digest, …) | Failed(…)
                                                  (calibrated: + boundary, the next layer's inputs, durable)
+      the supervisor moves the staged shard (layout.staged_name(index, fence)) to its name, then journals it
       Describe() ─────────────────────────────▶  every part's output on meta tensors (no weight read) + the loader
       ◀──────────── Described(parts, load)          check of that predicted output (before the first part; on GPUs
                                                     on a worker of its own while the first parts run, none
@@ -23,6 +24,12 @@ Rules: Structs with `tag=True`, one Union per direction, one typed Decoder per d
 travel as data (`Failed.kind/message/traceback` text), never pickled; `Failed.retry` is False for a failure that
 would repeat (same input, same code), which the supervisor then does not retry. New fields get defaults. Bump
 PROTOCOL_VERSION on any incompatible change; the child refuses a Hello with another version.
+
+Fencing: every attempt at a part carries a fence of its own (ExportLayer.fence, fresh random per request). A worker
+writes only files named by it (its staged shard, its boundary files) and never the shard's final name; the
+supervisor places the staged shard of the attempt it is waiting for and no other. A worker that outlives its
+attempt (a node back from a partition, after its part was redone elsewhere) can therefore never replace or
+corrupt a committed shard or boundary: what it writes has a name nothing reads.
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ import msgspec
 
 from shared.job import Job
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6  # 6: attempts fenced (the child stages a shard; the supervisor places it)
 
 NON_LAYER = -1  # the index used for the non-layer shard (embeddings, final norm, lm_head)
 
@@ -107,6 +114,7 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
 class ExportLayer(msgspec.Struct, tag=True, kw_only=True):
     index: int  # decoder layer index, or NON_LAYER
     attempt: int = 1
+    fence: str = ""  # this attempt's own token (hex): the names of every file it writes (layout.staged_name, boundary_name)
     prefetch: int | None = None  # the index the supervisor will ask for next (read ahead)
     boundary: Boundary | None = None  # calibrated: the journaled inputs of layer `index` (None: compute layer 0's)
     # a group's journaled inputs of layer `index`, one per rank (supervisor side only: the group sends each rank
@@ -155,7 +163,8 @@ class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
 
 class LayerWritten(msgspec.Struct, tag=True, kw_only=True):
     index: int
-    file: str  # name relative to the output folder
+    file: str  # the shard's name relative to the output folder, once the supervisor has placed it
+    fence: str = ""  # the request's: the shard is staged at layout.staged_name(index, fence), complete and fsynced
     digest: str  # "algo:hex" of the file's bytes (shared.durable)
     nbytes: int
     seconds: float
@@ -163,7 +172,7 @@ class LayerWritten(msgspec.Struct, tag=True, kw_only=True):
     peak_rss: int = 0  # the child's peak RSS while exporting this part (VmHWM reset per part), bytes
     rss: int = 0  # the child's RSS after the layer, bytes
     peak_gpu: int = 0  # torch.cuda.max_memory_allocated during this part, bytes
-    ino: int = 0  # the shard's inode and mtime once renamed into place (resume trusts a matching stat)
+    ino: int = 0  # the staged shard's inode and mtime (a rename keeps both: resume trusts a matching stat)
     mtime_ns: int = 0
     stages: dict[str, float] = {}  # seconds per stage: read, quantize, error, save, hash, sync, cleanup
     # module name -> ||dequantized - source|| / ||source|| of its weight, measured by the child (child/quant_error.py)

@@ -528,7 +528,7 @@ class Run:
         if self.plan.calibration is None or not 0 <= reply.index < n - 1:
             return
         bs = reply.boundaries if world > 1 else [reply.boundary] if reply.boundary is not None else []
-        names = [layout.boundary_name(reply.index + 1, r if world > 1 else None) for r in range(world)]
+        names = [layout.boundary_name(reply.index + 1, r if world > 1 else None, reply.fence) for r in range(world)]
         if [b.file for b in bs] != names or any(
                 b.feeds != reply.index + 1 or not os.path.isfile(os.path.join(self.plan.output, b.file))
                 or os.path.getsize(os.path.join(self.plan.output, b.file)) != b.nbytes for b in bs):
@@ -750,6 +750,8 @@ class Run:
     def _record(self, reply: LayerWritten, w: Worker | None, retries: int) -> None:
         """Journal a written part (the scheduler calls this one part at a time, with its failed attempts; `w`, the
         worker that wrote it, is the scheduler's to account: None for the non-layer part this process copied)."""
+        if w is not None:
+            self._place(reply)
         path = os.path.join(self.plan.output, reply.file)
         if reply.file != layout.shard_name(reply.index) or not os.path.isfile(path) \
                 or os.path.getsize(path) != reply.nbytes:
@@ -775,6 +777,21 @@ class Run:
                                    ranks=reply.ranks, losses=reply.losses, where=rec.where))
         self._progress.add(reply.source_bytes, reply.nbytes)
         self._emit(self._progress.event(worker_rss=reply.rss))
+
+    def _place(self, reply: LayerWritten) -> None:
+        """Move the shard the replying attempt staged (named by its fence, the one this run sent) to its name. Only
+        the attempt the scheduler waited on gets here; a worker that outlived its attempt staged under another
+        fence, which nothing places (shared/messages.py, Fencing)."""
+        out = self.plan.output
+        staged = os.path.join(out, layout.staged_name(reply.index, reply.fence))
+        try:
+            st = os.stat(staged)
+        except OSError:
+            st = None
+        if not reply.fence or st is None or st.st_size != reply.nbytes or st.st_ino != reply.ino:
+            raise ExportFailed(f"worker reported {layout.shard_name(reply.index)} staged as attempt {reply.fence!r}, "
+                               "but no such file is on disk as described", index=reply.index)
+        durable.place(staged, os.path.join(out, layout.shard_name(reply.index)))
 
     @property
     def _here(self) -> str:
@@ -808,8 +825,10 @@ class Run:
 
     def _finalize(self, done: dict[int, journal.Shard]) -> None:
         out = self.plan.output
-        reply = self._scheduler.write_config(layout.state_path(out, layout.STAGING))
+        staging = layout.state_path(out, layout.STAGING)
+        reply = self._scheduler.write_config(staging)
         finalize.place_config(reply.path, out)
+        shutil.rmtree(staging, ignore_errors=True)  # the attempts' folders (a failed one's config.json among them)
         shards = finalize.shard_files(self.plan.source.num_layers)
         finalize.write_index(out, shards)
         finalize.copy_side_files(self.plan.source.path, out)

@@ -22,6 +22,8 @@ Owns scheduling only: it never touches the journal or files itself (on_written d
 """
 from __future__ import annotations
 
+import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -359,10 +361,14 @@ class Scheduler:
             attempt = self._q.attempts.get(index, 0) + 1
             self._q.attempts[index] = attempt
         inputs = self.boundary(index) or []  # calibrated: one file, or one per rank of a group
-        msg = ExportLayer(index=index, attempt=attempt, prefetch=slot.reserved,
+        # a fence of its own per attempt: the names of every file it writes, so only this attempt's can land
+        msg = ExportLayer(index=index, attempt=attempt, fence=secrets.token_hex(8), prefetch=slot.reserved,
                           boundary=inputs[0] if len(inputs) == 1 else None, boundaries=inputs if len(inputs) > 1 else [])
         try:
             reply, w = self._request(slot, msg, LayerWritten, index, attempt)
+            if reply is not None and reply.fence != msg.fence:  # a protocol bug, never a late writer: it has no pipe
+                raise ExportFailed(f"worker answered {part_name(index)}'s attempt {msg.fence} with attempt "
+                                   f"{reply.fence!r}'s shard", index=index)
         except BaseException as exc:
             if isinstance(exc, NoRoom):  # its worker could not start there: the part was not attempted
                 with self._cond:
@@ -447,20 +453,31 @@ class Scheduler:
             w.kill() if kill else w.stop()
 
     # ---- finalize and shutdown -----------------------------------------------------------------------------
-    def write_config(self, dest: str) -> ConfigWritten:
-        """config.json into `dest` on slot 0's worker, with the same retries as a part."""
-        return self.request(WriteConfig(dest=dest), ConfigWritten, "config.json")
+    def write_config(self, staging: str) -> ConfigWritten:
+        """config.json on slot 0's worker, with the same retries as a part, each attempt into a folder of its own
+        under `staging` (a late writer's is never the one placed)."""
+        sent: list[WriteConfig] = []
+
+        def attempt() -> WriteConfig:
+            sent.append(WriteConfig(dest=os.path.join(staging, secrets.token_hex(8))))
+            return sent[-1]
+
+        reply = self.request(attempt, ConfigWritten, "config.json")
+        if os.path.dirname(os.path.abspath(reply.path)) != os.path.abspath(sent[-1].dest):
+            raise ExportFailed(f"worker wrote config.json at {reply.path!r}, not into {sent[-1].dest!r} as asked")
+        return reply
 
     def request(self, msg, success: type, what: str, slot: Slot | None = None):
         """One request about the whole export (config.json, the plan, the loader check) on slot 0's worker (or
-        `slot`'s), with the same retries as a part; returns the `success` reply."""
+        `slot`'s), with the same retries as a part; returns the `success` reply. `msg`: the message, or a function
+        that makes each attempt's."""
         # slot 0's, or (a cluster slot left out while its node is gone) the first slot that has a worker
         slot = slot if slot is not None else next((s for s in self.slots if s.worker is not None and not s.parked),
                                                   self.slots[0])
         for attempt in range(1, self.max_attempts + 1):
             if self.cancel.is_set():
                 raise Cancelled("export cancelled; run the same job again to resume")
-            reply, _ = self._request(slot, msg, success, None, attempt, what)
+            reply, _ = self._request(slot, msg() if callable(msg) else msg, success, None, attempt, what)
             if reply is not None:
                 return reply
         raise AssertionError("unreachable: the last attempt raises")  # pragma: no cover

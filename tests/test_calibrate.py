@@ -16,7 +16,7 @@ def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0):
     """Drive the Calibrator as the worker does (begin, quantize, shard, commit) without a child process."""
     from child.calibrate import Calibrator
     from child.source import Checkpoint
-    from child.writer import write_shard
+    from child.writer import stage_shard
     from shared import layout
     from shared.job import parse_job
     from shared.messages import NON_LAYER
@@ -35,7 +35,7 @@ def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0):
         names = src.non_layer_names(cal.layer_prefix) if i == NON_LAYER else src.layer_names(cal.layer_prefix, i)
         tensors = src.read(names)
         shard = cal.quantize_non_layer(tensors) if i == NON_LAYER else cal.quantize_layer(i, tensors)
-        write_shard(shard, str(out), tmp, layout.shard_name(i))
+        stage_shard(shard, os.path.join(out, layout.shard_name(i)))
         boundary = cal.commit(i) or boundary
     cal.write_config(os.path.join(source, "config.json"), str(out))
     finalize.write_index(str(out), finalize.shard_files(cal.num_layers))  # a folder transformers can load

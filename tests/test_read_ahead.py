@@ -48,8 +48,8 @@ def test_the_next_part_goes_onto_the_device_only_after_this_parts_quantize_stage
         return onto_device(index, tensors)
 
     ex.backend.quantize_layer, ex._onto_device = quantize_layer, copy
-    for index in range(3):
-        ex.export(ExportLayer(index=index, prefetch=index + 1 if index < 2 else None), _NoWire())
+    ahead = [ex.export(ExportLayer(index=index, prefetch=index + 1 if index < 2 else None), _NoWire())
+             for index in range(3)]
 
     # parts 1 and 2 were read ahead; each went onto the device once, after the part before it was quantized
     for index in (1, 2):
@@ -61,11 +61,10 @@ def test_the_next_part_goes_onto_the_device_only_after_this_parts_quantize_stage
     # the same bytes as a worker that reads nothing ahead
     plain = _exporter(model, str(tmp_path / "plain"))
     for index in range(3):
-        plain.export(ExportLayer(index=index), _NoWire())
-    for index in range(3):
-        name = layout.shard_name(index)
-        with open(tmp_path / "ahead" / name, "rb") as a, open(tmp_path / "plain" / name, "rb") as b:
-            assert a.read() == b.read(), name
+        reply = plain.export(ExportLayer(index=index), _NoWire())
+        staged = [layout.staged_name(index, r.fence) for r in (ahead[index], reply)]  # the worker only stages
+        with open(tmp_path / "ahead" / staged[0], "rb") as a, open(tmp_path / "plain" / staged[1], "rb") as b:
+            assert a.read() == b.read(), staged
 
 
 def test_a_part_whose_quantize_stage_failed_is_read_again_from_what_was_read_ahead(tiny_models, tmp_path):
@@ -91,6 +90,6 @@ def test_a_part_whose_quantize_stage_failed_is_read_again_from_what_was_read_ahe
         raise AssertionError("the stand-in failure did not reach the worker loop")
     assert 1 in ex._ahead  # read ahead, not yet onto the device
     written = ex.export(ExportLayer(index=1, prefetch=2), _NoWire())
-    assert written.index == 1 and os.path.exists(tmp_path / "out" / layout.shard_name(1))
+    assert written.index == 1 and os.path.exists(tmp_path / "out" / layout.staged_name(1, written.fence))
     ex.export(ExportLayer(index=0, attempt=2), _NoWire())
     assert calls == [0, 1, 0]

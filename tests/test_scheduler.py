@@ -30,7 +30,8 @@ class StandIn:
     def request(self, msg, stopping, on_heartbeat, timeout=0.0):
         assert isinstance(msg, ExportLayer)
         assert self.all_started.wait(60), "a slot never started its worker"
-        return LayerWritten(index=msg.index, file=f"part-{msg.index}", digest="x:0", nbytes=1, seconds=0.0)
+        return LayerWritten(index=msg.index, file=f"part-{msg.index}", fence=msg.fence, digest="x:0", nbytes=1,
+                            seconds=0.0)
 
     def kill(self):
         self.killed = True

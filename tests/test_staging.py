@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import save_file
 
 from child.staging import HostStaging
-from child.writer import write_shard
+from child.writer import stage_shard
 
 
 def _outputs(scale: int = 1) -> dict[str, torch.Tensor]:
@@ -79,10 +79,9 @@ def test_a_shard_written_from_staged_views_has_the_bytes_of_one_written_from_the
     save_file({k: v.contiguous() for k, v in src.items()}, str(ref), metadata={"format": "pt"})
     staged = HostStaging("cpu", stage_host=True).to_host(src)
     (tmp_path / "out").mkdir()
-    w = write_shard(staged, str(tmp_path / "out"), str(tmp_path / "tmp"), "part.safetensors")
+    w = stage_shard(staged, str(tmp_path / "out" / "part.safetensors"))
     assert (tmp_path / "out" / "part.safetensors").read_bytes() == ref.read_bytes()
-    plain = write_shard({k: v.contiguous() for k, v in src.items()}, str(tmp_path / "out"), str(tmp_path / "tmp"),
-                        "plain.safetensors")
+    plain = stage_shard({k: v.contiguous() for k, v in src.items()}, str(tmp_path / "out" / "plain.safetensors"))
     assert w.digest == plain.digest
 
 

@@ -144,7 +144,7 @@ def test_shard_header_is_sorted_and_deterministic(tmp_path):
     safetensors 0.8 alone writes the keys in a different order each time (a HashMap)."""
     from safetensors import safe_open
 
-    from child.writer import write_shard
+    from child.writer import stage_shard
 
     tensors = {"b.weight": torch.arange(6, dtype=torch.bfloat16), "a._weight_qdata": torch.ones(3, dtype=torch.int8)}
     meta = {f"layer.{i}.weight": json.dumps({"_type": "Tensor", "i": i}) for i in range(40)}
@@ -153,7 +153,7 @@ def test_shard_header_is_sorted_and_deterministic(tmp_path):
     for run in range(3):
         out = tmp_path / f"o{run}"
         out.mkdir()
-        write_shard(tensors, str(out), str(tmp_path / "tmp"), "s.safetensors", metadata=meta)
+        stage_shard(tensors, str(out / "s.safetensors"), metadata=meta)
         shas.add((out / "s.safetensors").read_bytes())
     assert len(shas) == 1
     path = tmp_path / "o0" / "s.safetensors"

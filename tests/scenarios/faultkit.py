@@ -24,7 +24,7 @@ from typing import Callable
 from tests.scenarios import cli
 
 FAULT_ENV = "SUPERVISOR_TEST_FAULT"
-LAYER_POINTS = ("read", "quantize", "write_tmp", "after_rename")
+LAYER_POINTS = ("read", "quantize", "write_tmp", "staged")
 POINTS = ("start",) + LAYER_POINTS + ("config",)
 ACTIONS = ("sigkill", "sigsegv", "exit", "raise", "memoryerror", "hang", "garbage", "truncated", "oversized")
 # What the supervisor's Retrying.reason must contain for each action (the child's death, its report, or the

@@ -6,6 +6,7 @@ file written when a fault fires), never by a sleep, and leave layers after them.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 
@@ -49,7 +50,10 @@ def _fault(marker, **spec):
 
 
 def _boundaries(out):
-    return sorted(os.listdir(os.path.join(out, layout.STATE_DIR, layout.BOUNDARY)))
+    """The boundary files left, each named for the layer it feeds (the attempt's fence in the name left out)."""
+    names = sorted(os.listdir(os.path.join(out, layout.STATE_DIR, layout.BOUNDARY)))
+    assert all(re.fullmatch(r"inputs-layer-\d{5}\.[0-9a-f]{16}\.bin", n) for n in names), names
+    return [re.sub(r"\.[0-9a-f]{16}\.bin$", ".bin", n) for n in names]
 
 
 def test_child_peak_rss_is_flat_across_calibrated_layers(reference):
@@ -74,7 +78,7 @@ def test_child_killed_while_calibrating_resumes_from_the_boundary(model, dataset
 
     corrupt = tmp_path / "corrupt"
     subprocess.run(["cp", "-a", str(out), str(corrupt)], check=True)
-    path = corrupt / layout.STATE_DIR / layout.BOUNDARY / "inputs-layer-00002.bin"
+    path, = (corrupt / layout.STATE_DIR / layout.BOUNDARY).glob("inputs-layer-00002.*.bin")
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40
     path.write_bytes(bytes(data))

@@ -84,8 +84,8 @@ def _wait_until(check, what: str, timeout: float = 300.0, run=None):
 KILL_POINTS = [
     ("importing", None),  # the warm parent exists and is still importing: no worker yet
     ("stalled", {"point": "quantize", "action": "stall"}),  # a part quantized, nothing written
-    ("stalled", {"point": "write_tmp", "action": "stall"}),  # the shard's temp file complete, not renamed
-    ("stalled", {"point": "after_rename", "action": "stall"}),  # the shard in place, not journaled
+    ("stalled", {"point": "write_tmp", "action": "stall"}),  # the shard's temp file written, not synced
+    ("stalled", {"point": "staged", "action": "stall"}),  # the shard staged (synced), not placed or journaled
     ("journaled", None),  # the first LayerWritten event: that shard is journaled
 ]
 assert len(KILL_POINTS) == KILLS

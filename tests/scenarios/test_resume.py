@@ -84,7 +84,7 @@ def test_child_sigkilled_is_restarted_within_the_same_run(big_model, reference, 
     """With attempts left, a SIGKILLed child is restarted and the layer redone; output is identical."""
     out = tmp_path / "out"
     job = cli.write_job(tmp_path / "job.toml", big_model, out, SCHEME)
-    proc = cli.run("run", job, "--json", env=_fault(tmp_path, point="after_rename", action="sigkill", index=5))
+    proc = cli.run("run", job, "--json", env=_fault(tmp_path, point="staged", action="sigkill", index=5))
     retries = [e for e in cli.events(proc) if e["type"] == "Retrying"]
     assert [r["index"] for r in retries] == [5] and "SIGKILL" in retries[0]["reason"]
     assert cli.output_bytes(out) == reference[0]

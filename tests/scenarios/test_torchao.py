@@ -96,19 +96,21 @@ def test_export_equals_whole_model_reference(kind, scheme, tiny_models, exported
 
 
 def test_killed_child_then_rerun_is_byte_identical(tiny_models, exported, tmp_path):
-    """A child SIGKILLed right after layer 0's shard is renamed (not yet journaled) fails the run; `run` again
-    redoes it and the folder is byte-identical to an uninterrupted export through the Python API (other
+    """A child SIGKILLed right after layer 0's shard is staged (synced, neither placed nor journaled) fails the run;
+    `run` again redoes it and the folder is byte-identical to an uninterrupted export through the Python API (other
     processes: so the shard headers' metadata order is fixed, not left to safetensors); verify passes (and
     `verify --vllm` on the unfinished folder says it is unfinished, without starting vLLM)."""
     scheme = "Int8DynamicActivationInt8Weight"
     uninterrupted = exported("llama", scheme)
     out = tmp_path / "out"
     job = write_job(tmp_path / "job.toml", tiny_models("llama"), out, scheme, max_attempts=1, workers=1)  # in order
-    fault = {"SUPERVISOR_TEST_FAULT": json.dumps({"point": "after_rename", "action": "sigkill", "index": 0,
+    fault = {"SUPERVISOR_TEST_FAULT": json.dumps({"point": "staged", "action": "sigkill", "index": 0,
                                                   "once": str(tmp_path / "fired")})}
     first = cli.run("run", job, "--json", env=fault, check=False)
     assert first.returncode == 1 and "layer 0" in first.stderr, first.stderr
-    assert os.path.exists(out / "model-layer-00000.safetensors")  # on disk, but never journaled
+    # staged on disk, but never placed: only the supervisor gives a shard its name, once it has the attempt's reply
+    assert not os.path.exists(out / "model-layer-00000.safetensors")
+    assert [f for f in os.listdir(out / ".export" / "tmp") if f.startswith("model-layer-00000.safetensors.")]
     assert json.loads(cli.run("status", out, "--json").stdout)["left"] == [0, 1, "non-layer"]
     # verify --vllm on an unfinished export: exit 1 saying so, vLLM never started (any Python passes the path check)
     unfinished = cli.run("verify", out, "--vllm", sys.executable, check=False)
