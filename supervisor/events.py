@@ -23,6 +23,9 @@ class Started(Event):
     redo: list[int] = []  # journaled parts that failed verification and are redone
     world: int = 1  # calibrated: the ranks that calibrate each layer together (a group when above 1)
     world_note: str = ""  # why it is 1 where more were asked (a method without a distributed path...)
+    # what the supervisor chose of the source, or could not check: a QLoRA base (supervisor/qlora.py) taken from two
+    # folders the live model names, or one whose quantized weights are of a form not compared with the checkpoint's
+    source_note: str = ""
 
 
 class MemoryReleased(Event):

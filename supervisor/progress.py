@@ -56,6 +56,8 @@ class Display:
                                     "process group)")
                 if e.world_note:
                     p.console.print(e.world_note, style="yellow")
+                if e.source_note:
+                    p.console.print(e.source_note, style="yellow")
                 if e.resumed:
                     p.console.print(f"resuming: {e.resumed} of {e.total} shards verified from an earlier run"
                                     + (f", redoing {e.redo}" if e.redo else ""))

@@ -362,7 +362,8 @@ class Run:
         self._clear_tmp()
         todo = [p for p in parts if p not in done]
         self._emit(ev.Started(output=out, total=len(parts), todo=len(todo), resumed=len(done), redo=sorted(redo),
-                              world=plan.world, world_note=plan.world_note))
+                              world=plan.world, world_note=plan.world_note,
+                              source_note=plan.lora.note if plan.lora is not None else ""))
         if plan.cluster is not None:
             c = plan.cluster
             c.on_refused = self._refused

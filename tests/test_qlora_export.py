@@ -73,12 +73,21 @@ def _state(model) -> dict:
 def _assert_same_model(model, before: dict, lora_objects: dict) -> None:
     now = model.state_dict()
     assert set(now) == set(before)
-    assert any(".absmax" in k for k in now) and any("quant_state" in k for k in now)  # Params4bit's own state
+    kinds = {type(p).__name__ for p in model.parameters()}
+    if "Params4bit" in kinds:
+        assert any(".absmax" in k for k in now) and any("quant_state" in k for k in now)  # Params4bit's own state
+    if "Int8Params" in kinds:
+        assert any(k.endswith(".SCB") for k in now)  # Int8Params' row scales
     for name, value in before.items():
-        assert now[name].dtype == value.dtype and torch.equal(now[name], value), f"{name} changed"
+        # bytes, not torch.equal: 4-bit codes stored as bf16 (bnb_4bit_quant_storage) hold NaN patterns
+        assert now[name].dtype == value.dtype and torch.equal(_bytes(now[name]), _bytes(value)), f"{name} changed"
     for name, p in model.named_parameters():
         if "lora_" in name:
             assert p is lora_objects[name] and p.requires_grad, name
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _lora_objects(model) -> dict:
@@ -218,3 +227,197 @@ def test_qlora_model_whose_base_is_not_found_or_not_its_own_is_refused_before_an
     plain = load_nf4(base)  # no PEFT: nothing to merge, and no 16-bit weights in memory
     msg = _refused(_job(out), plain, r"quantized \(Params4bit\)", out)
     assert '[source] path = "<the 16-bit checkpoint' in msg and "weight conversion" not in msg
+
+
+# ---- the base is recognised by its weights (supervisor/qlora.py: base_difference), not by its config alone ----------
+_FIX = '[source] path = "<the 16-bit checkpoint the live model was loaded from>"'
+
+
+@pytest.fixture(scope="module")
+def tuned(tiny_models, tmp_path_factory) -> str:
+    """The base with every matrix moved by 1% of its spread (a fine-tune of it: base vs instruct), same config."""
+    from safetensors.torch import load_file, save_file
+
+    base = tiny_models("llama")
+    out = tmp_path_factory.mktemp("tuned")
+    shutil.copytree(base, out, dirs_exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    for fn in [f for f in os.listdir(base) if f.endswith(".safetensors")]:
+        moved = {k: (v.float() + torch.randn(v.shape, generator=gen) * v.float().std() * 0.01).to(v.dtype)
+                 if v.ndim == 2 else v for k, v in load_file(os.path.join(base, fn)).items()}
+        save_file(moved, str(out / fn), metadata={"format": "pt"})
+    return str(out)
+
+
+def _started(job, live) -> ev.Started:
+    """The run's Started event; the run is then cancelled (the model restored), the export is not needed."""
+    with Supervisor(job, model=live, retry_delay=0.05) as run:
+        for e in run.events():
+            if isinstance(e, ev.Started):
+                return e
+    raise AssertionError("no Started event")
+
+
+def _bnb(base_dir: str, **quant):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=BitsAndBytesConfig(**quant),
+                                                 device_map="cpu", dtype=torch.bfloat16).eval()
+    return lora_model(model, seed=1, targets=TARGETS, r=16, lora_alpha=32)
+
+
+def test_a_base_with_the_live_models_config_but_other_weights_is_refused_naming_the_tensor(tiny_models, tmp_path,
+                                                                                          tuned):
+    """Another seed's checkpoint of the same config, and a fine-tune of the base (every matrix moved by 1% of its
+    spread), pass the config check but not the weights: a one-line refusal naming the folder, the tensor and the fix,
+    nothing written, the model untouched; as [source] path and as the folder the model names."""
+    base, seed7 = tiny_models("llama"), tiny_models("llama", seed=7)
+    live = qlora(base)
+    out = tmp_path / "outs" / "out"
+    os.makedirs(out.parent)
+    for folder in (seed7, tuned):
+        msg = _refused(_job(out, {"path": folder}), live, "holds another checkpoint than the live model's base", out)
+        assert f"[source] path {os.path.abspath(folder)!r}" in msg and "point it at the 16-bit checkpoint" in msg
+        assert "its model.layers.0." in msg and "is not what the live 4-bit weight encodes" in msg, msg
+    inner = live.base_model.model
+    live.peft_config["default"].base_model_name_or_path = inner.config._name_or_path = seed7
+    msg = _refused(_job(out), live, "holds another checkpoint than the live model's base", out)
+    assert f"({os.path.abspath(seed7)!r}, its config._name_or_path)" in msg and "its model.layers.0." in msg
+    assert _FIX in msg
+
+
+def test_the_folder_the_model_was_loaded_from_wins_over_the_adapters_recorded_base(tiny_models, tmp_path):
+    """The adapter records another checkpoint of the same config as its base (trained there, loaded onto this one):
+    the export is from the folder the live model itself names (config._name_or_path), Started.source_note says which
+    was taken, and the output equals PEFT's merge of the adapter into that base, then export."""
+    base, seed7 = tiny_models("llama"), tiny_models("llama", seed=7)
+    live = qlora(base)
+    live.peft_config["default"].base_model_name_or_path = seed7
+    seen = _export(_job(tmp_path / "out"), model=live)
+    note = next(e for e in seen if isinstance(e, ev.Started)).source_note
+    assert f"taken: {os.path.abspath(base)!r} (its config._name_or_path)" in note, note
+    assert f"not {os.path.abspath(seed7)!r} (its base_model_name_or_path)" in note
+    assert output_bytes(tmp_path / "out") == reference(base, live, tmp_path)
+
+
+def test_of_two_named_folders_the_weights_decide_and_an_adapter_named_folder_is_checked_too(tiny_models, tmp_path,
+                                                                                         tuned):
+    """config._name_or_path names a checkpoint of the same config with other weights and the adapter the base: the
+    base is taken, and the Started event says why the other was not; both folders wrong: one refusal naming both;
+    only the adapter naming a folder (config._name_or_path a hub id): that folder, refused too when its weights
+    are another checkpoint's."""
+    base, seed7 = tiny_models("llama"), tiny_models("llama", seed=7)
+    live = qlora(base)
+    config, inner = live.peft_config["default"], live.base_model.model
+    inner.config._name_or_path, config.base_model_name_or_path = seed7, base
+    note = _started(_job(tmp_path / "taken"), live).source_note
+    assert f"taken: {os.path.abspath(base)!r} (its base_model_name_or_path)" in note, note
+    assert f"not {os.path.abspath(seed7)!r} (its config._name_or_path), which holds another checkpoint: its " \
+           "model.layers.0." in note
+
+    out = tmp_path / "outs" / "out"
+    os.makedirs(out.parent)
+    config.base_model_name_or_path = tuned
+    msg = _refused(_job(out), live, "neither folder the live model names is its base", out)
+    assert repr(os.path.abspath(seed7)) in msg and repr(os.path.abspath(tuned)) in msg and _FIX in msg
+
+    inner.config._name_or_path = "meta-llama/Llama-3.1-8B"
+    msg = _refused(_job(out), live, "holds another checkpoint", out)
+    assert f"({os.path.abspath(tuned)!r}, its base_model_name_or_path)" in msg
+    config.base_model_name_or_path = base
+    assert _started(_job(tmp_path / "adapter"), live).source_note == ""
+
+
+@pytest.mark.parametrize("quant", [
+    {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True},
+    {"load_in_4bit": True, "bnb_4bit_quant_type": "fp4", "bnb_4bit_blocksize": 128,
+     "bnb_4bit_quant_storage": torch.bfloat16},
+    "repacked",  # nf4, after an eval forward on a CPU with AVX512-BF16: bitsandbytes repacks it for CPU inference
+], ids=["nf4-double-quant", "fp4-blocksize128-bf16-storage", "nf4-repacked-for-cpu"])
+def test_each_4bit_setting_accepts_its_base_and_refuses_another_seed(tiny_models, tmp_path, quant):
+    """Whatever the live 4-bit settings (quant type, blocksize, double quant, quant storage, bitsandbytes' CPU
+    repacking): the bf16 folder it was loaded from is accepted, another seed's checkpoint refused naming its
+    tensor."""
+    base, seed7 = tiny_models("llama"), tiny_models("llama", seed=7)
+    live = _bnb(base, **(quant if quant != "repacked" else {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}))
+    if quant == "repacked":
+        import bitsandbytes.functional as F
+
+        if not F.has_avx512bf16():
+            pytest.skip("bitsandbytes repacks 4-bit weights for inference only on a CPU with AVX512-BF16")
+        with torch.no_grad():
+            live(torch.tensor([[1, 2, 3]]))
+        weight = live.base_model.model.model.layers[0].self_attn.v_proj.base_layer.weight
+        assert weight.quant_state.packing_format_for_cpu
+    out = tmp_path / "out"
+    with pytest.raises(SourceError, match="holds another checkpoint") as info:  # state_dict() would unpack it
+        Supervisor(_job(out, {"path": seed7}), model=live)
+    assert "\n" not in str(info.value) and "its model.layers.0." in str(info.value) and not out.exists()
+    assert Supervisor(_job(out, {"path": base}), model=live).plan.job.source.path == os.path.abspath(base)
+    if quant == "repacked":
+        assert weight.quant_state.packing_format_for_cpu  # compared as it is, never unpacked in place
+
+
+def test_a_base_quantized_with_other_arithmetic_is_checked_by_what_its_bytes_encode(tiny_models, tmp_path, tuned):
+    """Double quant's offset one float32 ulp off, as a GPU's mean gives it (measured on an H200: 1-2 ulps from the
+    CPU's): bitsandbytes' CPU quantization of the folder no longer matches the live bytes, yet the base is accepted
+    (every value in its live code's cell, each absmax within the 8-bit step); another seed, the fine-tune, and the
+    base with one live 4-bit code changed are refused."""
+    import bitsandbytes.functional as F
+    from safetensors.torch import load_file
+
+    base, seed7 = tiny_models("llama"), tiny_models("llama", seed=7)
+    live = _bnb(base, load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    weights = [p for p in live.parameters() if type(p).__name__ == "Params4bit"]
+    for p in weights:
+        p.quant_state.offset = torch.nextafter(p.quant_state.offset, torch.tensor(1.0))
+    v = live.base_model.model.model.layers[0].self_attn.v_proj.base_layer.weight
+    disk = load_file(os.path.join(base, "model.safetensors"))["model.layers.0.self_attn.v_proj.weight"]
+    _, cpu = F.quantize_4bit(disk, blocksize=64, compress_statistics=True, quant_type="nf4")
+    assert cpu.offset.item() != v.quant_state.offset.item()  # the bytes path cannot match
+    assert Supervisor(_job(tmp_path / "out", {"path": base}), model=live).plan.job.source.path == os.path.abspath(base)
+    out = tmp_path / "outs" / "out"
+    os.makedirs(out.parent)
+    for folder in (seed7, tuned):
+        msg = _refused(_job(out, {"path": folder}), live, "is not what the live 4-bit weight encodes", out)
+        assert "its model.layers.0.self_attn.v_proj.weight" in msg
+    with torch.no_grad():
+        v.data[0] ^= 0x80  # the first value's code 8 steps away
+    msg = _refused(_job(out, {"path": base}), live, "is not what the live 4-bit weight encodes", out)
+    assert "1 of its 8192 values lie outside the cell of their live code" in msg, msg
+
+
+def test_an_8bit_base_is_checked_by_its_int8_rows_and_exports_from_its_folder(tiny_models, tmp_path):
+    """A PEFT model over a bitsandbytes 8-bit base (Int8Params, on the CPU): another seed's checkpoint of the same
+    config is refused naming its tensor; with no [source] its folder is taken and the output equals PEFT's merge of
+    the saved adapter into the bf16 base, then export."""
+    base, seed7 = tiny_models("llama"), tiny_models("llama", seed=7)
+    live = _bnb(base, load_in_8bit=True)
+    assert type(live.base_model.model.model.layers[0].self_attn.v_proj.base_layer.weight).__name__ == "Int8Params"
+    out = tmp_path / "outs" / "out"
+    os.makedirs(out.parent)
+    msg = _refused(_job(out, {"path": seed7}), live, "holds another checkpoint", out)
+    assert "its model.layers.0." in msg and "is not what the live int8 weight encodes" in msg
+    _export(_job(tmp_path / "out"), model=live)
+    assert output_bytes(tmp_path / "out") == reference(base, live, tmp_path)
+
+
+class _Opaque(torch.nn.Parameter):
+    """A weight of a quantizer supervisor/qlora.py does not know: a tensor subclass it cannot compare."""
+
+
+def test_a_base_of_an_unknown_quantizer_is_not_refused_and_the_started_event_says_it_is_unchecked(tiny_models,
+                                                                                                 tmp_path):
+    """A PEFT model whose base weights are a tensor subclass of no known quantizer, over another seed's checkpoint
+    (same config): not refused (its weights cannot be compared), and Started.source_note says the base was checked
+    by its config.json only, and why."""
+    from transformers import AutoModelForCausalLM
+
+    base, seed7 = tiny_models("llama"), tiny_models("llama", seed=7)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()
+    for module in model.model.layers.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight = _Opaque(module.weight.data, requires_grad=False)
+    live = lora_model(model, seed=1, targets=TARGETS)
+    note = _started(_job(tmp_path / "out", {"path": seed7}), live).source_note
+    assert f"the base {os.path.abspath(seed7)!r} is checked by its config.json only" in note and "_Opaque" in note

@@ -143,3 +143,39 @@ def test_live_qlora_model_exports_from_its_bf16_base_and_pairs(tmp_path):
     _export({"source": {"path": str(tmp_path / "merged")}, "export": {**job["export"], "output": str(tmp_path / "ref")},
              "resources": job["resources"]})
     assert output_bytes(tmp_path / "out") == output_bytes(tmp_path / "ref")
+
+
+@pytest.mark.parametrize("quant", ["nf4-double-quant", "int8"])
+def test_live_qlora_base_quantized_on_the_gpu_is_recognised_by_its_weights(tmp_path, quant):
+    """A bitsandbytes base quantized on cuda:0 (nf4 with double quant, whose bytes bitsandbytes' CPU quantization
+    does not reproduce: its offset and 8-bit absmax differ, measured; int8, whose rows round differently): the bf16
+    folder it was loaded from is accepted, another seed's checkpoint of the same config is refused naming its
+    tensor, and nothing is written."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
+
+    from supervisor.errors import SourceError
+
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=3, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=32000)
+    for seed, name in ((0, "base"), (7, "seed7")):
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path / name)
+    q = (BitsAndBytesConfig(load_in_8bit=True) if quant == "int8" else
+         BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                            bnb_4bit_compute_dtype=torch.bfloat16))
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=q, device_map={"": 0},
+                                                dtype=torch.bfloat16).eval()
+    live = lora_model(base, r=16, lora_alpha=32, targets=["q_proj", "v_proj", "down_proj"])
+    assert live.base_model.model.model.layers[0].self_attn.v_proj.base_layer.weight.device == torch.device("cuda:0")
+
+    def job(folder):
+        return parse_job({"source": {"path": str(tmp_path / folder)},
+                          "export": {"scheme": "FP8_DYNAMIC", "output": str(tmp_path / "out")},
+                          "resources": {"device": "cuda:0"}})
+
+    assert Supervisor(job("base"), model=live).plan.job.source.path == str(tmp_path / "base")
+    with pytest.raises(SourceError, match="holds another checkpoint than the live model's base") as info:
+        Supervisor(job("seed7"), model=live)
+    assert "its model.layers.0." in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
