@@ -497,7 +497,7 @@ class Run:
         return Scheduler(slots, max_attempts=r.max_attempts, part_timeout=r.part_timeout,
                          retry_delay=self.retry_delay, sequential=calibrated, cancel=self._cancel, emit=self._emit,
                          start_worker=self._start_worker, on_written=self._record, on_heartbeat=self._on_heartbeat,
-                         recycle=self._should_recycle, boundary=self._boundary_for,
+                         recycle=self._should_recycle, place=self._place, boundary=self._boundary_for,
                          room_timeout=r.startup_timeout if cluster is not None else 0.0)
 
     # ---- calibrated exports: the boundary (a layer's input activations) crossing from one layer to the next ----
@@ -751,8 +751,6 @@ class Run:
     def _record(self, reply: LayerWritten, w: Worker | None, retries: int) -> None:
         """Journal a written part (the scheduler calls this one part at a time, with its failed attempts; `w`, the
         worker that wrote it, is the scheduler's to account: None for the non-layer part this process copied)."""
-        if w is not None:
-            self._place(reply)
         path = os.path.join(self.plan.output, reply.file)
         if reply.file != layout.shard_name(reply.index) or not os.path.isfile(path) \
                 or os.path.getsize(path) != reply.nbytes:
@@ -780,9 +778,12 @@ class Run:
         self._emit(self._progress.event(worker_rss=reply.rss))
 
     def _place(self, reply: LayerWritten) -> None:
-        """Move the shard the replying attempt staged (named by its fence, the one this run sent) to its name. Only
-        the attempt the scheduler waited on gets here; a worker that outlived its attempt staged under another
-        fence, which nothing places (shared/messages.py, Fencing)."""
+        """Move the shard the replying attempt staged (named by its fence, the one this run sent) to its name (the
+        scheduler calls this as it takes the reply; journaled then, or after the plan's verdict). Only the attempt
+        the scheduler waited on gets here; a worker that outlived its attempt staged under another fence, which
+        nothing places (shared/messages.py, Fencing). A group rank other than 0 stages no shard."""
+        if not reply.file:
+            return
         out = self.plan.output
         staged = os.path.join(out, layout.staged_name(reply.index, reply.fence))
         try:

@@ -101,8 +101,10 @@ class Scheduler:
     calling `on_hello()` once the child exists, before its Ready.
     `on_written(reply, worker, retries)` journals a part (retries: its failed attempts before this one; worker: the
     one that wrote it, None for a part the caller wrote itself, see hand_off); it is called under one lock, from the
-    slot's thread, or the planner's for parts written ahead of the plan's verdict. `recycle(worker)` is asked after
-    each part the worker wrote (its layers_done and rss updated then).
+    slot's thread, or the planner's for parts written ahead of the plan's verdict. `place(reply)` gives the shard the
+    replying attempt staged its name, on the slot's thread, as soon as the reply is taken (before any journaling): the
+    only attempt whose files are placed is the one the slot waited on. `recycle(worker)` is asked after each part the
+    worker wrote (its layers_done and rss updated then).
     """
 
     def __init__(self, slots: list[Slot], *, max_attempts: int, part_timeout: float, retry_delay: float,
@@ -110,6 +112,7 @@ class Scheduler:
                  start_worker: Callable[[Slot, Callable[[], None]], Worker],
                  on_written: Callable[[LayerWritten, Worker | None, int], None],
                  on_heartbeat: Callable[[Heartbeat], None], recycle: Callable[[Worker], bool],
+                 place: Callable[[LayerWritten], None] = lambda reply: None,
                  boundary: Callable[[int], list[Boundary] | None] = lambda index: None, room_timeout: float = 0.0):
         if sequential and len(slots) != 1:
             raise ValueError("a sequential export runs on exactly one slot")
@@ -118,7 +121,7 @@ class Scheduler:
         self.sequential = sequential
         self.cancel = cancel
         self.emit, self.start_worker, self.on_written = emit, start_worker, on_written
-        self.on_heartbeat, self.recycle = on_heartbeat, recycle
+        self.on_heartbeat, self.recycle, self.place = on_heartbeat, recycle, place
         self.boundary = boundary  # calibrated: the journaled inputs of a layer, for workers without them
         self.room_timeout = room_timeout  # elastic slots: how long all of them may wait for room before the run fails
         self._cond = threading.Condition()
@@ -366,9 +369,11 @@ class Scheduler:
                           boundary=inputs[0] if len(inputs) == 1 else None, boundaries=inputs if len(inputs) > 1 else [])
         try:
             reply, w = self._request(slot, msg, LayerWritten, index, attempt)
-            if reply is not None and reply.fence != msg.fence:  # a protocol bug, never a late writer: it has no pipe
-                raise ExportFailed(f"worker answered {part_name(index)}'s attempt {msg.fence} with attempt "
-                                   f"{reply.fence!r}'s shard", index=index)
+            if reply is not None:
+                if reply.fence != msg.fence:  # a protocol bug, never a late writer: it has no pipe to us
+                    raise ExportFailed(f"worker answered {part_name(index)}'s attempt {msg.fence} with attempt "
+                                       f"{reply.fence!r}'s shard", index=index)
+                self.place(reply)  # this attempt's staged shard to its name (journaled now or after the verdict)
         except BaseException as exc:
             if isinstance(exc, NoRoom):  # its worker could not start there: the part was not attempted
                 with self._cond:
