@@ -247,11 +247,12 @@ class Cluster:
                                                     "for it", SHUTDOWN_SECONDS)
 
 
-def host_actor_class(ray):
-    """NodeHost as a Ray actor class, its calls in their concurrency groups (node_agent.CONCURRENCY_GROUPS)."""
+def host_actor_class(ray, cls=None):
+    """NodeHost (or a test's subclass) as a Ray actor class, its calls in their concurrency groups
+    (node_agent.CONCURRENCY_GROUPS)."""
     from supervisor.node_agent import CONCURRENCY_GROUPS, NodeHost
 
-    return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(NodeHost)
+    return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(cls or NodeHost)
 
 
 def _tls():

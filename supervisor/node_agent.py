@@ -42,9 +42,6 @@ from supervisor import channel
 # Read by nothing on one host: a test can make one node of a local cluster see the shared file system under
 # another root, as a node without the mount would (tests/cluster).
 BLIND_ENV = "SUPERVISOR_TEST_NODE_BLIND"
-# Test-only, in the run's environment (SUPERVISOR_*, so it reaches every node host of that run): "1" makes the
-# hosts drop every signal to a worker and never report an exit, as hosts cut off from the supervisor would.
-DEAF_ENV = "SUPERVISOR_TEST_HOST_DEAF"
 
 # Threads per concurrency group of a NodeHost (ray.remote(concurrency_groups=...), supervisor/cluster.py): a
 # signal never queues behind a wait or a start. Waits answer within their timeout (remote.WAIT_SLICE), so more
@@ -80,7 +77,6 @@ class NodeHost:
     def __init__(self, fmt: str, startup_timeout: float, zygote_log: str, env: dict[str, str]):
         self.fmt, self.startup_timeout, self.zygote_log = fmt, startup_timeout, zygote_log
         self.env = self._worker_env(env)
-        self.deaf = env.get(DEAF_ENV) == "1"
         self._zygote = None
         self._children: dict[int, object] = {}
         self._relays: dict[int, channel.TlsRelay] = {}
@@ -210,9 +206,6 @@ class NodeHost:
         child = self._children.get(pid)
         if child is None:
             return -9  # never started here (this host was replaced): nothing of it runs under this host
-        if self.deaf:
-            time.sleep(timeout)
-            return None
         try:
             code = child.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -225,7 +218,7 @@ class NodeHost:
     @_group("control")
     def signal_worker(self, pid: int, sig: int) -> None:
         child = self._children.get(pid)
-        if child is not None and not self.deaf:
+        if child is not None:
             child.send_signal(signal.Signals(sig))
 
     @_group("control")
