@@ -8,7 +8,8 @@ per node, the check that every node sees the source and the output, and their li
       hosts: one NodeHost per node with seats, pinned there: the node's warm parent and workers
       probe: a file with a nonce next to the output; every host reads it, writes its answer, checks every source
              file's size ─▶ a node that cannot: ClusterError naming it (exit 2), before anything is written
-    Cluster.listener                        the run's TCP port (supervisor/remote.py), on the address Ray uses here
+    Cluster.listener                        the run's TCP port (supervisor/remote.py), on the address Ray uses here;
+                                            TLS with Ray's certificates where Ray runs with TLS (every node checked)
     Cluster.agent(slot, wait)               the slot's seat and its node's host; a seat whose node died is replaced
                                             wherever Ray has room; none within `wait`: NoRoom (the pending seat
                                             stays asked for, so a node that comes back takes it)
