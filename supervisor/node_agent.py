@@ -187,6 +187,8 @@ class NodeHost:
 
         with self._lock:
             if self._zygote is None or not self._zygote.alive:
+                if self._zygote is not None:
+                    self._zygote.close()  # a dead or wedged one: its workers end with it
                 z = Zygote(self.env, self.zygote_log, self.fmt, self.startup_timeout, keep_warm=0.0)
                 try:
                     # its own deadline is startup_timeout (Zygote._wait_ready); this one only guards a stuck thread

@@ -1,15 +1,21 @@
-"""A node host's connection to the run's port (supervisor/node_agent.py's dial), without Ray: a worker whose
-supervisor's host vanishes without closing the connection (its peer stops acknowledging) exits within about the
-heartbeat timeout (TCP_USER_TIMEOUT, _bound_silence), in a network namespace of the test's own."""
+"""What a node host waits on (supervisor/node_agent.py), without Ray: a worker whose supervisor's host vanishes
+without closing the connection (its peer stops acknowledging) exits within about the heartbeat timeout
+(TCP_USER_TIMEOUT, _bound_silence; in a network namespace of the test's own), and a warm parent that never answers
+a fork request is given up within its deadline."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
+
+from supervisor import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SILENCE = 3.0  # the heartbeat timeout the host bounds the connection's silence by
@@ -60,3 +66,36 @@ def test_a_worker_whose_supervisor_host_vanished_exits_within_the_heartbeat_time
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["beat"] and got["code"] == 3, got
     assert got["seconds"] < SILENCE + 5, got  # the timeout, a heartbeat's period, and room for a loaded machine
+
+
+def test_a_warm_parent_that_never_answers_a_fork_is_given_up_within_its_deadline(monkeypatch, tmp_path):
+    """A warm parent alive but silent (its socket open, no reply): fork() raises ZygoteLost after FORK_SECONDS
+    instead of waiting forever (a node host would hold its start lock for good), and it counts as not alive."""
+    monkeypatch.setattr(zygote, "FORK_SECONDS", 0.5, raising=False)
+    z = zygote.Zygote({}, str(tmp_path / "zygote.log"), "compressed-tensors", 10)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    z.proc = subprocess.Popen(["sleep", "60"])
+    z._connected(ours)
+    r, w = os.pipe()
+    raised = []
+
+    def fork():
+        try:
+            z.fork([], {}, (r, w), (w, w))
+        except zygote.ZygoteLost as exc:
+            raised.append(exc.reason)
+
+    t = time.monotonic()
+    th = threading.Thread(target=fork, daemon=True)
+    th.start()
+    th.join(10)
+    try:
+        assert not th.is_alive(), "fork() still waiting for the warm parent after 10 s"
+        assert raised and "did not answer a fork request" in raised[0], raised
+        assert time.monotonic() - t < 5 and not z.alive
+    finally:
+        z.proc.kill()
+        z.close()
+        theirs.close()
+        os.close(r)
+        os.close(w)
