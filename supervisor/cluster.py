@@ -8,7 +8,8 @@ per node, the check that every node sees the source and the output, and their li
       hosts: one NodeHost per node with seats, pinned there: the node's warm parent and workers
       probe: a file with a nonce next to the output; every host reads it, writes its answer, checks every source
              file's size ─▶ a node that cannot: ClusterError naming it (exit 2), before anything is written
-    Cluster.listener                        the run's TCP port (supervisor/remote.py), on the address Ray uses here
+    Cluster.listener                        the run's TCP port (supervisor/remote.py), on the address Ray uses here;
+                                            TLS with Ray's certificates where Ray runs with TLS (every node checked)
     Cluster.agent(slot, wait)               the slot's seat and its node's host; a seat whose node died is replaced
                                             wherever Ray has room; none within `wait`: NoRoom (the pending seat
                                             stays asked for, so a node that comes back takes it)
@@ -30,7 +31,8 @@ from dataclasses import dataclass
 
 from supervisor.errors import ClusterError, DeviceError, NoRoom
 
-ACTOR_CONCURRENCY = 32  # wait_worker calls block in a host while start_worker and signal_worker go on
+PROBE_SECONDS = 120.0  # every node host's answer to the file-system probe; past it the join fails
+SHUTDOWN_SECONDS = 30.0  # ray.shutdown() at the run's end, on a thread: past it the run ends without waiting
 PLACE_SECONDS = 60.0  # how long a replacement seat waits for room before its slot is left out (and waits on)
 
 
@@ -120,10 +122,11 @@ class Cluster:
             if job.resources.workers <= 0:
                 seats, infos = cluster._fit_memory(seats, infos, layer_bytes)
             cluster.agents = [cluster._agent(seat, info) for seat, info in zip(seats, infos)]
-            _probe(ray, cluster, source_files, output)
+            tls = _tls()
+            _probe(ray, cluster, source_files, output, tls is not None)
             from supervisor.remote import Listener
 
-            cluster.listener = Listener(ray.util.get_node_ip_address(), cluster._refuse)
+            cluster.listener = Listener(ray.util.get_node_ip_address(), cluster._refuse, tls[0] if tls else None)
             return cluster
         except BaseException:
             if cluster is not None:
@@ -167,13 +170,11 @@ class Cluster:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from shared import layout
-        from supervisor.node_agent import NodeHost
 
         fmt, startup_timeout, env, output = self._host_args
         log = layout.state_path(output, layout.LOGS, f"zygote-{node_id[:8]}.log")
-        host = self.ray.remote(NodeHost).options(
-            num_cpus=0, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        host = host_actor_class(self.ray).options(
+            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
         ).remote(fmt, startup_timeout, log, env)
         self.hosts[node_id] = host
         return host
@@ -238,7 +239,31 @@ class Cluster:
             except Exception:  # noqa: BLE001
                 pass
         self.hosts, self._pending = {}, {}
-        ray.shutdown()
+        # a GCS that stopped answering must not hold the run's end: Ray ends a gone driver's actors itself
+        done = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
+        done.start()
+        done.join(SHUTDOWN_SECONDS)
+        if done.is_alive():
+            logging.getLogger("supervisor").warning("ray.shutdown() did not return within %.0fs; not waiting "
+                                                    "for it", SHUTDOWN_SECONDS)
+
+
+def host_actor_class(ray, cls=None):
+    """NodeHost (or a test's subclass) as a Ray actor class, its calls in their concurrency groups
+    (node_agent.CONCURRENCY_GROUPS)."""
+    from supervisor.node_agent import CONCURRENCY_GROUPS, NodeHost
+
+    return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(cls or NodeHost)
+
+
+def _tls():
+    """(server, client) SSL contexts from Ray's own TLS settings, None where Ray runs without TLS."""
+    from supervisor.channel import tls_contexts
+
+    try:
+        return tls_contexts()
+    except ValueError as exc:
+        raise ClusterError(f"{exc}; the run's port uses Ray's certificates (docs/scale.md, Trust)") from None
 
 
 REACH_SECONDS = 5.0
@@ -299,8 +324,9 @@ def _wait_placed(ray, seats, timeout: float, count: int, options: dict) -> list[
     return ray.get(refs)
 
 
-def _probe(ray, cluster: Cluster, source_files: dict[str, int], output: str) -> None:
-    """Every node with a seat must see the source files at their sizes and the output's folder as this host does."""
+def _probe(ray, cluster: Cluster, source_files: dict[str, int], output: str, tls: bool) -> None:
+    """Every node with a seat must see the source files at their sizes and the output's folder as this host does
+    (and, with `tls`, hold Ray's TLS certificates)."""
     where = output
     while not os.path.isdir(where):
         where = os.path.dirname(where)
@@ -311,8 +337,17 @@ def _probe(ray, cluster: Cluster, source_files: dict[str, int], output: str) -> 
     try:
         with open(probe, "w") as f:
             f.write(nonce)
-        answers = ray.get([cluster.hosts[node].probe.remote(source_files, probe, nonce, replies[node])
-                           for node in nodes], timeout=120)
+        refs = [cluster.hosts[node].probe.remote(source_files, probe, nonce, replies[node]) for node in nodes]
+        checks = [cluster.hosts[node].check_tls.remote() for node in nodes] if tls else []
+        try:
+            answers, tls_answers = ray.get(refs, timeout=PROBE_SECONDS), ray.get(checks, timeout=PROBE_SECONDS)
+        except ray.exceptions.GetTimeoutError:
+            raise ClusterError(f"the node hosts did not answer the file-system probe within {PROBE_SECONDS:.0f}s; "
+                               "check the nodes (ray status)") from None
+        for a, answer in zip(nodes.values(), tls_answers):
+            if answer:
+                raise ClusterError(f"node {a.where} {answer}: every node must run Ray with the same TLS "
+                                   "settings (RAY_USE_TLS and its certificates)")
         for (node, a), answer in zip(nodes.items(), answers):
             if not answer:
                 try:

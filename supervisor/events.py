@@ -71,8 +71,9 @@ class ClusterJoined(Event):
 
 
 class ConnectionRefused(Event):
-    """A connection to the run's port closed before any frame was read (no preamble, a wrong secret, an unknown
-    worker): the run goes on."""
+    """A connection to the run's port closed before any frame was read (no handshake within its deadline, a wrong
+    secret, an unknown worker, too many handshakes at once): the run goes on. Reported at a bounded rate: past the
+    first few of a window, one event counts the others (its reason says how many)."""
 
     peer: str
     reason: str

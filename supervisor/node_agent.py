@@ -5,12 +5,18 @@
                                 info(): node id, address, host name, the GPUs Ray gave it, the node's cores and RAM
                            ──▶ NodeHost (Ray actor pinned to that node, no resources; one per node and run)
       probe(...)        can this node see the source and the output folder as the supervisor does?
-      start_worker(…)   connect to the run's port (supervisor/remote.py) and send the preamble, then fork
-                        `python -m child` from the node's warm parent (supervisor/zygote.py's Zygote, as on one host)
-                        with that socket as the worker's read and write fds, its log file (shared file system) as
-                        stdout/stderr and the seat's GPUs in CUDA_VISIBLE_DEVICES; returns the pid
-      wait_worker(pid)  the exit code once the worker exits (the supervisor's RemoteProc waits on it)
+      start_worker(…)   connect to the run's port (supervisor/remote.py) and prove this worker's key there, the
+                        supervisor proving it back (supervisor/channel.py; inside TLS where Ray runs with TLS),
+                        then fork `python -m child` from the node's warm parent (supervisor/zygote.py's Zygote, as
+                        on one host) with that socket (with TLS: its relay's plain end) as the worker's read and
+                        write fds, its log file (shared file system) as stdout/stderr and the seat's GPUs in
+                        CUDA_VISIBLE_DEVICES; returns the pid
+      wait_worker(pid, timeout)  the exit code once the worker exits, None if it has not within `timeout`
+                        (the supervisor's RemoteProc asks again: no thread waits a worker's whole life)
       signal_worker     SIGTERM / SIGKILL, as Worker.stop asks
+    Calls run in concurrency groups of their own (CONCURRENCY_GROUPS): starts and probes ("start"), the quick
+    control calls ("control": signal_worker, ping, free_port, close) and the waits ("wait"), so no number of
+    pending waits or slow starts delays a signal.
 
 One warm parent per node, as on one host one per run: the libraries are imported once per node, and every worker
 there is forked from it. The worker is the same `python -m child` with the same parent-death rules: it dies with
@@ -25,12 +31,33 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from supervisor import channel
 
 # Read by nothing on one host: a test can make one node of a local cluster see the shared file system under
 # another root, as a node without the mount would (tests/cluster).
 BLIND_ENV = "SUPERVISOR_TEST_NODE_BLIND"
+
+# Threads per concurrency group of a NodeHost (ray.remote(concurrency_groups=...), supervisor/cluster.py): a
+# signal never queues behind a wait or a start. Waits answer within their timeout (remote.WAIT_SLICE), so more
+# workers on a node than "wait" threads delays a wait's answer by a slice, never a signal or a start.
+CONCURRENCY_GROUPS = {"start": 16, "control": 4, "wait": 32}
+ZYGOTE_MARGIN = 30.0  # seconds beyond startup_timeout a warm parent's start may take before the host gives up
+
+
+def _group(name: str):
+    """@ray.method(concurrency_group=name): Ray is installed wherever a NodeHost runs; a module that imports this
+    one without Ray (a test of the connect path) gets the plain method."""
+    try:
+        import ray
+    except ImportError:
+        return lambda f: f
+    return ray.method(concurrency_group=name)
 
 
 class Seat:
@@ -52,6 +79,7 @@ class NodeHost:
         self.env = self._worker_env(env)
         self._zygote = None
         self._children: dict[int, object] = {}
+        self._relays: dict[int, channel.TlsRelay] = {}
         self._lock = threading.Lock()
         # a warm parent's parent-death signal fires when the thread that spawned it ends: one thread for the actor's life
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-spawner")
@@ -69,9 +97,11 @@ class NodeHost:
         env.update(overrides)
         return env
 
+    @_group("control")
     def ping(self) -> bool:
         return True
 
+    @_group("start")
     def probe(self, source_files: dict[str, int], probe_path: str, nonce: str, reply_path: str) -> str:
         """'' when this node sees every source file at its size and the supervisor's probe file with its nonce,
         and can write `reply_path` (the supervisor reads it back); else what it cannot see."""
@@ -99,6 +129,28 @@ class NodeHost:
             return f"cannot write into the output folder ({exc.strerror})"
         return ""
 
+    @_group("start")
+    def check_tls(self) -> str:
+        """'' when this node has Ray's TLS certificates for the run's port (the supervisor runs with TLS); else why
+        not."""
+        try:
+            self._tls()
+        except RuntimeError as exc:
+            return str(exc)
+        return ""
+
+    @staticmethod
+    def _tls():
+        """This node's client context from Ray's TLS variables (the supervisor runs with TLS)."""
+        try:
+            contexts = channel.tls_contexts(os.environ)
+        except ValueError as exc:
+            raise RuntimeError(f"has unusable Ray TLS settings: {exc}") from None
+        if contexts is None:
+            raise RuntimeError("runs Ray without TLS (no RAY_USE_TLS) while the supervisor's host runs it with TLS")
+        return contexts[1]
+
+    @_group("control")
     def free_port(self) -> int:
         """A port free on this node now (a calibrated group's rendezvous, hosted by its rank 0 here)."""
         import ray
@@ -107,52 +159,111 @@ class NodeHost:
             s.bind((ray.util.get_node_ip_address(), 0))
             return s.getsockname()[1]
 
-    def start_worker(self, host: str, port: int, preamble: bytes, env: dict[str, str], log_path: str, cwd: str,
-                     heartbeat_timeout: float) -> int:
+    @_group("start")
+    def start_worker(self, host: str, port: int, token: bytes, key: bytes, tls: bool, env: dict[str, str],
+                     log_path: str, cwd: str, heartbeat_timeout: float, startup_timeout: float) -> int:
+        deadline = time.monotonic() + startup_timeout
+        zygote = self._warm_parent()
+        conn = dial(host, port, token, key, self._tls() if tls else None, heartbeat_timeout, deadline)
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            with self._lock:
+                if os.getcwd() != cwd and os.path.isdir(cwd):
+                    os.chdir(cwd)  # relative paths mean what they mean to the supervisor (the fork takes this cwd)
+                child = zygote.fork([], {**self.env, **env}, (conn.fd, conn.fd), (log, log))
+        except BaseException:
+            conn.close(relay_too=True)
+            raise
+        finally:
+            os.close(log)
+        conn.close()  # the worker holds its own copy; a TLS relay goes on for it
+        self._children[child.pid] = child
+        if conn.relay is not None:
+            self._relays[child.pid] = conn.relay
+        return child.pid
+
+    def _warm_parent(self):
         from supervisor.zygote import Zygote, ZygoteLost
 
         with self._lock:
             if self._zygote is None or not self._zygote.alive:
+                if self._zygote is not None:
+                    self._zygote.close()  # a dead or wedged one: its workers end with it
                 z = Zygote(self.env, self.zygote_log, self.fmt, self.startup_timeout, keep_warm=0.0)
                 try:
-                    self._spawner.submit(z.start, lambda: False).result()
+                    # its own deadline is startup_timeout (Zygote._wait_ready); this one only guards a stuck thread
+                    self._spawner.submit(z.start, lambda: False).result(self.startup_timeout + ZYGOTE_MARGIN)
                 except ZygoteLost as exc:
                     raise RuntimeError(f"the warm parent on this node failed: {exc.reason}: "
                                        f"{exc.log_tail[-2000:]}") from None
+                except FutureTimeout:
+                    raise RuntimeError(f"the warm parent on this node did not start within "
+                                       f"{self.startup_timeout + ZYGOTE_MARGIN:.0f}s") from None
                 self._zygote = z
-            sock = socket.create_connection((host, port), timeout=30)
-            log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            try:
-                sock.sendall(preamble)
-                sock.settimeout(None)
-                _bound_silence(sock, heartbeat_timeout)
-                if os.getcwd() != cwd and os.path.isdir(cwd):
-                    os.chdir(cwd)  # relative paths mean what they mean to the supervisor (the fork takes this cwd)
-                child = self._zygote.fork([], {**self.env, **env}, (sock.fileno(), sock.fileno()), (log, log))
-            finally:
-                sock.close()  # the worker holds its own copies
-                os.close(log)
-            self._children[child.pid] = child
-            return child.pid
+            return self._zygote
 
-    def wait_worker(self, pid: int) -> int:
+    @_group("wait")
+    def wait_worker(self, pid: int, timeout: float = 10.0) -> int | None:
+        """The worker's exit code, or None if it has not exited within `timeout` s (ask again)."""
         child = self._children.get(pid)
         if child is None:
-            return -9
-        code = child.wait()
-        self._children.pop(pid, None)
+            return -9  # never started here (this host was replaced): nothing of it runs under this host
+        try:
+            code = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        relay = self._relays.pop(pid, None)
+        if relay is not None:
+            relay.close()
         return code
 
+    @_group("control")
     def signal_worker(self, pid: int, sig: int) -> None:
         child = self._children.get(pid)
         if child is not None:
             child.send_signal(signal.Signals(sig))
 
+    @_group("control")
     def close(self) -> None:
         with self._lock:
             if self._zygote is not None:
                 self._zygote.close()  # kills this node's workers of the run, then the warm parent exits
                 self._zygote = None
+        for relay in self._relays.values():
+            relay.close()
+        self._relays = {}
+
+
+class Dialed:
+    """A connection to the run's port with the handshake done: `fd` is what the worker reads and writes (the
+    socket itself, or with TLS the plain end of the relay that carries its bytes through TLS)."""
+
+    def __init__(self, sock: socket.socket, relay: channel.TlsRelay | None = None):
+        self.sock, self.relay, self.fd = sock, relay, sock.fileno()
+
+    def close(self, relay_too: bool = False) -> None:
+        """Close our copy of the worker's end (`relay_too`: the relay as well: no worker was started)."""
+        self.sock.close()
+        if relay_too and self.relay is not None:
+            self.relay.close()
+
+
+def dial(host: str, port: int, token: bytes, key: bytes, tls, heartbeat_timeout: float, deadline: float) -> Dialed:
+    """Connect to the run's port and do the handshake by `deadline` (channel.connect: retried after a broken
+    attempt); the connection fails writes after `heartbeat_timeout` s without acknowledgement (_bound_silence).
+    Raises RuntimeError with the reason."""
+    try:
+        sock = channel.connect(host, port, token, key, tls, deadline)
+    except channel.HandshakeRefused as exc:
+        raise RuntimeError(f"the run's port {host}:{port} refused the handshake: {exc}") from None
+    except (channel.HandshakeBroken, OSError) as exc:
+        raise RuntimeError(f"no handshake with the run's port {host}:{port} before the start deadline "
+                           f"({type(exc).__name__}: {exc})") from None
+    _bound_silence(sock, heartbeat_timeout)
+    if tls is None:
+        return Dialed(sock)
+    ours, theirs = socket.socketpair()
+    return Dialed(theirs, channel.TlsRelay(sock, ours, name=f"tls-relay-{port}"))
 
 
 def _bound_silence(sock: socket.socket, seconds: float) -> None:

@@ -7,10 +7,12 @@
 The parent closes its copies of the child's ends, so EOF means the child is gone. A child that dies, stays silent
 past the heartbeat timeout, or sends a bad frame is one failure path: `WorkerLost`, with the reason and the tail
 of its log (where Python and faulthandler print tracebacks). Stop is: Stop message, grace, SIGTERM, grace,
-SIGKILL, and always wait(). Owns the process and its fds; it never decides about retries (the run loop does).
+SIGKILL, then a wait of KILL_WAIT at most (a worker not gone by then is taken for lost). Owns the process and its
+fds; it never decides about retries (the run loop does).
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -23,6 +25,7 @@ from shared.messages import PROTOCOL_VERSION, Failed, Heartbeat, Hello, Ready, S
 from supervisor.logpump import LogPump, OnLine
 
 POLL = 0.2  # seconds between checks of the process, the cancel flag and the heartbeat clock
+KILL_WAIT = 10.0  # seconds stop() waits for the exit after SIGKILL; past it the worker is taken for lost
 LOG_TAIL = 4000  # characters of the log's end reported when it holds no traceback
 LOG_SCAN = 64 * 1024  # how far back the log is searched for the child's last traceback
 LOG_TRACEBACK_MAX = 16000
@@ -249,7 +252,8 @@ class Worker:
                 pass
 
     def stop(self, grace: float = 5.0) -> None:
-        """Stop the child for sure: Stop message, grace, SIGTERM, grace, SIGKILL; always wait()."""
+        """Stop the child: Stop message, grace, SIGTERM, grace, SIGKILL, then wait KILL_WAIT at most (a worker
+        not gone by then is taken for lost: logged, and its fds closed all the same)."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -260,7 +264,9 @@ class Worker:
             self._reap(grace)
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait()
+            self._reap(KILL_WAIT)
+            if self.proc.poll() is None:
+                self._taken_for_lost(KILL_WAIT)
         self._drain_log(timeout=5.0)  # a grandchild holding the pipes open must not hang the stop
         for fd in self._fds:
             try:
@@ -268,6 +274,13 @@ class Worker:
             except OSError:
                 pass
         self._fds = []
+
+    def _taken_for_lost(self, waited: float) -> None:
+        """SIGKILL sent and no exit seen within `waited` s (a process stuck in the kernel, or a remote one whose
+        node cannot be reached): say so and go on; its part is redone elsewhere (the caller requeues it)."""
+        logging.getLogger("supervisor").warning(
+            "worker (pid %s%s) not confirmed dead %.0fs after SIGKILL; taken for lost", self.proc.pid,
+            f" on {self.where}" if self.where else "", waited)
 
     def kill(self) -> None:
         """Kill at once (hung or broken child), then the same cleanup as stop()."""

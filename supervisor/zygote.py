@@ -45,6 +45,7 @@ from supervisor.logpump import LogPump, OnLine
 from supervisor.worker import CancelledWait, describe_exit
 
 MAX_MSG = 1 << 20
+FORK_SECONDS = 60.0  # a live warm parent answers a fork request in milliseconds; past this it is taken for wedged
 KEEP_WARM_ENV = "SUPERVISOR_KEEP_WARM"  # the default of resources.keep_warm (tests set 0)
 DEFAULT_KEEP_WARM = 300.0
 # Read after the fork (the worker's own environment), by the supervisor only, or by nothing at import: a run that
@@ -468,6 +469,7 @@ class Zygote:
                 socket.send_fds(self._sock, [req], [fds[0], fds[1], *out_fds])
             except OSError as exc:
                 raise ZygoteLost(f"the worker parent (zygote) cannot be reached ({exc})", self.log_tail()) from exc
+            deadline = time.monotonic() + FORK_SECONDS
             while True:
                 try:
                     msg = self._replies.get(timeout=0.5)
@@ -476,6 +478,14 @@ class Zygote:
                     if not self.alive:
                         raise ZygoteLost(f"the worker parent (zygote) {self._lost or 'died'} while forking",
                                          self.log_tail()) from None
+                    if time.monotonic() > deadline:
+                        # a late answer would be taken for the next request's: this warm parent is done with
+                        self._lost = f"did not answer a fork request within {FORK_SECONDS:.0f}s"
+                        try:
+                            self._sock.shutdown(socket.SHUT_RDWR)  # its own end closes: it ends its workers
+                        except OSError:
+                            pass
+                        raise ZygoteLost(f"the worker parent (zygote) {self._lost}", self.log_tail()) from None
             child = Forked(msg["forked"], self)
             with self._state:
                 code = self._early_exits.pop(child.pid, None)
