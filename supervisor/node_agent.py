@@ -28,6 +28,7 @@ worker's) and never decides anything about the export.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -42,6 +43,10 @@ from supervisor import channel
 # Read by nothing on one host: a test can make one node of a local cluster see the shared file system under
 # another root, as a node without the mount would (tests/cluster).
 BLIND_ENV = "SUPERVISOR_TEST_NODE_BLIND"
+# Test-only, in the run's environment (a node host reads it from the variables the run hands it): the path of a
+# fault's marker (child/faults.py); signals to the worker the marker names never reach it, as when the supervisor
+# cannot reach that worker's node (a network partition). tests/cluster: a late writer's part never lands.
+DEAF_ENV = "SUPERVISOR_TEST_HOST_DEAF_TO"
 
 # Threads per concurrency group of a NodeHost (ray.remote(concurrency_groups=...), supervisor/cluster.py): a
 # signal never queues behind a wait or a start. Waits answer within their timeout (remote.WAIT_SLICE), so more
@@ -220,8 +225,19 @@ class NodeHost:
     @_group("control")
     def signal_worker(self, pid: int, sig: int) -> None:
         child = self._children.get(pid)
-        if child is not None:
+        if child is not None and not self._cut_off(pid):
             child.send_signal(signal.Signals(sig))
+
+    def _cut_off(self, pid: int) -> bool:
+        """DEAF_ENV (tests only): whether `pid` is the worker a fault cut off from its supervisor."""
+        marker = self.env.get(DEAF_ENV)
+        if not marker:
+            return False
+        try:
+            with open(marker) as f:
+                return json.load(f).get("pid") == pid
+        except (OSError, ValueError):
+            return False
 
     @_group("control")
     def close(self) -> None:

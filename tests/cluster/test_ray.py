@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from shared import layout
-from supervisor.node_agent import BLIND_ENV
+from supervisor.node_agent import BLIND_ENV, DEAF_ENV
 from tests.ref_calib import token_rows, write_jsonl
 from tests.scenarios import cli, faultkit
 
@@ -374,6 +374,37 @@ def test_a_flooded_port_still_lets_a_replacement_worker_in(host, model, local_re
     assert any("more connections refused" in e["reason"] for e in r.of("ConnectionRefused"))
     assert cli.output_bytes(tmp_path / "out") == local_ref
     assert _gone([stopped]) == []
+
+
+def test_a_worker_back_from_a_partition_never_lands_its_part(host, model, local_ref, tmp_path):
+    """A worker cut off inside layer 2 (its heartbeats stop and its node host cannot signal it, as in a network
+    partition) is taken for lost and layer 2 is redone by a fresh worker; then the cut-off worker goes on, stages
+    its layer 2 and tries to report it: the shard that was placed is untouched (same inode, same bytes), nothing the
+    late worker wrote is placed, and the folder ends byte-identical to this host's export."""
+    cut, heal, go = tmp_path / "cut", tmp_path / "heal", tmp_path / "go"
+    faults = [{"point": "quantize", "action": "partitioned", "index": 2, "path": str(heal), "once": str(cut)},
+              {"point": "quantize", "action": "await", "index": 3, "path": str(go)}]  # the run outlives the late write
+    env = {faultkit.FAULT_ENV: json.dumps(faults), DEAF_ENV: str(cut)}
+    out = tmp_path / "out"
+    shard = out / layout.shard_name(2)
+    with _run(host, _job(tmp_path, model, out, heartbeat_timeout=5), env) as r:
+        assert faultkit.wait_marker(cut, 180), r.stderr
+        late = faultkit.read_marker(cut)["pid"]
+        redone = r.wait_for("LayerWritten", 240, where=lambda e: e["index"] == 2)
+        assert redone is not None, r.stderr
+        placed, placed_bytes = os.stat(shard), shard.read_bytes()
+        open(heal, "w").close()  # the partition heals: the late worker finishes its part and tries to report it
+        assert _gone([late], 120) == [], "the late worker did not end after its reply found no supervisor"
+        staged = [fn for fn in os.listdir(out / layout.STATE_DIR / layout.TMP) if fn.startswith(shard.name + ".")]
+        assert staged, "the late worker staged nothing: the test did not reach the late write"
+        assert os.stat(shard).st_ino == placed.st_ino and shard.read_bytes() == placed_bytes
+        open(go, "w").close()
+        r.wait()
+    assert r.rc == 0, r.stderr
+    assert any(e["index"] == 2 and "heartbeat" in e["reason"] for e in r.of("Retrying")), r.of("Retrying")
+    assert [s["ino"] for s in _shards(out) if s["index"] == 2] == [placed.st_ino]
+    assert cli.output_bytes(out) == local_ref
+    assert cli.run("verify", str(out)).returncode == 0
 
 
 def test_a_hosts_control_calls_never_wait_behind_waits_and_stop_is_bounded(host):
