@@ -87,6 +87,17 @@ class Group(msgspec.Struct, kw_only=True):
     backend: str = "gloo"  # "gloo" | "nccl"
 
 
+# Failed.kind of a rank whose collective waited past Group.timeout for another rank (child.group's exception class)
+COLLECTIVE_TIMEOUT = "CollectiveTimeout"
+# How a group's rank 0 gets its store's listening socket: bound by whoever picked the port (the supervisor, on a
+# cluster rank 0's node host) and handed to the worker as an inherited file descriptor, whose number the worker's
+# environment holds (child.group passes it to TCPStore as master_listen_fd): no other process can take the port
+# between its choice and rank 0's listen, and the store listens on `Group.host` alone, never on every interface.
+LISTEN_FD_ENV = "SUPERVISOR_LISTEN_FD"
+# On a cluster: the port of the socket the node's host holds for the worker it starts (supervisor.node_agent)
+LISTEN_PORT_ENV = "SUPERVISOR_LISTEN_PORT"
+
+
 # ---- supervisor → child -------------------------------------------------------------------------------------
 class Hello(msgspec.Struct, tag=True, kw_only=True):
     version: int
@@ -144,6 +155,10 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     versions: dict[str, str] = {}
     gpu_free: int = 0  # torch.cuda.mem_get_info on the child's device, measured after its imports (0 on CPU)
     gpu_total: int = 0
+    # what a calibrated layer's arithmetic runs with here (its bytes depend on them, docs/fidelity.md): torch's
+    # intra-op thread count, and the device's model ("cpu: <model name>" | "cuda: <torch.cuda.get_device_name>")
+    threads: int = 0
+    device_model: str = ""
 
 
 class Heartbeat(msgspec.Struct, tag=True, kw_only=True):

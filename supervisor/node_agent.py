@@ -2,7 +2,8 @@
 (its warm parent, and the workers it forks).
 
     supervisor/cluster.py ──▶ Seat (Ray actor, num_gpus=1 or num_cpus=1, spread over the nodes)
-                                info(): node id, address, host name, the GPUs Ray gave it, the node's cores and RAM
+                                info(): node id, address (and the interface holding it), host name, the GPUs
+                                        Ray gave it, the node's cores and RAM
                            ──▶ NodeHost (Ray actor pinned to that node, no resources; one per node and run)
       probe(...)        can this node see the source and the output folder as the supervisor does?
       start_worker(…)   connect to the run's port (supervisor/remote.py) and send the preamble, then fork
@@ -28,6 +29,8 @@ import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from shared.messages import LISTEN_PORT_ENV
+
 # Read by nothing on one host: a test can make one node of a local cluster see the shared file system under
 # another root, as a node without the mount would (tests/cluster).
 BLIND_ENV = "SUPERVISOR_TEST_NODE_BLIND"
@@ -41,9 +44,12 @@ class Seat:
         import ray
 
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "host": socket.gethostname(),
+        from supervisor.group import interface_holding
+
+        ip = ray.util.get_node_ip_address()
+        return {"node_id": ctx.get_node_id(), "ip": ip, "host": socket.gethostname(),
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "cpus": os.cpu_count() or 1,
-                "ram": psutil.virtual_memory().available}
+                "ram": psutil.virtual_memory().available, "interface": interface_holding(ip)}
 
 
 class NodeHost:
@@ -52,6 +58,7 @@ class NodeHost:
         self.env = self._worker_env(env)
         self._zygote = None
         self._children: dict[int, object] = {}
+        self._listening: dict[int, socket.socket] = {}  # port -> the rendezvous socket free_port bound (rank 0's)
         self._lock = threading.Lock()
         # a warm parent's parent-death signal fires when the thread that spawned it ends: one thread for the actor's life
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-spawner")
@@ -100,12 +107,19 @@ class NodeHost:
         return ""
 
     def free_port(self) -> int:
-        """A port free on this node now (a calibrated group's rendezvous, hosted by its rank 0 here)."""
+        """A port on this node's Ray IP for a calibrated group's rendezvous, hosted by its rank 0 here: its socket is
+        bound now and held until start_worker hands it to rank 0 (so no other process can take the port meanwhile,
+        and the store listens on that address alone); one held for an earlier start of the group is closed."""
         import ray
 
-        with socket.socket() as s:
-            s.bind((ray.util.get_node_ip_address(), 0))
-            return s.getsockname()[1]
+        from supervisor.group import bound_socket
+
+        s = bound_socket(ray.util.get_node_ip_address())
+        port = s.getsockname()[1]
+        earlier, self._listening = self._listening, {port: s}  # one swap: start_worker pops from either, never both
+        for held in earlier.values():
+            held.close()
+        return port
 
     def start_worker(self, host: str, port: int, preamble: bytes, env: dict[str, str], log_path: str, cwd: str,
                      heartbeat_timeout: float) -> int:
@@ -121,6 +135,7 @@ class NodeHost:
                                        f"{exc.log_tail[-2000:]}") from None
                 self._zygote = z
             sock = socket.create_connection((host, port), timeout=30)
+            held = None
             log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
                 sock.sendall(preamble)
@@ -128,10 +143,14 @@ class NodeHost:
                 _bound_silence(sock, heartbeat_timeout)
                 if os.getcwd() != cwd and os.path.isdir(cwd):
                     os.chdir(cwd)  # relative paths mean what they mean to the supervisor (the fork takes this cwd)
-                child = self._zygote.fork([], {**self.env, **env}, (sock.fileno(), sock.fileno()), (log, log))
+                held = self._listening.pop(int(env.get(LISTEN_PORT_ENV) or 0), None)
+                child = self._zygote.fork([], {**self.env, **env}, (sock.fileno(), sock.fileno()), (log, log),
+                                          held.fileno() if held is not None else None)
             finally:
                 sock.close()  # the worker holds its own copies
                 os.close(log)
+                if held is not None:
+                    held.close()
             self._children[child.pid] = child
             return child.pid
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import queue
 import shutil
@@ -44,8 +45,8 @@ from shared import durable, layout
 from shared.job import Job, warm_profile
 from shared.load_verdict import LIFT_HINT, transformers_only
 from shared.load_verdict import problems as load_problems
-from shared.messages import (NON_LAYER, PROTOCOL_VERSION, Boundary, CheckLoad, Describe, Described, Heartbeat, Hello,
-                             LayerWritten, LoadChecked)
+from shared.messages import (LISTEN_FD_ENV, LISTEN_PORT_ENV, NON_LAYER, PROTOCOL_VERSION, Boundary, CheckLoad, Describe,
+                             Described, Heartbeat, Hello, LayerWritten, LoadChecked)
 from supervisor import events as ev
 from supervisor import calibration, finalize, journal, verbatim
 from supervisor.group import Group
@@ -573,8 +574,9 @@ class Run:
         """A live model's pool memfds, inherited by the zygote (so by every worker it forks) or a spawned worker."""
         return tuple(self._pool_spec.fds) if self._pool_spec is not None else ()
 
-    def _fork(self, env: dict, fds: tuple[int, int], out_fds: tuple[int, int]):
-        """Fork a worker from the zygote; a zygote that died is started again once (on the spawner thread)."""
+    def _fork(self, env: dict, fds: tuple[int, int], out_fds: tuple[int, int], listen_fd: int | None = None):
+        """Fork a worker from the zygote; a zygote that died is started again once (on the spawner thread).
+        `listen_fd`: a socket the worker inherits (a group's rank 0: its store's, shared.messages.LISTEN_FD_ENV)."""
         with self._zygote_lock:
             try:
                 if self._zygote is None or not self._zygote.alive:
@@ -583,9 +585,13 @@ class Run:
                         old.close()
                     self._start_zygote()
                 if not self._zygote.forkable:
-                    # the imports touched CUDA on this machine: a fork would not be safe; spawn instead
-                    return self._spawner.submit(spawn, env, fds, out_fds, self._pool_fds).result()
-                return self._zygote.fork([], env, fds, out_fds)
+                    # the imports touched CUDA on this machine: a fork would not be safe; spawn instead (an inherited
+                    # fd keeps its number)
+                    extra = () if listen_fd is None else (listen_fd,)
+                    if listen_fd is not None:
+                        env = {**env, LISTEN_FD_ENV: str(listen_fd)}
+                    return self._spawner.submit(spawn, env, fds, out_fds, self._pool_fds + extra).result()
+                return self._zygote.fork([], env, fds, out_fds, listen_fd)
             except ZygoteLost as exc:
                 raise WorkerLost(exc.reason, exc.log_tail) from None
 
@@ -602,10 +608,10 @@ class Run:
         world, devs = self.plan.world, self.plan.devices
         rank_devices = [devs[r] for r in range(world)] if devs != ["cpu"] else ["cpu"] * world
 
-        def start_rank(spec, cancelled, register) -> Worker:
+        def start_rank(spec, cancelled, register, listen_fd) -> Worker:
             return self._start_one(slot, rank_devices[spec.rank], spec.rank, on_hello if spec.rank == 0 else
                                    (lambda: None), group=spec, sharing=world if devs == ["cpu"] else 1,
-                                   cancelled=cancelled, register=register)
+                                   cancelled=cancelled, register=register, listen_fd=listen_fd)
 
         cluster = self.plan.cluster
         g = Group.start(world, start_rank, cancelled=self._cancel.is_set, timeout=self.job.resources.collective_timeout,
@@ -615,9 +621,11 @@ class Run:
         return g
 
     def _start_one(self, slot: Slot, device: str, worker_id: int, on_hello=lambda: None, *, group=None,
-                   sharing: int | None = None, cancelled=None, register=None) -> Worker:
-        """One worker on `device` (a group's rank `worker_id` when `group` is its GroupSpec)."""
+                   sharing: int | None = None, cancelled=None, register=None, listen_fd: int | None = None) -> Worker:
+        """One worker on `device` (a group's rank `worker_id` when `group` is its GroupSpec; `listen_fd`: rank 0's
+        store socket on this host, supervisor.group)."""
         from supervisor import devices
+        from supervisor import group as groups
 
         self._check_cancel()
         plan, r, cluster = self.plan, self.job.resources, self.plan.cluster
@@ -634,9 +642,8 @@ class Run:
             if sharing is None:
                 sharing = sum(s.device == device for s in self._scheduler.slots) if self._scheduler else 1
             cores = os.cpu_count() or 1
-        if device == "cpu" and sharing > 1 and not r.torch_threads:
-            # several CPU workers share the cores instead of each starting one thread per core
-            threads = max(1, cores // sharing)
+        threads = devices.worker_threads(r.torch_threads, device, sharing, cores)
+        if threads != r.torch_threads:
             job = msgspec.structs.replace(job, resources=msgspec.structs.replace(r, torch_threads=threads))
         lock = layout.device_lock(plan.output, device) if group is None and agent is None and \
             devices.device_stage_shared(device, sharing, self._layer_bytes) else ""
@@ -648,15 +655,21 @@ class Run:
         if agent is not None:
             from supervisor.remote import RemoteWorker
 
-            w = RemoteWorker(hello, log, agent.env, startup_timeout=r.startup_timeout,
+            # rank 0: its node's host hands it the store socket it bound for this port (Cluster.rendezvous)
+            env = {**agent.env, LISTEN_PORT_ENV: str(group.port)} if group is not None and group.rank == 0 else \
+                agent.env
+            w = RemoteWorker(hello, log, env, startup_timeout=r.startup_timeout,
                              heartbeat_timeout=r.heartbeat_timeout, host=agent.host_actor, listener=cluster.listener,
                              where=agent.where,
                              cancelled=cancelled or self._cancel.is_set)
         else:
             env = devices.child_env(device, dict(os.environ))
             env["PYTHONUNBUFFERED"] = "1"
+            if group is not None:  # the ranks' gloo and NCCL sockets on loopback, as the store
+                env.update(groups.data_plane_env(groups.interface_holding(group.host)))
+            fork = self._fork if listen_fd is None else functools.partial(self._fork, listen_fd=listen_fd)
             w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout,
-                       fork=self._fork, on_log=self._on_log)
+                       fork=fork, on_log=self._on_log)
         if register is not None:
             register(w)  # the group kills it if another rank fails to start
         else:

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 
 import psutil
 import pytest
@@ -161,6 +162,30 @@ def _listening(p: psutil.Process):
         return [c for c in p.net_connections("tcp") if c.status == "LISTEN"]
     except psutil.NoSuchProcess:
         return []
+
+
+LOOPBACK = ("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")
+# the CLI in a network namespace of its own, where only loopback exists (as tests/cluster/rayhost.py does it)
+OWN_NETWORK = ["unshare", "-n", "--", "sh", "-c", 'ip link set lo up && exec "$@"', "own-network"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a network namespace of its own needs root (unshare -n)")
+def test_nothing_listens_beyond_loopback_during_a_group_export(w2, model, dataset, tmp_path):
+    """In a network namespace of its own, while rank 1 is held in layer 1's forward, every listening socket there
+    (rank 0's store, both ranks' gloo pairs) is on loopback, none on a wildcard address; the run then ends
+    byte-identical."""
+    out, marker, go = tmp_path / "out", tmp_path / "held", tmp_path / "go"
+    fault = _fault(marker, point="forward", action="await", index=1, worker=1, path=str(go))
+    with faultkit.LiveRun("run", _job(tmp_path, model, dataset, out), "--json", env=fault, prefix=OWN_NETWORK) as r:
+        assert faultkit.wait_marker(marker, 180), r.stderr
+        ss = subprocess.run(["nsenter", f"--net=/proc/{r.pid}/ns/net", "--", "ss", "-Hltn"], capture_output=True,
+                            text=True, check=True).stdout
+        listening = [line.split()[3] for line in ss.splitlines() if line.strip()]
+        go.touch()
+        r.wait()
+    assert len(listening) >= 3 and all(a.startswith(LOOPBACK) for a in listening), listening
+    assert r.rc == 0, r.stderr
+    assert cli.output_bytes(out) == w2[1]
 
 
 def test_resume_with_another_group_size_is_refused(model, dataset, tmp_path):
