@@ -145,6 +145,8 @@ class Run:
         self._started = False
         self._progress: _Progress | None = None
         self._boundary = None  # calibrated: the journaled inputs of the next layer to export
+        self._arithmetic: journal.Arithmetic | None = None  # calibrated: what the layers were computed with
+        self._had_layers = False  # the journal held a layer when the run began
         self._output_existed = os.path.isdir(self.plan.output)
 
     # ---- what Supervisor calls -----------------------------------------------------------------------------
@@ -350,6 +352,7 @@ class Run:
         st = journal.read(out)  # re-read under the lock: the journal may have grown since prepare()
         if st.header is not None and st.header.fingerprint != plan.fingerprint:
             raise OutputError(f"output {out!r} changed hands while starting; run again")
+        self._arithmetic, self._had_layers = st.arithmetic, any(i >= 0 for i in st.shards)
         done, redo = self._verified(st, n)
         self._journal = journal.Journal(out, st) if st.header else \
             journal.start(out, self.job, plan.fingerprint, n, world=plan.world)
@@ -599,9 +602,23 @@ class Run:
         """A ready worker for `slot`: the child sees only the slot's GPU (as cuda:0), or none on CPU. `on_hello()`:
         the child exists and has its Hello (Worker.start). A calibrated export on a group (plan.world > 1): the
         slot's worker is the Group of every rank (supervisor.group), one per device."""
-        if self.plan.world > 1 and not slot.planner:
-            return self._start_group(slot, on_hello)
-        return self._start_one(slot, slot.device, slot.id, on_hello)
+        w = self._start_group(slot, on_hello) if self.plan.world > 1 and not slot.planner else \
+            self._start_one(slot, slot.device, slot.id, on_hello)
+        if self.plan.calibration is not None and not slot.planner:
+            self._settle_arithmetic(w)
+        return w
+
+    def _settle_arithmetic(self, w: Worker | Group) -> None:
+        """What the calibrated workers compute with, as they report it: refused when the journal holds layers computed
+        otherwise (before they export one), journaled when it is new."""
+        ranks = w.ranks if isinstance(w, Group) else [w]
+        rec = journal.Arithmetic(threads=[x.ready.threads for x in ranks],
+                                 devices=[x.ready.device_model for x in ranks])
+        calibration.check_arithmetic(self.plan.output, self._arithmetic,
+                                     self._had_layers or any(i >= 0 for i in self._done), rec.threads, rec.devices)
+        if rec != self._arithmetic:
+            self._journal.append(rec)
+            self._arithmetic = rec
 
     def _start_group(self, slot: Slot, on_hello) -> Group:
         self._check_cancel()
