@@ -203,6 +203,17 @@ def test_nothing_listens_beyond_loopback_during_a_group_export(w2, model, datase
     assert cli.output_bytes(out) == w2[1]
 
 
+def test_spawned_ranks_inherit_the_store_socket(w2, model, dataset, tmp_path):
+    """A warm parent that cannot fork (test fault "unforkable", as where its imports touched CUDA): the ranks are
+    spawned as fresh interpreters, rank 0 inherits the store's bound socket under the same fd number, and the bytes
+    are the W = 2 run's."""
+    events = cli.events(cli.run("run", _job(tmp_path, model, dataset, tmp_path / "out"), "--json",
+                                env=faultkit.fault_env({"point": "zygote", "action": "unforkable"})))
+    assert [e["forking"] for e in events if e["type"] == "PoolStarted"] == [False]
+    assert sorted(e["worker"] for e in events if e["type"] == "WorkerStarted") == [0, 1]
+    assert cli.output_bytes(tmp_path / "out") == w2[1]
+
+
 def test_resume_with_another_group_size_is_refused(model, dataset, tmp_path):
     """A folder a W = 2 export left half done is not resumed with W = 1: exit 2, one line naming the W it was
     started with, nothing written."""
