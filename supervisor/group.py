@@ -10,15 +10,18 @@
     any rank fails, dies, hangs, stalls    the layer fails for the group: the other ranks' waits end at once, and the
                                            scheduler kills every rank (kill()) and retries the layer on a fresh group
                                            from the journaled boundaries; a failure names the ranks still busy then
+    other requests (the plan, config.json, the loader check, the non-layer part): rank 0 alone
 
 What is bound where: rank 0's store listens on the rendezvous address alone (127.0.0.1 on one host, rank 0's node's
-Ray IP on a cluster), never on every interface; every rank's data plane (gloo's pairs, NCCL's sockets) binds the
-interface that holds that address on its own node (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME: loopback on one host).
-Binding the store's socket where the port is picked leaves no moment in which another process could take it.
-What is authenticated: the store's values (child.group: an HMAC under the per-start secret, which never enters the
-store); a stranger who can reach the port can still read them, count keys and disturb the rendezvous (the start
-then fails and is retried). The data plane is torch.distributed's own and unauthenticated: the network it binds is
-trusted, as torch.distributed documents (README: what is trusted).
+Ray IP on a cluster), never on every interface; every rank's data plane (gloo's pairs, NCCL's sockets) binds one
+interface of its own node (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME): loopback on one host, the one that holds the
+node's Ray IP on a cluster. Binding the store's socket where the port is picked leaves no moment in which another
+process could take it. What is authenticated: the store's values (child.group: an HMAC under the per-start secret,
+which never enters the store); a stranger who can reach the port can still read them, count and delete keys and so
+disturb the rendezvous (the start then fails and is retried). The data plane is torch.distributed's own and
+unauthenticated: the network it binds is trusted, as torch.distributed documents (README: "What a group binds, and
+what it trusts").
+
 No rank blocks forever: the supervisor watches each rank's process and heartbeats as for any worker, and the ranks'
 collectives time out after `resources.collective_timeout` (a rank stuck in a C call while its heartbeats go on).
 Owns the ranks' life and the merging of their replies; it never decides about retries (the scheduler does) and

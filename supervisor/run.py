@@ -49,7 +49,7 @@ from shared.messages import (LISTEN_FD_ENV, LISTEN_PORT_ENV, NON_LAYER, PROTOCOL
                              Described, Heartbeat, Hello, LayerWritten, LoadChecked)
 from supervisor import events as ev
 from supervisor import calibration, finalize, journal, verbatim
-from supervisor.group import Group
+from supervisor.group import Group, data_plane_env, interface_holding
 from supervisor.errors import Cancelled, ExportFailed, InputError, NoRoom, OutputError, SourceError, SupervisorError
 from supervisor.lock import Lock
 from supervisor.source import SourceInfo
@@ -642,7 +642,6 @@ class Run:
         """One worker on `device` (a group's rank `worker_id` when `group` is its GroupSpec; `listen_fd`: rank 0's
         store socket on this host, supervisor.group)."""
         from supervisor import devices
-        from supervisor import group as groups
 
         self._check_cancel()
         plan, r, cluster = self.plan, self.job.resources, self.plan.cluster
@@ -683,7 +682,7 @@ class Run:
             env = devices.child_env(device, dict(os.environ))
             env["PYTHONUNBUFFERED"] = "1"
             if group is not None:  # the ranks' gloo and NCCL sockets on loopback, as the store
-                env.update(groups.data_plane_env(groups.interface_holding(group.host)))
+                env.update(data_plane_env(interface_holding(group.host)))
             fork = self._fork if listen_fd is None else functools.partial(self._fork, listen_fd=listen_fd)
             w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout,
                        fork=fork, on_log=self._on_log)
