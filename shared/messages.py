@@ -73,16 +73,16 @@ class Pool(msgspec.Struct, kw_only=True):
 
 class Group(msgspec.Struct, kw_only=True):
     """A calibrated export's ranks: W workers that calibrate every decoder layer together as one torch.distributed
-    process group (gloo on the CPU, NCCL on GPUs). Rank 0 hosts the rendezvous (a TCPStore on `host:port`, which
-    the supervisor picked free); every key of the group lives under `secret`, so a process that connects without
-    it cannot join or disturb the run's group. Rank 0 writes each layer's shard; every rank writes the boundary of
-    its own samples."""
+    process group (gloo on the CPU, NCCL on GPUs). Rank 0 hosts the rendezvous (a TCPStore on `host:port`, on the
+    socket bound there for it: LISTEN_FD_ENV); every value the ranks put there is signed under `secret` (child.group),
+    so a process that reaches the port cannot feed a rank a value of its own. Rank 0 writes each layer's shard;
+    every rank writes the boundary of its own samples."""
 
     rank: int
     world: int
-    host: str  # the rendezvous' address: 127.0.0.1 for a one-host group
+    host: str  # the rendezvous' address: 127.0.0.1 for a one-host group, rank 0's node's Ray IP on a cluster
     port: int
-    secret: str  # per run (and per group start): the store's key prefix
+    secret: str  # per group start: the key of the store's values' HMAC (never in the store itself)
     timeout: float  # seconds a collective may wait for the slowest rank before it fails the layer
     backend: str = "gloo"  # "gloo" | "nccl"
 
