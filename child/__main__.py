@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from child import faults
 from shared import layout
+from shared.arithmetic import device_model
 from shared.framing import EndOfStream, FrameError, Reader, Writer
 from shared.messages import (NON_LAYER, PROTOCOL_VERSION, CheckLoad, ConfigWritten, Describe, Described, ExportLayer,
                              Failed, Heartbeat, Hello, LayerWritten, LoadChecked, LoadReport, Ready, Stop, ToChild,
@@ -437,9 +438,12 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
     gc.freeze()  # what the worker built to start (skeleton, config) lives as long as it: keep it out of each
     # layer's gc.collect(), which then costs milliseconds instead of a third of a second (see child.zygote)
     free, total = _gpu_memory(hello.device)
+    import torch  # imported with the backend already
+
     writer.send(Ready(version=PROTOCOL_VERSION, pid=os.getpid(), device=hello.device,
                       layer_prefix=exporter.prefix, num_layers=exporter.backend.num_layers,
-                      versions=_versions(), gpu_free=free, gpu_total=total))
+                      versions=_versions(), gpu_free=free, gpu_total=total, threads=torch.get_num_threads(),
+                      device_model=device_model(hello.device)))
     beat.set(None, "idle")
     while True:
         try:

@@ -4,7 +4,7 @@
 Imports torch, transformers and the backend's libraries once (several seconds), never touches CUDA, then forks
 a worker whenever the supervisor asks, so a worker starts (or restarts after a crash) in well under a second:
 
-    supervisor ──{"fork": {env, argv}} + fds (read, write, stdout, stderr) over a SOCK_SEQPACKET socket──▶ zygote
+    supervisor ──{"fork": {env, argv}} + fds (read, write, stdout, stderr, [listen]) over SOCK_SEQPACKET──▶ zygote
                ◀── {"ready"} once, {"forked": pid} per fork, {"exited": pid, "code"} per reaped worker ──
     forked worker: the given stdout/stderr fds (pipes the supervisor pumps), its own environment (CUDA_VISIBLE_DEVICES), then child.__main__.main
 
@@ -38,6 +38,7 @@ import time
 import traceback
 
 from shared import nvml
+from shared.messages import LISTEN_FD_ENV
 
 PR_SET_PDEATHSIG = 1
 MAX_MSG = 1 << 20
@@ -66,13 +67,15 @@ def _worker(socks: list[socket.socket], wake_r: int, wake_w: int, req: dict, fds
             s.close()
         os.close(wake_r)
         os.close(wake_w)
-        read_fd, write_fd, out_fd, err_fd = fds
+        read_fd, write_fd, out_fd, err_fd, *listening = fds
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
         os.close(out_fd)
         os.close(err_fd)
         os.environ.clear()
         os.environ.update(req["env"])
+        if listening:  # a group's rank 0: its store's socket, bound by the supervisor (child.group)
+            os.environ[LISTEN_FD_ENV] = str(listening[0])
         if "umask" in req:  # the run's, not the run's that started a kept zygote
             os.umask(req["umask"])
         if "cwd" in req:
@@ -156,7 +159,7 @@ def serve(sock: socket.socket, parent_pid: int, wake: tuple[int, int], listener:
             if sock not in ready:
                 continue
             try:
-                msg, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 4)
+                msg, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 5)
             except OSError:
                 msg, fds = b"", []
             if not msg:

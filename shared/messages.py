@@ -80,18 +80,29 @@ class Pool(msgspec.Struct, kw_only=True):
 
 class Group(msgspec.Struct, kw_only=True):
     """A calibrated export's ranks: W workers that calibrate every decoder layer together as one torch.distributed
-    process group (gloo on the CPU, NCCL on GPUs). Rank 0 hosts the rendezvous (a TCPStore on `host:port`, which
-    the supervisor picked free); every key of the group lives under `secret`, so a process that connects without
-    it cannot join or disturb the run's group. Rank 0 writes each layer's shard; every rank writes the boundary of
-    its own samples."""
+    process group (gloo on the CPU, NCCL on GPUs). Rank 0 hosts the rendezvous (a TCPStore on `host:port`, on the
+    socket bound there for it: LISTEN_FD_ENV); every value the ranks put there is signed under `secret` (child.group),
+    so a process that reaches the port cannot feed a rank a value of its own. Rank 0 writes each layer's shard;
+    every rank writes the boundary of its own samples."""
 
     rank: int
     world: int
-    host: str  # the rendezvous' address: 127.0.0.1 for a one-host group
+    host: str  # the rendezvous' address: 127.0.0.1 for a one-host group, rank 0's node's Ray IP on a cluster
     port: int
-    secret: str  # per run (and per group start): the store's key prefix
+    secret: str  # per group start: the key of the store's values' HMAC (never in the store itself)
     timeout: float  # seconds a collective may wait for the slowest rank before it fails the layer
     backend: str = "gloo"  # "gloo" | "nccl"
+
+
+# Failed.kind of a rank whose collective waited past Group.timeout for another rank (child.group's exception class)
+COLLECTIVE_TIMEOUT = "CollectiveTimeout"
+# How a group's rank 0 gets its store's listening socket: bound by whoever picked the port (the supervisor, on a
+# cluster rank 0's node host) and handed to the worker as an inherited file descriptor, whose number the worker's
+# environment holds (child.group passes it to TCPStore as master_listen_fd): no other process can take the port
+# between its choice and rank 0's listen, and the store listens on `Group.host` alone, never on every interface.
+LISTEN_FD_ENV = "SUPERVISOR_LISTEN_FD"
+# On a cluster: the port of the socket the node's host holds for the worker it starts (supervisor.node_agent)
+LISTEN_PORT_ENV = "SUPERVISOR_LISTEN_PORT"
 
 
 # ---- supervisor → child -------------------------------------------------------------------------------------
@@ -152,6 +163,10 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     versions: dict[str, str] = {}
     gpu_free: int = 0  # torch.cuda.mem_get_info on the child's device, measured after its imports (0 on CPU)
     gpu_total: int = 0
+    # what a calibrated layer's arithmetic runs with here (its bytes depend on them, docs/fidelity.md): torch's
+    # intra-op thread count, and the device's model ("cpu: <model name>" | "cuda: <torch.cuda.get_device_name>")
+    threads: int = 0
+    device_model: str = ""
 
 
 class Heartbeat(msgspec.Struct, tag=True, kw_only=True):

@@ -142,6 +142,9 @@ def _plan(job: Job, output: str, source: SourceInfo, extra: dict | None, saved, 
         if calib is not None:
             _refuse_another_world(output, job, source, calib, extra, devs, world)
         raise
+    if calib is not None and not job.resources.cluster:  # on a cluster the nodes' workers tell, once ready (Run)
+        calibration.check_arithmetic(output, state.arithmetic, any(i >= 0 for i in state.shards),
+                                     *calibration.planned_arithmetic(job, devs, world))
     _check_writable(output)
     if job.export.format == "torchao":
         from supervisor import torchao_job  # imports torchao (and torch): only for torchao jobs

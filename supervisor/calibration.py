@@ -6,8 +6,12 @@
       text:    the source has a tokenizer (its files are hashed into the fingerprint)
       seq_len: at most the model's max_position_embeddings
 
-Raises CalibrationError (exit 2, one line). Owns these checks only: it never tokenizes and never imports torch
-(the child tokenizes and orders the samples, after checking that it reads the same bytes, by their sha256).
+    + the workers ─▶ check_arithmetic: a resume computes with the thread counts and device models the folder's
+                    calibrated layers were computed with (the journal's Arithmetic record), else it is refused
+
+Raises CalibrationError or ArithmeticMismatch (exit 2, one line). Owns these checks only: it never tokenizes and
+never imports torch (the child tokenizes and orders the samples, after checking that it reads the same bytes, by
+their sha256).
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from shared.calibdata import CalibrationDataError, read_rows
 from shared.job import Job
-from supervisor.errors import CalibrationError
+from supervisor.errors import ArithmeticMismatch, CalibrationError
 from supervisor.source import SourceInfo
 
 # Files AutoTokenizer reads from a checkpoint folder; any of the first three makes a tokenizer.
@@ -32,13 +36,22 @@ class Calibration:
     fingerprint: dict  # everything about the data that decides the output's bytes
 
 
+# Whether a group over several GPUs (NCCL) has been measured: byte-identical runs, kill and resume, on a host of
+# several GPUs. Until then such a group runs only where `resources.workers` asks for it, and W = 1 is the default.
+NCCL_GROUP_MEASURED = False
+
+
 def group_size(job: Job, devices: list[str]) -> tuple[int, str]:
-    """W, the ranks that calibrate each layer together (one worker each), and why it is 1 where more were asked
-    ("" otherwise). On GPUs one rank per GPU in use (`resources.workers`, when set, caps it); on the CPU
+    """W, the ranks that calibrate each layer together (one worker each), and why it is 1 where more were possible
+    ("" otherwise). On GPUs `resources.workers` ranks, one per GPU, at most one per GPU in use (0, the default:
+    one rank while an NCCL group is not measured, NCCL_GROUP_MEASURED; then one per GPU); on the CPU
     `resources.workers` ranks (0, the default, and 1: one worker, in order, as before groups existed)."""
     r, c = job.resources, job.calibration
     if devices == ["cpu"]:
         want = max(r.workers, 1)
+    elif r.workers <= 0 and len(devices) > 1 and not NCCL_GROUP_MEASURED:
+        return 1, (f"1 rank calibrates ({len(devices)} GPUs here): a group over several GPUs (NCCL) is not yet "
+                   f"measured; set [resources] workers = N to use N GPUs")
     else:
         want = len(devices) if r.workers <= 0 else min(r.workers, len(devices))
     if want <= 1:
@@ -75,8 +88,8 @@ def check(job: Job, source: SourceInfo, device: str, world: int = 1) -> Calibrat
         "dataset_sha256": rows.sha256,
         "samples": c.samples,
         "seq_len": c.seq_len,
-        # GPTQ's arithmetic depends on the thread count and on the device (measured), so a resume must match
-        "torch_threads": job.resources.torch_threads,
+        # the arithmetic depends on the device kind and on the thread count (measured): the kind here, the threads
+        # each rank really ran with (and its device's model) in the journal (check_arithmetic), not the count asked
         "device": device.split(":")[0],
     }
     if world > 1:  # each rank calibrates its own slice of the samples: the partition decides the bytes
@@ -85,6 +98,53 @@ def check(job: Job, source: SourceInfo, device: str, world: int = 1) -> Calibrat
         parts["tokenizer"] = [list(t) for t in tokenizer]
         parts["tokenizers"] = _version("tokenizers")
     return Calibration(rows.sha256, parts)
+
+
+def planned_arithmetic(job: Job, devices: list[str], world: int) -> tuple[list[int | None], list[str | None]]:
+    """Per rank, what this host's workers will compute with, as far as the supervisor decides it before they start:
+    the torch thread count it gives them (None: torch's default, which only the worker knows) and the device's
+    model (None for a GPU: naming it initialises CUDA, which only the worker does)."""
+    from shared.arithmetic import device_model
+    from supervisor.devices import worker_threads
+
+    ranks = [devices[r] for r in range(world)] if devices != ["cpu"] else ["cpu"] * world
+    sharing = world if devices == ["cpu"] else 1  # as run.Run._start_group gives each rank its share of the cores
+    threads = [worker_threads(job.resources.torch_threads, d, sharing, os.cpu_count() or 1) or None for d in ranks]
+    return threads, [device_model("cpu") if d == "cpu" else None for d in ranks]
+
+
+def check_arithmetic(output: str, recorded, has_layers: bool, threads: list[int | None],
+                     models: list[str | None]) -> None:
+    """Refuse (ArithmeticMismatch, exit 2) workers that would compute with another thread count (CPU ranks: on a GPU
+    the layer's arithmetic is the device's) or on another device model than the folder's calibrated layers were
+    (`recorded`: the journal's latest Arithmetic), while the journal holds a layer; None: not known yet."""
+    if recorded is None or not has_layers or len(recorded.threads) != len(threads):
+        return
+    then, now, fixes = [], [], {}
+    for r, (t0, m0, t, m) in enumerate(zip(recorded.threads, recorded.devices, threads, models)):
+        if t is not None and m0.startswith("cpu") and t != t0:
+            then.append((r, f"{t0} torch thread{'s' if t0 != 1 else ''}"))
+            now.append((r, f"{t} torch thread{'s' if t != 1 else ''}"))
+            cpu = {n for n, d in zip(recorded.threads, recorded.devices) if d.startswith("cpu")}
+            fixes["threads"] = f"[resources] torch_threads = {t0} as before" if len(cpu) == 1 else \
+                "the torch thread counts it was started with"
+        if m is not None and m != m0:
+            then.append((r, m0))
+            now.append((r, m))
+            fixes["device"] = f"on {', '.join(sorted(set(recorded.devices)))} as before"
+    if then:
+        world = len(threads)
+        raise ArithmeticMismatch(
+            f"output {output!r} holds calibrated layers computed with {_by_rank(then, world)}; this run's workers "
+            f"would compute with {_by_rank(now, world)} (a calibrated layer's bytes depend on the thread count and "
+            f"the device model); resume with {' and '.join(fixes.values())}, or start fresh in a new folder")
+
+
+def _by_rank(items: list[tuple[int, str]], world: int) -> str:
+    """"2 torch threads" (one worker), "… on every rank" when all W ranks agree, else "rank 0: …, rank 1: …"."""
+    if len({text for _, text in items}) == 1 and len({r for r, _ in items}) == world:
+        return items[0][1] + (" on every rank" if world > 1 else "")
+    return ", ".join(f"rank {r}: {text}" for r, text in items)
 
 
 def _tokenizer_files(folder: str) -> list[tuple[str, int, int]]:

@@ -48,6 +48,7 @@ class Agent:
     gpus: list[str]
     cpus: int = 1
     ram: int = 0
+    interface: str = ""  # the node's network interface that holds `ip`
 
     @property
     def where(self) -> str:
@@ -56,8 +57,12 @@ class Agent:
 
     @property
     def env(self) -> dict[str, str]:
-        """What this slot's worker adds to its node's environment: the seat's GPUs."""
-        return {"CUDA_VISIBLE_DEVICES": ",".join(self.gpus)} if self.gpus else {}
+        """What this slot's worker adds to its node's environment: the seat's GPUs, and the interface a calibrated
+        group's gloo and NCCL sockets bind (the one holding the node's Ray IP, supervisor.group.data_plane_env)."""
+        from supervisor.group import data_plane_env
+
+        gpus = {"CUDA_VISIBLE_DEVICES": ",".join(self.gpus)} if self.gpus else {}
+        return {**gpus, **data_plane_env(self.interface)}
 
 
 def _import_ray():
@@ -181,7 +186,8 @@ class Cluster:
 
     def _agent(self, seat, info: dict) -> Agent:
         return Agent(seat=seat, host_actor=self._host_for(info["node_id"]), node_id=info["node_id"], ip=info["ip"],
-                     host=info["host"], gpus=info["gpus"], cpus=info["cpus"], ram=info["ram"])
+                     host=info["host"], gpus=info["gpus"], cpus=info["cpus"], ram=info["ram"],
+                     interface=info.get("interface", ""))
 
     def _refuse(self, peer: str, reason: str) -> None:
         logging.getLogger("supervisor").warning("refused a connection to the run's port from %s: %s", peer, reason)
@@ -218,7 +224,8 @@ class Cluster:
         return sum(a.node_id == agent.node_id for a in self.agents)
 
     def rendezvous(self, slot: int):
-        """(address, port) for a calibrated group whose rank 0 runs on `slot`'s node."""
+        """(address, port) for a calibrated group whose rank 0 runs on `slot`'s node: its Ray IP, and a port whose
+        socket that node's host binds and hands to rank 0 (NodeHost.free_port)."""
         a = self.agent(slot)
         return a.ip, self.ray.get(a.host_actor.free_port.remote(), timeout=30)
 

@@ -123,6 +123,15 @@ def worker_slots(devices: list[str], workers: int, layer_bytes: int) -> list[str
     return ["cpu"] * max(1, min(by_cores, by_memory))
 
 
+def worker_threads(torch_threads: int, device: str, sharing: int, cores: int) -> int:
+    """The torch thread count a worker is started with (0: torch's default): [resources] torch_threads when set;
+    else, for one of `sharing` > 1 CPU workers on `cores` cores, its share (several workers each starting one thread
+    per core would contend for them)."""
+    if torch_threads or device != "cpu" or sharing <= 1:
+        return torch_threads
+    return max(1, cores // sharing)
+
+
 def room_for_planner(slots: list[str], layer_bytes: int) -> bool:
     """Whether the export plan's worker may run beside the parts' workers (Scheduler.plan_beside): always on GPUs (it
     holds a CUDA context and one module's probe there); on a CPU when the host's free memory holds one worker more

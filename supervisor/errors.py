@@ -8,7 +8,9 @@ The hierarchy (exit code in brackets)::
      │    ├── SourceError ....................... [2]  the source checkpoint cannot be exported
      │    ├── CalibrationError .................. [2]  the calibration dataset or settings cannot be used
      │    ├── OutputError ....................... [2]  the output folder cannot be used
-     │    │    └── FingerprintMismatch .......... [2]  it holds an export of a different job
+     │    │    ├── FingerprintMismatch .......... [2]  it holds an export of a different job
+     │    │    └── ArithmeticMismatch ........... [2]  its calibrated layers were computed with other thread
+     │    │                                             counts or on another device model than this run's
      │    └── ClusterError ...................... [2]  the Ray cluster cannot run the job (no Ray, unreachable,
      │                                                  a node that cannot see the source or the output)
      ├── LockedError ............................ [3]  another supervisor is exporting into the folder
@@ -56,6 +58,11 @@ class OutputError(InputError):
 
 class FingerprintMismatch(OutputError):
     """The output folder holds an export of a different job."""
+
+
+class ArithmeticMismatch(OutputError):
+    """The output folder's calibrated layers were computed with another torch thread count or device model than this
+    run's workers would use (their bytes would differ from the layers kept)."""
 
 
 class ClusterError(InputError):

@@ -1,14 +1,26 @@
 """A calibrated group: W workers that calibrate every decoder layer together, to the scheduler one worker.
 
-    Group.start(world, start_rank)        a free port on 127.0.0.1 and a fresh secret (the rendezvous, child.group)
+    Group.start(world, start_rank)        the rendezvous (child.group): a socket bound to 127.0.0.1 here, handed to
+                                          rank 0 as its store's listen fd (on a cluster: rank 0's node host binds
+                                          one to that node's Ray IP and hands it over the same way), a fresh secret
       rank 0 … rank W-1                    started side by side (each forked from the warm parent, its own pipes,
                                            heartbeats, log); they meet in torch.distributed (gloo | nccl)
     Group.request(ExportLayer(i))          every rank gets layer i with the journaled inputs of its own samples
       ◀── W replies                        rank 0's shard + every rank's boundary ─▶ one LayerWritten (boundaries)
     any rank fails, dies, hangs, stalls    the layer fails for the group: the other ranks' waits end at once, and the
                                            scheduler kills every rank (kill()) and retries the layer on a fresh group
-                                           from the journaled boundaries
+                                           from the journaled boundaries; a failure names the ranks still busy then
     other requests (the plan, config.json, the loader check, the non-layer part): rank 0 alone
+
+What is bound where: rank 0's store listens on the rendezvous address alone (127.0.0.1 on one host, rank 0's node's
+Ray IP on a cluster), never on every interface; every rank's data plane (gloo's pairs, NCCL's sockets) binds one
+interface of its own node (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME): loopback on one host, the one that holds the
+node's Ray IP on a cluster. Binding the store's socket where the port is picked leaves no moment in which another
+process could take it. What is authenticated: the store's values (child.group: an HMAC under the per-start secret,
+which never enters the store); a stranger who can reach the port can still read them, count and delete keys and so
+disturb the rendezvous (the start then fails and is retried). The data plane is torch.distributed's own and
+unauthenticated: the network it binds is trusted, as torch.distributed documents (README: "What a group binds, and
+what it trusts").
 
 No rank blocks forever: the supervisor watches each rank's process and heartbeats as for any worker, and the ranks'
 collectives time out after `resources.collective_timeout` (a rank stuck in a C call while its heartbeats go on).
@@ -24,18 +36,55 @@ from typing import Callable
 
 import msgspec
 
-from shared.messages import NON_LAYER, ExportLayer, Failed, Group as GroupSpec, Heartbeat, LayerWritten
+from shared.messages import (COLLECTIVE_TIMEOUT, NON_LAYER, ExportLayer, Failed, Group as GroupSpec, Heartbeat,
+                             LayerWritten)
 from supervisor.worker import CancelledWait, Worker, WorkerLost
 
 HOST = "127.0.0.1"  # a one-host group's rendezvous: loopback only
 
 
-def free_port(host: str = HOST) -> int:
-    """A TCP port free on `host` now, for rank 0's store (a start that loses it to another process fails and is
-    retried with another)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def bound_socket(host: str) -> socket.socket:
+    """A TCP socket bound to `host` on a port the kernel picks, not yet listening: rank 0's store listens on it
+    (TCPStore's master_listen_fd), so the port is never free for another process between its choice and the
+    store's listen, and the store listens on `host` alone."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    s = socket.socket(family, kind, proto)
+    try:
+        s.bind(address)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def interface_holding(address: str) -> str:
+    """The name of this node's network interface that holds `address` ("" if none): a rank's gloo and NCCL sockets
+    bind it, rather than whatever the host name resolves to (127.0.1.1 on Debian, so the peers on other nodes would
+    be told to connect to loopback)."""
+    import ipaddress
+
+    import psutil
+
+    try:
+        want = ipaddress.ip_address(address)
+    except ValueError:
+        return ""  # a host name, not an address
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family in (socket.AF_INET, socket.AF_INET6):
+                try:
+                    if ipaddress.ip_address(a.address.split("%")[0]) == want:
+                        return name
+                except ValueError:
+                    continue
+    return ""
+
+
+def data_plane_env(interface: str) -> dict[str, str]:
+    """A rank's environment for gloo's and NCCL's own sockets: bind `interface` (interface_holding: of its node's
+    Ray IP, or of 127.0.0.1 on one host), by exact name (NCCL takes a bare name as a prefix, "=" makes it exact);
+    {} for "" (the libraries then pick as they do by default)."""
+    return {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": f"={interface}"} if interface else {}
 
 
 class Group:
@@ -48,14 +97,28 @@ class Group:
 
     # ---- start ---------------------------------------------------------------------------------------------
     @classmethod
-    def start(cls, world: int, start_rank: Callable[[GroupSpec, Callable[[], bool], Callable[[Worker], None]], Worker],
+    def start(cls, world: int, start_rank: Callable[[GroupSpec, Callable[[], bool], Callable[[Worker], None],
+                                                     int | None], Worker],
               *, cancelled: Callable[[], bool], timeout: float, backend: str,
               rendezvous: Callable[[], tuple[str, int]] | None = None) -> "Group":
-        """Start W ranks side by side: `start_rank(spec, cancelled, register)` returns rank spec.rank's ready Worker
-        (it may raise; `register(worker)` before it starts, so that a failed start can kill it). When one fails,
+        """Start W ranks side by side: `start_rank(spec, cancelled, register, listen_fd)` returns rank spec.rank's
+        ready Worker (it may raise; `register(worker)` before it starts, so that a failed start can kill it;
+        `listen_fd`: rank 0's store socket on this host, None for the others and on a cluster). When one fails,
         the others stop waiting for the rendezvous at once; all are killed; its error is raised. `rendezvous()`: the
-        address rank 0 hosts the store on (default: a free port on 127.0.0.1; on a cluster, rank 0's node)."""
-        host, port = rendezvous() if rendezvous is not None else (HOST, free_port())
+        address rank 0 hosts the store on (default: a socket bound here on 127.0.0.1, handed to rank 0 as
+        `start_rank`'s `listen_fd`; on a cluster, rank 0's node, whose host binds and hands over the socket)."""
+        listening = bound_socket(HOST) if rendezvous is None else None
+        try:
+            host, port = listening.getsockname()[:2] if listening is not None else rendezvous()
+            return cls._start(world, start_rank, host, port, cancelled=cancelled, timeout=timeout, backend=backend,
+                              listen_fd=listening.fileno() if listening is not None else None)
+        finally:
+            if listening is not None:
+                listening.close()  # rank 0 holds its own copy (or the start failed)
+
+    @classmethod
+    def _start(cls, world: int, start_rank, host: str, port: int, *, cancelled, timeout: float, backend: str,
+               listen_fd: int | None) -> "Group":
         secret = secrets.token_hex(16)
         specs = [GroupSpec(rank=r, world=world, host=host, port=port, secret=secret, timeout=timeout, backend=backend)
                  for r in range(world)]
@@ -71,7 +134,8 @@ class Group:
 
         def one(spec: GroupSpec) -> None:
             try:
-                w = start_rank(spec, lambda: cancelled() or broken.is_set(), register)
+                w = start_rank(spec, lambda: cancelled() or broken.is_set(), register,
+                               listen_fd if spec.rank == 0 else None)
                 workers[spec.rank] = w
             except BaseException as exc:  # noqa: BLE001 - raised from start() below
                 with lock:
@@ -134,6 +198,7 @@ class Group:
         broken = threading.Event()
         replies: list = [None] * world
         errors: list[tuple[int, BaseException | Failed]] = []
+        busy: list[int] = []  # the ranks still on the layer when the first one failed
         lock = threading.Lock()
 
         def one(rank: int) -> None:
@@ -150,6 +215,8 @@ class Group:
             if isinstance(reply, CancelledWait) and broken.is_set() and not cancelled():
                 return  # another rank broke the layer: this one is stopped with it
             with lock:
+                if not errors:
+                    busy.extend(r for r in range(world) if r != rank and replies[r] is None)
                 errors.append((rank, reply))
             broken.set()
 
@@ -164,6 +231,12 @@ class Group:
             cause = _first_cause(errors)
             if isinstance(cause, BaseException):
                 raise cause
+            stuck = [r for r in busy if r not in {rank for rank, _ in errors}]  # neither replied nor failed
+            if stuck:  # a collective that timed out names no peer: the ranks that had not finished are the suspects
+                ranks = f"rank{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))}"
+                why = ": stuck, its heartbeats still coming" if cause.kind == COLLECTIVE_TIMEOUT else ""
+                cause = msgspec.structs.replace(cause, message=f"{cause.message} ({ranks} had not finished layer "
+                                                f"{msg.index}{why})")
             return cause
         return _merge(replies)
 

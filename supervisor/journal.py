@@ -1,7 +1,8 @@
 """The journal: the job's fingerprint, one append-only record per finished shard, and the resume plan.
 
 `OUT/.export/journal.jsonl` holds JSON lines: a Header first (fingerprint + job), then a Shard record per
-written shard (appended and fsynced only after the shard was renamed into place), then Finalized. A calibrated
+written shard (appended and fsynced only after the shard was renamed into place), then Finalized; a calibrated
+export also an Arithmetic record (what its workers computed with) before its first layer. A calibrated
 export's Shard record for layer i also names the boundary feeding layer i+1 (its file under .export/boundary,
 digest and size), made durable before the record: one record makes both count, atomically; a calibrated group's
 record (W ranks, each calibrating its own samples) names W boundaries, one per rank, the same way. A record counts
@@ -72,11 +73,21 @@ class Shard(msgspec.Struct, tag=True, kw_only=True):
     where: str = ""  # on a cluster: the node (and GPU) of the worker that wrote it; "" on this host
 
 
+class Arithmetic(msgspec.Struct, tag=True, kw_only=True):
+    """A calibrated export's workers as they ran (their Ready, shared.arithmetic), journaled once a run's workers are
+    ready and before they export a layer, when the journal holds none or another: per rank, torch's thread count
+    and the device's model. The latest is the one the folder's calibrated layers were computed with (a resume
+    whose workers differ is refused while the journal holds a layer: supervisor.calibration.check_arithmetic)."""
+
+    threads: list[int] = []
+    devices: list[str] = []
+
+
 class Finalized(msgspec.Struct, tag=True, kw_only=True):
     files: dict[str, str] = {}  # every output file (outside .export) -> digest
 
 
-Record = Union[Header, Shard, Finalized]
+Record = Union[Header, Shard, Arithmetic, Finalized]
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Record)
 
@@ -132,6 +143,7 @@ class State:
     header: Header | None = None
     shards: dict[int, Shard] = field(default_factory=dict)  # latest record per index
     finalized: Finalized | None = None
+    arithmetic: Arithmetic | None = None  # the latest: what the calibrated layers were computed with
     good_bytes: int = 0  # length of the journal up to the last complete record
     torn: bool = False
 
@@ -166,6 +178,8 @@ def read(output: str) -> State:
                 if prev is None or prev.digest != rec.digest:
                     st.finalized = None  # a shard redone after finalize means finalize must run again
                 st.shards[rec.index] = rec  # (the same bytes under a new file identity leave it final)
+            case Arithmetic():
+                st.arithmetic = rec
             case Finalized():
                 st.finalized = rec
     st.good_bytes = pos

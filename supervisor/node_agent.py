@@ -2,7 +2,8 @@
 (its warm parent, and the workers it forks).
 
     supervisor/cluster.py ──▶ Seat (Ray actor, num_gpus=1 or num_cpus=1, spread over the nodes)
-                                info(): node id, address, host name, the GPUs Ray gave it, the node's cores and RAM
+                                info(): node id, address (and the interface holding it), host name, the GPUs
+                                        Ray gave it, the node's cores and RAM
                            ──▶ NodeHost (Ray actor pinned to that node, no resources; one per node and run)
       probe(...)        can this node see the source and the output folder as the supervisor does?
       start_worker(…)   connect to the run's port (supervisor/remote.py) and prove this worker's key there, the
@@ -38,6 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from shared.messages import LISTEN_PORT_ENV
 from supervisor import channel
 
 # Read by nothing on one host: a test can make one node of a local cluster see the shared file system under
@@ -73,9 +75,12 @@ class Seat:
         import ray
 
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "host": socket.gethostname(),
+        from supervisor.group import interface_holding
+
+        ip = ray.util.get_node_ip_address()
+        return {"node_id": ctx.get_node_id(), "ip": ip, "host": socket.gethostname(),
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "cpus": os.cpu_count() or 1,
-                "ram": psutil.virtual_memory().available}
+                "ram": psutil.virtual_memory().available, "interface": interface_holding(ip)}
 
 
 class NodeHost:
@@ -85,6 +90,7 @@ class NodeHost:
         self._zygote = None
         self._children: dict[int, object] = {}
         self._relays: dict[int, channel.TlsRelay] = {}
+        self._listening: dict[int, socket.socket] = {}  # port -> the rendezvous socket free_port bound (rank 0's)
         self._lock = threading.Lock()
         # a warm parent's parent-death signal fires when the thread that spawned it ends: one thread for the actor's life
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-spawner")
@@ -157,12 +163,19 @@ class NodeHost:
 
     @_group("control")
     def free_port(self) -> int:
-        """A port free on this node now (a calibrated group's rendezvous, hosted by its rank 0 here)."""
+        """A port on this node's Ray IP for a calibrated group's rendezvous, hosted by its rank 0 here: its socket is
+        bound now and held until start_worker hands it to rank 0 (so no other process can take the port meanwhile,
+        and the store listens on that address alone); one held for an earlier start of the group is closed."""
         import ray
 
-        with socket.socket() as s:
-            s.bind((ray.util.get_node_ip_address(), 0))
-            return s.getsockname()[1]
+        from supervisor.group import bound_socket
+
+        s = bound_socket(ray.util.get_node_ip_address())
+        port = s.getsockname()[1]
+        earlier, self._listening = self._listening, {port: s}  # one swap: start_worker pops from either, never both
+        for held in earlier.values():
+            held.close()
+        return port
 
     @_group("start")
     def start_worker(self, host: str, port: int, token: bytes, key: bytes, tls: bool, env: dict[str, str],
@@ -171,16 +184,22 @@ class NodeHost:
         zygote = self._warm_parent()
         conn = dial(host, port, token, key, self._tls() if tls else None, heartbeat_timeout, deadline)
         log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        held = None
         try:
             with self._lock:
                 if os.getcwd() != cwd and os.path.isdir(cwd):
                     os.chdir(cwd)  # relative paths mean what they mean to the supervisor (the fork takes this cwd)
-                child = zygote.fork([], {**self.env, **env}, (conn.fd, conn.fd), (log, log))
+                # a group's rank 0: the store socket free_port bound for its port (LISTEN_PORT_ENV), handed over
+                held = self._listening.pop(int(env.get(LISTEN_PORT_ENV) or 0), None)
+                child = zygote.fork([], {**self.env, **env}, (conn.fd, conn.fd), (log, log),
+                                    held.fileno() if held is not None else None)
         except BaseException:
             conn.close(relay_too=True)
             raise
         finally:
             os.close(log)
+            if held is not None:
+                held.close()  # the worker holds its own copy
         conn.close()  # the worker holds its own copy; a TLS relay goes on for it
         self._children[child.pid] = child
         if conn.relay is not None:

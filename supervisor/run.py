@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import queue
 import shutil
@@ -44,11 +45,11 @@ from shared import durable, layout
 from shared.job import Job, warm_profile
 from shared.load_verdict import LIFT_HINT, transformers_only
 from shared.load_verdict import problems as load_problems
-from shared.messages import (NON_LAYER, PROTOCOL_VERSION, Boundary, CheckLoad, Describe, Described, Heartbeat, Hello,
-                             LayerWritten, LoadChecked)
+from shared.messages import (LISTEN_FD_ENV, LISTEN_PORT_ENV, NON_LAYER, PROTOCOL_VERSION, Boundary, CheckLoad, Describe,
+                             Described, Heartbeat, Hello, LayerWritten, LoadChecked)
 from supervisor import events as ev
 from supervisor import calibration, finalize, journal, verbatim
-from supervisor.group import Group
+from supervisor.group import Group, data_plane_env, interface_holding
 from supervisor.errors import Cancelled, ExportFailed, InputError, NoRoom, OutputError, SourceError, SupervisorError
 from supervisor.lock import Lock
 from supervisor.source import SourceInfo
@@ -144,6 +145,8 @@ class Run:
         self._started = False
         self._progress: _Progress | None = None
         self._boundary = None  # calibrated: the journaled inputs of the next layer to export
+        self._arithmetic: journal.Arithmetic | None = None  # calibrated: what the layers were computed with
+        self._had_layers = False  # the journal held a layer when the run began
         self._output_existed = os.path.isdir(self.plan.output)
 
     # ---- what Supervisor calls -----------------------------------------------------------------------------
@@ -349,6 +352,7 @@ class Run:
         st = journal.read(out)  # re-read under the lock: the journal may have grown since prepare()
         if st.header is not None and st.header.fingerprint != plan.fingerprint:
             raise OutputError(f"output {out!r} changed hands while starting; run again")
+        self._arithmetic, self._had_layers = st.arithmetic, any(i >= 0 for i in st.shards)
         done, redo = self._verified(st, n)
         self._journal = journal.Journal(out, st) if st.header else \
             journal.start(out, self.job, plan.fingerprint, n, world=plan.world)
@@ -574,8 +578,9 @@ class Run:
         """A live model's pool memfds, inherited by the zygote (so by every worker it forks) or a spawned worker."""
         return tuple(self._pool_spec.fds) if self._pool_spec is not None else ()
 
-    def _fork(self, env: dict, fds: tuple[int, int], out_fds: tuple[int, int]):
-        """Fork a worker from the zygote; a zygote that died is started again once (on the spawner thread)."""
+    def _fork(self, env: dict, fds: tuple[int, int], out_fds: tuple[int, int], listen_fd: int | None = None):
+        """Fork a worker from the zygote; a zygote that died is started again once (on the spawner thread).
+        `listen_fd`: a socket the worker inherits (a group's rank 0: its store's, shared.messages.LISTEN_FD_ENV)."""
         with self._zygote_lock:
             try:
                 if self._zygote is None or not self._zygote.alive:
@@ -584,9 +589,13 @@ class Run:
                         old.close()
                     self._start_zygote()
                 if not self._zygote.forkable:
-                    # the imports touched CUDA on this machine: a fork would not be safe; spawn instead
-                    return self._spawner.submit(spawn, env, fds, out_fds, self._pool_fds).result()
-                return self._zygote.fork([], env, fds, out_fds)
+                    # the imports touched CUDA on this machine: a fork would not be safe; spawn instead (an inherited
+                    # fd keeps its number)
+                    extra = () if listen_fd is None else (listen_fd,)
+                    if listen_fd is not None:
+                        env = {**env, LISTEN_FD_ENV: str(listen_fd)}
+                    return self._spawner.submit(spawn, env, fds, out_fds, self._pool_fds + extra).result()
+                return self._zygote.fork([], env, fds, out_fds, listen_fd)
             except ZygoteLost as exc:
                 raise WorkerLost(exc.reason, exc.log_tail) from None
 
@@ -594,19 +603,33 @@ class Run:
         """A ready worker for `slot`: the child sees only the slot's GPU (as cuda:0), or none on CPU. `on_hello()`:
         the child exists and has its Hello (Worker.start). A calibrated export on a group (plan.world > 1): the
         slot's worker is the Group of every rank (supervisor.group), one per device."""
-        if self.plan.world > 1 and not slot.planner:
-            return self._start_group(slot, on_hello)
-        return self._start_one(slot, slot.device, slot.id, on_hello)
+        w = self._start_group(slot, on_hello) if self.plan.world > 1 and not slot.planner else \
+            self._start_one(slot, slot.device, slot.id, on_hello)
+        if self.plan.calibration is not None and not slot.planner:
+            self._settle_arithmetic(w)
+        return w
+
+    def _settle_arithmetic(self, w: Worker | Group) -> None:
+        """What the calibrated workers compute with, as they report it: refused when the journal holds layers computed
+        otherwise (before they export one), journaled when it is new."""
+        ranks = w.ranks if isinstance(w, Group) else [w]
+        rec = journal.Arithmetic(threads=[x.ready.threads for x in ranks],
+                                 devices=[x.ready.device_model for x in ranks])
+        calibration.check_arithmetic(self.plan.output, self._arithmetic,
+                                     self._had_layers or any(i >= 0 for i in self._done), rec.threads, rec.devices)
+        if rec != self._arithmetic:
+            self._journal.append(rec)
+            self._arithmetic = rec
 
     def _start_group(self, slot: Slot, on_hello) -> Group:
         self._check_cancel()
         world, devs = self.plan.world, self.plan.devices
         rank_devices = [devs[r] for r in range(world)] if devs != ["cpu"] else ["cpu"] * world
 
-        def start_rank(spec, cancelled, register) -> Worker:
+        def start_rank(spec, cancelled, register, listen_fd) -> Worker:
             return self._start_one(slot, rank_devices[spec.rank], spec.rank, on_hello if spec.rank == 0 else
                                    (lambda: None), group=spec, sharing=world if devs == ["cpu"] else 1,
-                                   cancelled=cancelled, register=register)
+                                   cancelled=cancelled, register=register, listen_fd=listen_fd)
 
         cluster = self.plan.cluster
         g = Group.start(world, start_rank, cancelled=self._cancel.is_set, timeout=self.job.resources.collective_timeout,
@@ -616,8 +639,9 @@ class Run:
         return g
 
     def _start_one(self, slot: Slot, device: str, worker_id: int, on_hello=lambda: None, *, group=None,
-                   sharing: int | None = None, cancelled=None, register=None) -> Worker:
-        """One worker on `device` (a group's rank `worker_id` when `group` is its GroupSpec)."""
+                   sharing: int | None = None, cancelled=None, register=None, listen_fd: int | None = None) -> Worker:
+        """One worker on `device` (a group's rank `worker_id` when `group` is its GroupSpec; `listen_fd`: rank 0's
+        store socket on this host, supervisor.group)."""
         from supervisor import devices
 
         self._check_cancel()
@@ -635,9 +659,8 @@ class Run:
             if sharing is None:
                 sharing = sum(s.device == device for s in self._scheduler.slots) if self._scheduler else 1
             cores = os.cpu_count() or 1
-        if device == "cpu" and sharing > 1 and not r.torch_threads:
-            # several CPU workers share the cores instead of each starting one thread per core
-            threads = max(1, cores // sharing)
+        threads = devices.worker_threads(r.torch_threads, device, sharing, cores)
+        if threads != r.torch_threads:
             job = msgspec.structs.replace(job, resources=msgspec.structs.replace(r, torch_threads=threads))
         lock = layout.device_lock(plan.output, device) if group is None and agent is None and \
             devices.device_stage_shared(device, sharing, self._layer_bytes) else ""
@@ -649,15 +672,21 @@ class Run:
         if agent is not None:
             from supervisor.remote import RemoteWorker
 
-            w = RemoteWorker(hello, log, agent.env, startup_timeout=r.startup_timeout,
+            # rank 0: its node's host hands it the store socket it bound for this port (Cluster.rendezvous)
+            env = {**agent.env, LISTEN_PORT_ENV: str(group.port)} if group is not None and group.rank == 0 else \
+                agent.env
+            w = RemoteWorker(hello, log, env, startup_timeout=r.startup_timeout,
                              heartbeat_timeout=r.heartbeat_timeout, host=agent.host_actor, listener=cluster.listener,
                              where=agent.where,
                              cancelled=cancelled or self._cancel.is_set)
         else:
             env = devices.child_env(device, dict(os.environ))
             env["PYTHONUNBUFFERED"] = "1"
+            if group is not None:  # the ranks' gloo and NCCL sockets on loopback, as the store
+                env.update(data_plane_env(interface_holding(group.host)))
+            fork = self._fork if listen_fd is None else functools.partial(self._fork, listen_fd=listen_fd)
             w = Worker(hello, log, env, startup_timeout=r.startup_timeout, heartbeat_timeout=r.heartbeat_timeout,
-                       fork=self._fork, on_log=self._on_log)
+                       fork=fork, on_log=self._on_log)
         if register is not None:
             register(w)  # the group kills it if another rank fails to start
         else:

@@ -4,7 +4,8 @@
                     running for this environment, or starts one that outlives this run (see KEPT below); else
                     python -P -m child.zygote for this run alone (stdout/stderr pumped into
                     OUT/.export/logs/zygote.log and on_log); waits for {"ready"}
-    Zygote.fork()   sends {"fork": {env, argv}} with the worker's pipe ends and stdout/stderr fds (SCM_RIGHTS) and
+    Zygote.fork()   sends {"fork": {env, argv}} with the worker's pipe ends and stdout/stderr fds (SCM_RIGHTS; a
+                    group's rank 0 also its store's bound socket) and
                     returns a Forked (Popen-like: pid, poll, wait, terminate, kill) once the zygote says
                     {"forked": pid}; {"exited": pid, code} arrive on a reader thread and settle that Forked
     Zygote.close()  closes the socket (the zygote kills this run's workers; a run's own zygote then exits) and
@@ -458,15 +459,17 @@ class Zygote:
         for child in children:
             child._settle(-signal.SIGKILL)
 
-    def fork(self, argv: list[str], env: dict[str, str], fds: tuple[int, int], out_fds: tuple[int, int]) -> Forked:
-        """A new worker running `python -m child` with argv + its pipe fds, `out_fds` as its stdout and stderr;
-        raises ZygoteLost."""
+    def fork(self, argv: list[str], env: dict[str, str], fds: tuple[int, int], out_fds: tuple[int, int],
+             listen_fd: int | None = None) -> Forked:
+        """A new worker running `python -m child` with argv + its pipe fds, `out_fds` as its stdout and stderr, and
+        `listen_fd` (a group's rank 0: its store's bound socket, shared.messages.LISTEN_FD_ENV); raises ZygoteLost."""
         with self._lock:
             if not self.alive:
                 raise ZygoteLost(f"the worker parent (zygote) {self._lost or 'is not running'}", self.log_tail())
             req = json.dumps({"fork": {"env": env, "argv": argv, "cwd": os.getcwd(), "umask": _umask()}}).encode()
+            extra = [listen_fd] if listen_fd is not None else []
             try:
-                socket.send_fds(self._sock, [req], [fds[0], fds[1], *out_fds])
+                socket.send_fds(self._sock, [req], [fds[0], fds[1], *out_fds, *extra])
             except OSError as exc:
                 raise ZygoteLost(f"the worker parent (zygote) cannot be reached ({exc})", self.log_tail()) from exc
             deadline = time.monotonic() + FORK_SECONDS

@@ -474,10 +474,18 @@ def calib(model, tmp_path_factory):
 
 def test_calibrated_group_across_nodes_equals_this_hosts(host, calib, tmp_path):
     """GPTQ W4A16 on a group of W = 2 ranks, one per node (rendezvous on rank 0's node), equals this host's W = 2
-    group byte for byte; so does a run whose rank 1 is SIGKILLed while calibrating layer 1 (the group is torn down
-    and rebuilt from the journaled boundaries)."""
+    group byte for byte, and while a rank is held in layer 1's forward nothing in the cluster's namespace listens
+    beyond loopback (rank 0's store, the ranks' gloo pairs, Ray's and the run's ports); so does a run whose rank 1
+    is SIGKILLed while calibrating layer 1 (the group is torn down and rebuilt from the journaled boundaries)."""
     job, local = calib
-    r = _run(host, job(tmp_path, "ray", True)).wait()
+    env, marker, go = _await_fault(tmp_path, 1, point="forward")
+    with _run(host, job(tmp_path, "ray", True), env) as r:
+        assert faultkit.wait_marker(marker, 180), r.stderr
+        listening = host.ask("listening")["listening"]
+        open(go, "w").close()
+        r.wait()
+    assert listening and all(a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")) for a in listening), \
+        listening
     assert r.rc == 0, r.stderr
     assert r.of("Started")[0]["world"] == 2
     nodes = {w["where"].split("node ")[1][:8] for w in r.of("WorkerStarted")}

@@ -11,7 +11,9 @@ a sleep, and leave layers after them.
 import json
 import os
 import re
+import shutil
 import signal
+import subprocess
 
 import psutil
 import pytest
@@ -37,7 +39,8 @@ def dataset(tmp_path_factory):
 
 
 def _job(tmp_path, model, dataset, out, scheme="W4A16", method="gptq", workers=2, name="job.toml", **resources):
-    return cli.write_job(tmp_path / name, model, out, scheme, method=method, torch_threads=1, workers=workers,
+    resources.setdefault("torch_threads", 1)
+    return cli.write_job(tmp_path / name, model, out, scheme, method=method, workers=workers,
                          calibration={"dataset": dataset, "samples": N, "seq_len": SEQ}, **resources)
 
 
@@ -125,14 +128,28 @@ def test_rank_killed_mid_forward_redoes_the_layer_on_a_fresh_group(w2, model, da
 
 
 def test_rank_stuck_in_a_collective_times_out_and_the_layer_is_redone(w2, model, dataset, tmp_path):
-    """Rank 1 stalls before its Hessians' reduce (heartbeats still coming): rank 0's collective times out after
-    collective_timeout, the layer is redone by a fresh group, and the bytes are the uninterrupted run's."""
-    out, marker = tmp_path / "out", tmp_path / "fired"
-    proc = cli.run("run", _job(tmp_path, model, dataset, out, collective_timeout=8), "--json",
-                   env=_fault(marker, point="calibrate", action="stall", index=2, worker=1))
+    """Rank 1 stalls as it starts layer 2's calibration (heartbeats still coming) and rank 0 enters the Hessians'
+    reduce only after that: rank 0's collective times out, the retry comes no sooner than collective_timeout after
+    the stall began, its reason says a collective timed out and names rank 1 as the one that had not finished, and a
+    fresh group redoes the layer to the uninterrupted run's bytes."""
+    out, stalled, waited = tmp_path / "out", tmp_path / "stalled", tmp_path / "waited"
+    timeout = 8
+    faults = [{"point": "calibrate", "action": "stall", "index": 2, "worker": 1, "once": str(stalled)},
+              {"point": "reduce", "action": "await", "index": 2, "worker": 0, "path": str(stalled),
+               "once": str(waited)}]
+    proc = cli.run("run", _job(tmp_path, model, dataset, out, collective_timeout=timeout), "--json",
+                   env={faultkit.FAULT_ENV: json.dumps(faults)})
     events = cli.events(proc)
     retry = [e for e in events if e["type"] == "Retrying"]
-    assert marker.exists() and len(retry) == 1 and retry[0]["index"] == 2, retry
+    assert stalled.exists() and waited.exists() and len(retry) == 1 and retry[0]["index"] == 2, retry
+    reason = retry[0]["reason"]
+    assert reason.startswith("CollectiveTimeout: rank 0: ") and f"collective_timeout = {timeout} s" in reason, reason
+    assert "rank 1 had not finished layer 2: stuck" in reason, reason
+    # the run's clock (events' t) in epoch seconds, no later than it was: the journal's header is written (its
+    # `created`) before Started is emitted
+    started = next(e for e in events if e["type"] == "Started")["t"]
+    retried = _journal(out)[0]["created"] + retry[0]["t"] - started
+    assert retried - faultkit.read_marker(stalled)["time"] >= timeout, (retried, faultkit.read_marker(stalled))
     assert cli.output_bytes(out) == w2[1]
 
 
@@ -164,6 +181,46 @@ def _listening(p: psutil.Process):
         return []
 
 
+LOOPBACK = ("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")
+# the CLI in a network namespace of its own, where only loopback exists (as tests/cluster/rayhost.py does it)
+OWN_NETWORK = ["unshare", "-n", "--", "sh", "-c", 'ip link set lo up && exec "$@"', "own-network"]
+
+
+# where it cannot run here (not root, a tool missing) it is skipped, except under CI, where it must run
+_NO_OWN_NETWORK = not os.environ.get("CI") and (os.geteuid() != 0 or not all(
+    shutil.which(t) for t in ("unshare", "nsenter", "ip", "ss")))
+
+
+@pytest.mark.skipif(_NO_OWN_NETWORK, reason="a network namespace of its own needs root, unshare, nsenter, ip and ss")
+def test_nothing_listens_beyond_loopback_during_a_group_export(w2, model, dataset, tmp_path):
+    """In a network namespace of its own, while rank 1 is held in layer 1's forward, every listening socket there
+    (rank 0's store, both ranks' gloo pairs) is on loopback, none on a wildcard address; the run then ends
+    byte-identical."""
+    out, marker, go = tmp_path / "out", tmp_path / "held", tmp_path / "go"
+    fault = _fault(marker, point="forward", action="await", index=1, worker=1, path=str(go))
+    with faultkit.LiveRun("run", _job(tmp_path, model, dataset, out), "--json", env=fault, prefix=OWN_NETWORK) as r:
+        assert faultkit.wait_marker(marker, 180), r.stderr
+        ss = subprocess.run(["nsenter", f"--net=/proc/{r.pid}/ns/net", "--", "ss", "-Hltn"], capture_output=True,
+                            text=True, check=True).stdout
+        listening = [line.split()[3] for line in ss.splitlines() if line.strip()]
+        go.touch()
+        r.wait()
+    assert len(listening) >= 3 and all(a.startswith(LOOPBACK) for a in listening), listening
+    assert r.rc == 0, r.stderr
+    assert cli.output_bytes(out) == w2[1]
+
+
+def test_spawned_ranks_inherit_the_store_socket(w2, model, dataset, tmp_path):
+    """A warm parent that cannot fork (test fault "unforkable", as where its imports touched CUDA): the ranks are
+    spawned as fresh interpreters, rank 0 inherits the store's bound socket under the same fd number, and the bytes
+    are the W = 2 run's."""
+    events = cli.events(cli.run("run", _job(tmp_path, model, dataset, tmp_path / "out"), "--json",
+                                env=faultkit.fault_env({"point": "zygote", "action": "unforkable"})))
+    assert [e["forking"] for e in events if e["type"] == "PoolStarted"] == [False]
+    assert sorted(e["worker"] for e in events if e["type"] == "WorkerStarted") == [0, 1]
+    assert cli.output_bytes(tmp_path / "out") == w2[1]
+
+
 def test_resume_with_another_group_size_is_refused(model, dataset, tmp_path):
     """A folder a W = 2 export left half done is not resumed with W = 1: exit 2, one line naming the W it was
     started with, nothing written."""
@@ -179,6 +236,61 @@ def test_resume_with_another_group_size_is_refused(model, dataset, tmp_path):
     assert {p: os.stat(p).st_mtime_ns for p in (out / layout.STATE_DIR).rglob("*")} == before
     resumed = cli.events(cli.run("run", _job(tmp_path, model, dataset, out), "--json"))
     assert resumed[0]["resumed"] == 1
+
+
+def test_resume_under_another_thread_count_is_refused_and_the_same_count_resumes(w2, model, dataset, tmp_path):
+    """A W = 2 folder started with torch_threads unset (each rank's share of the cores) and left half done: resumed
+    with another thread count it is refused (exit 2, one line naming the count it was computed with, nothing
+    changed on disk); resumed with that count set explicitly it goes on where it stopped."""
+    out = tmp_path / "out"
+    derived = max(1, (os.cpu_count() or 1) // 2)
+    first = cli.run("run", _job(tmp_path, model, dataset, out, max_attempts=1, torch_threads=0), "--json",
+                    check=False, env=_fault(tmp_path / "fired", point="calibrate", action="sigkill", index=2, worker=0))
+    assert first.returncode == 1, first.stderr
+    recorded = [r for r in _journal(out) if r.get("type") == "Arithmetic"]
+    assert [r["threads"] for r in recorded] == [[derived, derived]], recorded
+    before = {p: os.stat(p).st_mtime_ns for p in out.rglob("*")}
+    refused = cli.run("run", _job(tmp_path, model, dataset, out, torch_threads=derived + 1, name="more.toml"),
+                      check=False)
+    assert refused.returncode == 2, refused.stderr
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"torch_threads = {derived} as before" in lines[0] \
+        and f"{derived + 1} torch threads" in lines[0], lines
+    assert {p: os.stat(p).st_mtime_ns for p in out.rglob("*")} == before
+    resumed = cli.events(cli.run("run", _job(tmp_path, model, dataset, out, torch_threads=derived, name="same.toml"),
+                                 "--json"))
+    assert resumed[0]["resumed"] >= 2, resumed[0]
+    if derived == 1:  # w2's own arithmetic (one thread per rank)
+        assert cli.output_bytes(out) == w2[1]
+
+
+@pytest.fixture(scope="module")
+def w3(model, dataset, tmp_path_factory):
+    """An uninterrupted W = 3 GPTQ export (three gloo ranks on this host's cores, one thread each): its bytes."""
+    tmp = tmp_path_factory.mktemp("w3")
+    cli.run("run", _job(tmp, model, dataset, tmp / "out", workers=3), "--json")
+    return cli.output_bytes(tmp / "out")
+
+
+def test_three_ranks_write_the_same_bytes_twice(w3, model, dataset, tmp_path):
+    """W = 3 (each Hessian a sum of three ranks' parts, so the reduction's order could show): a second run writes
+    byte-identical files, each layer's record naming three boundaries."""
+    out = tmp_path / "out"
+    events = cli.events(cli.run("run", _job(tmp_path, model, dataset, out, workers=3), "--json"))
+    assert events[0]["world"] == 3
+    assert all(len(r["boundaries"]) == 3 for r in _journal(out) if r.get("type") == "Shard" and 0 <= r["index"] < 3)
+    assert cli.output_bytes(out) == w3
+
+
+def test_three_ranks_with_one_killed_mid_layer_end_byte_identical(w3, model, dataset, tmp_path):
+    """W = 3, rank 2 SIGKILLed while calibrating layer 1: a fresh group of three redoes the layer from the journaled
+    boundaries and the export is byte-identical to the uninterrupted W = 3 run."""
+    out, marker = tmp_path / "out", tmp_path / "fired"
+    events = cli.events(cli.run("run", _job(tmp_path, model, dataset, out, workers=3), "--json",
+                                env=_fault(marker, point="calibrate", action="sigkill", index=1, worker=2)))
+    retry = [e for e in events if e["type"] == "Retrying"]
+    assert marker.exists() and len(retry) == 1 and retry[0]["index"] == 1 and "rank 2" in retry[0]["reason"], retry
+    assert cli.output_bytes(out) == w3
 
 
 def test_static_nvfp4_on_two_ranks_is_deterministic_and_as_good_as_one(model, dataset, tmp_path):
