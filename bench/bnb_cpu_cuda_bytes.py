@@ -2,7 +2,7 @@
 int8), then supervisor.qlora.base_difference on a model quantized on the GPU (its 16-bit folder, another seed, a
 1%-noise 'fine-tune'). Needs bitsandbytes and msgspec there (carried: docs/benchmarks.md); docs/studio.md holds
 the H200 figures."""
-import json, os, sys, time, shutil
+import json, os, time
 import torch
 import bitsandbytes as bnb
 import bitsandbytes.functional as F

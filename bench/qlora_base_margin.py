@@ -48,7 +48,6 @@ for trial, shape in enumerate([(4096, 4096), (1024, 14336), (14336, 1024), (8192
     worst["int8"] = max(worst["int8"], e)
 print("WORST", worst, "slack", qlora.CELL_SLACK, "int8 slack", 127 * qlora.CELL_SLACK)
 # CPU cost of one check of a large weight (fallback path), on this host's CPU
-from types import SimpleNamespace
 for shape in [(1024, 4096), (4096, 4096), (4096, 14336)]:
     x = (torch.randn(shape) * 0.02).to(torch.bfloat16)
     import bitsandbytes.nn as bnn

@@ -46,6 +46,7 @@ import socket
 import torch.distributed as dist
 
 from shared.messages import LISTEN_FD_ENV, Group
+from shared.sockets import bound_socket
 
 _group: Group | None = None
 # the store the process group uses, held here: torch keeps only the C++ half of a Python store alive, and its Python
@@ -149,14 +150,7 @@ def _listen_fd(group: Group) -> int:
             raise RuntimeError(f"the store's socket handed to rank 0 is bound to {host}:{port}, not the group's "
                                f"rendezvous {group.host}:{group.port}")
         return s.detach()
-    family, kind, proto, _, address = socket.getaddrinfo(group.host, group.port, type=socket.SOCK_STREAM)[0]
-    s = socket.socket(family, kind, proto)
-    try:
-        s.bind(address)
-    except BaseException:
-        s.close()
-        raise
-    return s.detach()
+    return bound_socket(group.host, group.port).detach()
 
 
 def join(group: Group, startup_timeout: float) -> None:

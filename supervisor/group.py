@@ -38,23 +38,10 @@ import msgspec
 
 from shared.messages import (COLLECTIVE_TIMEOUT, NON_LAYER, ExportLayer, Failed, Group as GroupSpec, Heartbeat,
                              LayerWritten)
+from shared.sockets import bound_socket
 from supervisor.worker import CancelledWait, Worker, WorkerLost
 
 HOST = "127.0.0.1"  # a one-host group's rendezvous: loopback only
-
-
-def bound_socket(host: str) -> socket.socket:
-    """A TCP socket bound to `host` on a port the kernel picks, not yet listening: rank 0's store listens on it
-    (TCPStore's master_listen_fd), so the port is never free for another process between its choice and the
-    store's listen, and the store listens on `host` alone."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    s = socket.socket(family, kind, proto)
-    try:
-        s.bind(address)
-    except BaseException:
-        s.close()
-        raise
-    return s
 
 
 def interface_holding(address: str) -> str:

@@ -168,7 +168,7 @@ class NodeHost:
         and the store listens on that address alone); one held for an earlier start of the group is closed."""
         import ray
 
-        from supervisor.group import bound_socket
+        from shared.sockets import bound_socket
 
         s = bound_socket(ray.util.get_node_ip_address())
         port = s.getsockname()[1]

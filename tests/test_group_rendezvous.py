@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from child import group
 from shared.messages import LISTEN_FD_ENV, Group
-from supervisor.group import bound_socket, data_plane_env, interface_holding
+from shared.sockets import bound_socket
+from supervisor.group import data_plane_env, interface_holding
 
 SECRET = "0123456789abcdef0123456789abcdef"
 
