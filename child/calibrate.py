@@ -56,6 +56,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from child import group, quant_error
+from child.hessians import SharedHessians
 from child.boundary import Activations, BoundaryWriter
 from child.naming import find_decoder_layers
 from child.quantize import LayerQuantizer, _linearize_meta_experts, _load_config, _materialise, _rooted
@@ -230,6 +231,10 @@ class Calibrator:
             outer.enter_context(_library_stages(self._stage))
             if not torch.accelerator.is_available():
                 outer.enter_context(_no_pinning())
+            # GPTQ: one Hessian per distinct input (q/k/v, gate/up, ...), each module handed the one the library
+            # would have computed for it, bit for bit (child/hessians.py)
+            hessians = outer.enter_context(SharedHessians(copies=self.world > 1).installed()) \
+                if self.method == "gptq" else None
             session = outer.enter_context(create_session())
             # oneshot.apply_recipe_modifiers: these contexts wrap initialize + the pipeline; finalize comes after
             with norm_calibration_context(root), moe_calibration_context():
@@ -242,6 +247,10 @@ class Calibrator:
                     for j in range(len(inputs)):
                         session.state.current_batch_idx = j
                         self._forward(layer, index, inputs.get(j))
+                        if hessians is not None:
+                            hessians.end_sample()
+                    if hessians is not None:
+                        hessians.finish()
                     self._stage("calibrate")
                     LifecycleCallbacks.sequential_epoch_end(list(layer.modules()))
                     self._stage("propagate")
