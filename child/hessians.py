@@ -78,21 +78,27 @@ def _version(x: torch.Tensor) -> int | None:
 class _Class:
     """Modules whose Hessians are equal so far: one accumulation (None: no sample added yet, zeros)."""
 
-    __slots__ = ("members", "hessian", "width", "device", "input", "pending", "seen")
+    __slots__ = ("members", "hessian", "width", "device", "input", "pending", "shared", "seen")
 
     def __init__(self, members: list, hessian: torch.Tensor | None, width: int, device: torch.device):
         self.members, self.hessian, self.width, self.device = members, hessian, width, device
         self.input: _Input | None = None  # this sample's input, once a member got it
         self.pending: torch.Tensor | None = None  # its term, not yet added
+        self.shared = False  # the pending term is another class's too (split)
         self.seen: list = []  # the members that got it
 
     def add_pending(self) -> None:
         if self.pending is None:
             return
-        if self.hessian is None:  # the library starts from make_empty_hessian's zeros
-            self.hessian = torch.zeros((self.width, self.width), device=self.device, dtype=GPTQ_PRECISION)
-        self.hessian += self.pending  # accumulate_hessian's `hessian += inp.matmul(inp.t())`
-        self.input, self.pending, self.seen = None, None, []
+        if self.hessian is None and not self.shared:
+            # the library adds the first term to make_empty_hessian's zeros: 0 + t is t + 0.0 for every float
+            # (-0.0 becomes +0.0 either way), so the term itself becomes the Hessian, without a second d x d tensor
+            self.hessian = self.pending.add_(0.0)
+        else:
+            if self.hessian is None:
+                self.hessian = torch.zeros((self.width, self.width), device=self.device, dtype=GPTQ_PRECISION)
+            self.hessian += self.pending  # accumulate_hessian's `hessian += inp.matmul(inp.t())`
+        self.input, self.pending, self.shared, self.seen = None, None, False, []
 
     def split(self, members: list, with_pending: bool) -> "_Class":
         """`members` leave with a copy of the history they have: H, plus the pending term if they got it."""
@@ -103,6 +109,7 @@ class _Class:
         other = _Class(members, None if self.hessian is None else self.hessian.clone(), self.width, self.device)
         if with_pending:
             other.input, other.pending, other.seen = self.input, self.pending, list(members)
+            other.shared = self.shared = True
         return other
 
 

@@ -47,8 +47,8 @@ def status(output: str, state: journal.State | None = None) -> dict:
     parts = list(range(n)) + [NON_LAYER]
     job = st.header.job
     if needs_calibration(job["export"]["scheme"], job["export"].get("method", "rtn")):
-        # layers run in order from the last one whose outputs were journaled (files are checked by `run`)
-        k = next((i for i in range(n) if i not in st.shards), n)
+        # layers run in order from the newest journaled boundary (files are checked by `run`)
+        k = journal.calibrated_start(st, n, st.shards)
         left = list(range(k, n)) + ([] if NON_LAYER in st.shards else [NON_LAYER])
     else:
         left = [p for p in parts if p not in st.shards]

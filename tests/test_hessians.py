@@ -67,6 +67,8 @@ def _script():
     calls = []
     for j in range(6):
         a, b, wide = (torch.randn(1, 5, w, generator=g) for w in (16, 16, 32))
+        if j == 0:  # a zero column against a negative one: products of -0.0 (a sign the Hessian must keep as the
+            a[..., 0], a[..., 1] = 0.0, -a[..., 1].abs()  # library does)
         sample = [("q", a), ("k", a), ("v", a), ("g", b), ("u", b), ("d", wide)]
         if j == 2:
             sample[1] = ("k", a.clone())  # equal values, another tensor: computed on its own, still equal
