@@ -256,11 +256,6 @@ def main() -> None:
 
     gib = 2**30
     rows = []
-    if args.before:
-        before = run_supervisor(args, src, data, "sup-before", keep_warm=0, code=args.before)
-        print(f"supervisor before ({args.before}): wall {before['wall']:.1f} s, start-up {before['startup']:.1f} s, "
-              f"{before['per_layer']:.2f} s per layer", flush=True)
-        rows.append(("supervisor (before)", before))
     saved = os.path.join(args.workdir, "supervisor.json")
     if "supervisor" in skip:
         with open(saved) as f:
@@ -275,6 +270,8 @@ def main() -> None:
     print(f"supervisor (W = {sup.get('world', 1)}): wall {sup['wall']:.1f} s, start-up {sup['startup']:.1f} s, "
           f"{sup['per_layer']:.2f} s per layer; " + timeline(sup["events"], sup["wall"]), flush=True)
     rows.append((f"supervisor W={sup.get('world', 1)}", sup))
+    print("stage clock (seconds per layer; calibration stages of rank 0, then the worker's):\n"
+          + "\n".join(stage_clock(sup)), flush=True)
     if args.world > 1 and "w1" not in skip:
         w1 = run_supervisor(args, src, data, "sup-w1", keep_warm=0, world=1)
         rows.append(("supervisor W=1", w1))
@@ -285,6 +282,13 @@ def main() -> None:
     if "oneshot" not in skip:
         one = run_oneshot(args, src, data)
         rows.append(("oneshot", one))
+        print(f"oneshot: wall {one['wall']:.1f} s; ours / oneshot {sup['wall'] / one['wall']:.3f}; tensors: "
+              f"{compare(sup['out'], one['out'])}", flush=True)
+    if args.before:  # last: the run that matters most comes first when the time is short
+        before = run_supervisor(args, src, data, "sup-before", keep_warm=0, code=args.before)
+        print(f"supervisor before ({args.before}): wall {before['wall']:.1f} s, start-up {before['startup']:.1f} s, "
+              f"{before['per_layer']:.2f} s per layer", flush=True)
+        rows.insert(0, ("supervisor (before)", before))
     if args.world > 1 and "dist" not in skip:
         dist = run_dist_oneshot(args, src, data)
         rows.append((f"distributed oneshot W={args.world}", dist))
@@ -304,7 +308,7 @@ def main() -> None:
             if name.startswith("supervisor"):
                 print(f"{name} / oneshot: wall {r['wall'] / one['wall']:.3f}; tensors: {compare(r['out'], one['out'])}")
     for name, r in rows:
-        if name.startswith("supervisor") and r.get("layers"):
+        if name.startswith("supervisor") and r.get("layers") and r is not sup:
             print(f"\nstage clock, {name} (seconds per layer; calibration stages of rank 0, then the worker's):")
             print("\n".join(stage_clock(r)))
     table = rank_table(sup)
