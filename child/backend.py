@@ -200,7 +200,7 @@ def make_backend(job: Job, config_dir: str, device: str, *, output: str = "", so
                  to_host: Callable[[dict], dict] | None = None) -> Backend:
     """The backend for the job's format and method, ready for its first layer. `stage(name)` reports progress
     inside a part (calibrated methods: forward, calibrate, propagate, quantize). `to_host` brings a part's output
-    tensors from the device to the host (the worker's pinned buffer, child/staging.py)."""
+    tensors from the device to the host (the worker's pinned buffer, child/staging.py); data-free backends use it."""
     from child.source import open_source
     from shared.job import effective_ignore
 
@@ -222,7 +222,7 @@ def make_backend(job: Job, config_dir: str, device: str, *, output: str = "", so
         from child.calibrate import Calibrator
 
         return Calibrator(job, config_dir, device, output=output, source=source, stage=stage,
-                          calibration_sha256=calibration_sha256, to_host=to_host)
+                          calibration_sha256=calibration_sha256)
     if why is None:
         from child.quantize import LayerQuantizer
 

@@ -12,7 +12,7 @@ session, modifiers, hooks and contexts, so the result is oneshot's by constructi
                          GPTQ's Hessians once per distinct input, child/hessians.py)
       calibrate          sequential_epoch_end: GPTQ's solve, AWQ's smoothing, activation/weight qparams
       propagate          every sample through the calibrated layer, hooks off ─▶ BoundaryWriter (next layer's inputs)
-      quantize           calibration_end, finalize, compress_module ─▶ the shard's tensors (to_host: pinned buffer)
+      quantize           calibration_end, finalize, compress_module ─▶ the shard's tensors
     settle()             the file of layer i's inputs, written beside layer i, durable: named for the journal
     commit(i)            the inputs of i+1: one worker keeps them in RAM and writes their file while i+1 computes
                          (pending); a group's rank, or inputs on disk: made durable now (fsync, rename) and named
@@ -95,11 +95,8 @@ class Calibrator:
     checks_loading = True  # its output is compressed-tensors: transformers' loader check applies at the end
 
     def __init__(self, job: Job, config_dir: str, device: str, *, output: str, source,
-                 stage: Callable[[str], None] = lambda name: None, calibration_sha256: str = "",
-                 to_host: Callable[[dict], dict] | None = None):
+                 stage: Callable[[str], None] = lambda name: None, calibration_sha256: str = ""):
         self.job, self.output, self.source, self._stage = job, output, source, stage
-        # the shard's tensors off the device: into the worker's pinned buffer (child/staging.py), not fresh pages
-        self._to_host = to_host or plain_to_host
         self.device = torch.device(device)
         self.method, self.scheme, self.ignore = job.export.method, job.export.scheme, effective_ignore(job)
         self._calibration_sha256 = calibration_sha256
@@ -176,7 +173,10 @@ class Calibrator:
                     compress_module(m)
                 # against the source weights (AWQ's scaling included), under the model's names
                 quant_error.measure(quantized, {m.key: tensors[k] for k, m in mapped.items() if m.fused is None})
-                return self._to_host(_back_to_checkpoint_names(root.state_dict(), mapped))
+                # off the device into fresh host memory, not the worker's pinned staging buffer (child/staging.py):
+                # measured on an H200 (docs/benchmarks.md, 2026-12-02), that buffer took the quantize stage from
+                # 0.22 to 0.18 s but, kept across layers, raised the worker's peak RSS per layer by 0.07 GiB
+                return plain_to_host(_back_to_checkpoint_names(root.state_dict(), mapped))
         except BaseException:
             if self._writer is not None:
                 self._writer.abort()
