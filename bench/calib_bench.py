@@ -146,6 +146,22 @@ def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None
             "peak_gpu": max((e["peak_gpu"] for e in layers), default=0), "tree": tree, "out": out, "world": world}
 
 
+def fidelity(default: dict, fast: dict) -> str:
+    """match_oneshot = false against the default, by GPTQ's own losses (LayerWritten.losses): layer 0's worst module
+    and every layer's total, as ratios (docs/fidelity.md's bounds: 0.5%, 1%)."""
+    a = {k: v for e in default["layers"] for k, v in e.get("losses", {}).items()}
+    b = {k: v for e in fast["layers"] for k, v in e.get("losses", {}).items()}
+    if not a or a.keys() != b.keys():
+        return ""
+    first = [abs(b[k] / a[k] - 1) for k in a if ".layers.0." in k and a[k]]
+    totals = []
+    for e in default["layers"]:
+        ks = [k for k in a if f".layers.{e['index']}." in k]
+        totals.append(sum(b[k] for k in ks) / max(sum(a[k] for k in ks), 1e-30))
+    return (f"match_oneshot = false vs default: layer 0 worst module {100 * max(first, default=0):.3f}%; layer totals "
+            + " ".join(f"{t:.5f}" for t in totals))
+
+
 CLOCK = ["forward", "calibrate", "solve", "propagate", "quantize"]  # the calibrated stages (LayerWritten.ranks)
 PART = ["read", "inputs", "save", "hash", "sync", "boundary", "cleanup"]  # the worker's own (LayerWritten.stages)
 
@@ -225,6 +241,8 @@ def main() -> None:
     ap.add_argument("--method", default="gptq", choices=["gptq", "awq", "rtn"],
                     help="both tools' recipe: GPTQ, AWQ + QuantizationModifier, or QuantizationModifier alone "
                          "(static activation scales: NVFP4, FP8)")
+    ap.add_argument("--fast", action="store_true",
+                    help="also run ours with [calibration] match_oneshot = false (GPTQ's Hessians on tensor cores)")
     ap.add_argument("--before", default=None, metavar="TREE",
                     help="also run ours from another checkout (the code before a change), as the first row")
     ap.add_argument("--device", default="cuda:0", help="the job's resources.device")
@@ -284,6 +302,15 @@ def main() -> None:
         rows.append(("oneshot", one))
         print(f"oneshot: wall {one['wall']:.1f} s; ours / oneshot {sup['wall'] / one['wall']:.3f}; tensors: "
               f"{compare(sup['out'], one['out'])}", flush=True)
+    if args.fast:
+        fast = run_supervisor(args, src, data, "sup-fast", keep_warm=0, calibration={"match_oneshot": False})
+        print(f"supervisor match_oneshot = false: wall {fast['wall']:.1f} s, {fast['per_layer']:.2f} s per layer"
+              + (f"; / oneshot {fast['wall'] / one['wall']:.3f}; tensors: {compare(fast['out'], one['out'])}"
+                 if one else ""), flush=True)
+        rows.append(("supervisor match_oneshot = false", fast))
+        losses = fidelity(sup, fast)
+        if losses:
+            print(losses, flush=True)
     if args.before:  # last: the run that matters most comes first when the time is short
         before = run_supervisor(args, src, data, "sup-before", keep_warm=0, code=args.before)
         print(f"supervisor before ({args.before}): wall {before['wall']:.1f} s, start-up {before['startup']:.1f} s, "

@@ -260,7 +260,8 @@ class Calibrator:
                 outer.enter_context(_no_pinning())
             # GPTQ: one Hessian per distinct input (q/k/v, gate/up, ...), each module handed the one the library
             # would have computed for it, bit for bit (child/hessians.py)
-            hessians = outer.enter_context(SharedHessians(copies=self.world > 1).installed()) \
+            fast = not self.job.calibration.match_oneshot  # [calibration] match_oneshot = false: tensor cores
+            hessians = outer.enter_context(SharedHessians(copies=self.world > 1, fast=fast).installed()) \
                 if self.method == "gptq" else None
             session = outer.enter_context(create_session())
             # oneshot.apply_recipe_modifiers: these contexts wrap initialize + the pipeline; finalize comes after

@@ -53,6 +53,9 @@ class Calibration(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dataset: str  # local JSONL: one {"text": ...} or {"input_ids": [...]} per line
     samples: int = 128  # the first N lines of the file
     seq_len: int = 2048  # each sample is truncated to this many tokens
+    # true: every tensor bit for bit oneshot's. false: GPTQ's Hessians from bf16 inputs on tensor cores with fp32
+    # accumulation (rounding only; its fidelity against the default: docs/fidelity.md)
+    match_oneshot: bool = True
 
 
 class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
