@@ -333,7 +333,9 @@ class PendingWrite:
             self._error = exc
 
     def wait(self) -> tuple[str, int]:
-        """Block until the file is durable at its name; its (digest, size). Raises what the write raised."""
+        """Block until the file is durable at its name; its (digest, size). Raises what the write raised. No deadline
+        of its own, as for the synchronous fsync it replaces: the heartbeats go on, `resources.part_timeout` bounds
+        the layer (and the write had the whole next layer's time to finish)."""
         self._thread.join()
         self._flat = None
         if self._error is not None:
