@@ -37,6 +37,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from export_bench import (IGNORE, SUPERVISOR, add_shape_args, build, compare, disk_write_speed,  # noqa: E402
                           mean_stages, private_runtime, stop_warm, timed, timeline, warm)
@@ -49,16 +50,23 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from llmcompressor import oneshot
 from llmcompressor.modifiers.gptq import GPTQModifier
-src, out, scheme, data, seq_len, threads, ignore = sys.argv[1:8]
+from llmcompressor.modifiers.quantization import QuantizationModifier
+from llmcompressor.modifiers.transform.awq import AWQModifier
+src, out, scheme, data, seq_len, threads, ignore, method = sys.argv[1:9]
 torch.set_num_threads(int(threads))
+if method == "gptq":
+    recipe = GPTQModifier(targets="Linear", scheme=scheme, ignore=json.loads(ignore))
+elif method == "awq":
+    recipe = [AWQModifier(), QuantizationModifier(targets="Linear", scheme=scheme, ignore=json.loads(ignore))]
+else:  # static activation scales (NVFP4, FP8): observers over the samples
+    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=json.loads(ignore))
 rows = [json.loads(line)["input_ids"] for line in open(data)]
 t1 = time.perf_counter()
 model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)  # on CPU, as oneshot users load it
 t2 = time.perf_counter()
 oneshot(model=model, processor=AutoTokenizer.from_pretrained(src),
         dataset=Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}),
-        recipe=GPTQModifier(targets="Linear", scheme=scheme, ignore=json.loads(ignore)),
-        num_calibration_samples=len(rows), max_seq_length=int(seq_len), shuffle_calibration_samples=False)
+        recipe=recipe, num_calibration_samples=len(rows), max_seq_length=int(seq_len), shuffle_calibration_samples=False)
 t3 = time.perf_counter()
 model.save_pretrained(out, save_compressed=True)
 t4 = time.perf_counter()
@@ -94,12 +102,13 @@ def save_tokenizer(path: str, vocab: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t1", eos_token="t2").save_pretrained(path)
 
 
-def write_job(args, path: str, src: str, out: str, data: str, **resources) -> str:
+def write_job(args, path: str, src: str, out: str, data: str, calibration: dict | None = None, **resources) -> str:
     extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in resources.items())
+    more = "".join(f"{k} = {json.dumps(v)}\n" for k, v in (calibration or {}).items())
     with open(path, "w") as f:
-        f.write(f'[source]\npath = "{src}"\n[export]\nscheme = "{args.scheme}"\nmethod = "gptq"\noutput = "{out}"\n'
-                f'[resources]\ndevice = "{args.device}"\ntorch_threads = {args.threads}\n{extra}'
-                f'[calibration]\ndataset = "{data}"\nsamples = {args.samples}\nseq_len = {args.seq_len}\n')
+        f.write(f'[source]\npath = "{src}"\n[export]\nscheme = "{args.scheme}"\nmethod = "{args.method}"\n'
+                f'output = "{out}"\n[resources]\ndevice = "{args.device}"\ntorch_threads = {args.threads}\n{extra}'
+                f'[calibration]\ndataset = "{data}"\nsamples = {args.samples}\nseq_len = {args.seq_len}\n{more}')
     return path
 
 
@@ -111,15 +120,19 @@ def world_resources(args, world: int) -> dict:
 
 
 def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None, check: bool = True,
-                   **resources) -> dict:
+                   code: str | None = None, calibration: dict | None = None, **resources) -> dict:
+    """`code`: another checkout (e.g. the commit before a change) whose code runs instead, for a before/after pair."""
     out = os.path.join(args.workdir, name)
     world = resources.pop("world", args.world)
     resources = {**world_resources(args, world), **resources}
-    job = write_job(args, os.path.join(args.workdir, f"job-{name}.toml"), src, out, data, **resources)
+    job = write_job(args, os.path.join(args.workdir, f"job-{name}.toml"), src, out, data, calibration, **resources)
     full_env = dict(os.environ)
     full_env.pop("SUPERVISOR_TEST_FAULT", None)
     full_env.update(env or {})
-    proc, wall, tree = timed([SUPERVISOR, "run", job, "--json"], full_env)
+    if code is not None:  # its code first, this checkout's not at all (`python -m` also puts the cwd first: cwd)
+        keep = [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != ROOT]
+        full_env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(code), *keep])
+    proc, wall, tree = timed([SUPERVISOR, "run", job, "--json"], full_env, cwd=code)
     if check and proc.returncode != 0:
         sys.exit(f"supervisor failed: {proc.stderr[-3000:]}")
     events = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
@@ -131,6 +144,45 @@ def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None
             "stages": mean_stages(layers),
             "per_layer": sum(e["seconds"] for e in layers) / max(len(layers), 1), "layers": layers,
             "peak_gpu": max((e["peak_gpu"] for e in layers), default=0), "tree": tree, "out": out, "world": world}
+
+
+def fidelity(default: dict, fast: dict) -> str:
+    """match_oneshot = false against the default, by GPTQ's own losses (LayerWritten.losses): layer 0's worst module
+    and every layer's total, as ratios (docs/fidelity.md's bounds: 0.5%, 1%)."""
+    a = {k: v for e in default["layers"] for k, v in e.get("losses", {}).items()}
+    b = {k: v for e in fast["layers"] for k, v in e.get("losses", {}).items()}
+    if not a or a.keys() != b.keys():
+        return ""
+    first = [abs(b[k] / a[k] - 1) for k in a if ".layers.0." in k and a[k]]
+    totals = []
+    for e in default["layers"]:
+        ks = [k for k in a if f".layers.{e['index']}." in k]
+        totals.append(sum(b[k] for k in ks) / max(sum(a[k] for k in ks), 1e-30))
+    return (f"match_oneshot = false vs default: layer 0 worst module {100 * max(first, default=0):.3f}%; layer totals "
+            + " ".join(f"{t:.5f}" for t in totals))
+
+
+CLOCK = ["forward", "calibrate", "solve", "propagate", "quantize"]  # the calibrated stages (LayerWritten.ranks)
+PART = ["read", "inputs", "save", "hash", "sync", "boundary", "cleanup"]  # the worker's own (LayerWritten.stages)
+
+
+def stage_clock(sup: dict) -> list[str]:
+    """Per layer: its seconds, each stage's (the calibration stages of rank 0, then the worker's), peak GPU and RSS."""
+    gib = 2**30
+    lines = ["| layer | s | " + " | ".join(CLOCK + PART) + " | peak GPU GiB | peak RSS GiB |",
+             "| --- | --- | " + " | ".join("---" for _ in CLOCK + PART) + " | --- | --- |"]
+    rows = []
+    for e in sup["layers"]:
+        own = e.get("ranks", {}).get("0", {})
+        rows.append([e["seconds"], *(own.get(k, 0.0) for k in CLOCK), *(e["stages"].get(k, 0.0) for k in PART),
+                     e["peak_gpu"] / gib, e["peak_rss"] / gib])
+        lines.append(f"| {e['index']} | " + " | ".join(f"{v:.3f}" for v in rows[-1][:-2])
+                     + f" | {rows[-1][-2]:.2f} | {rows[-1][-1]:.2f} |")
+    if rows:
+        mean = [sum(col) / len(rows) for col in zip(*rows)]
+        lines.append("| mean | " + " | ".join(f"{v:.3f}" for v in mean[:-2]) + f" | {max(r[-2] for r in rows):.2f} "
+                     f"(max) | {max(r[-1] for r in rows):.2f} (max) |")
+    return lines
 
 
 def rank_table(sup: dict) -> list[str]:
@@ -157,7 +209,7 @@ def rank_table(sup: dict) -> list[str]:
 def run_oneshot(args, src: str, data: str) -> dict:
     out = os.path.join(args.workdir, "oneshot")
     proc, wall, tree = timed([sys.executable, "-c", ONESHOT, src, out, args.scheme, data, str(args.seq_len),
-                              str(args.threads), json.dumps(IGNORE)])
+                              str(args.threads), json.dumps(IGNORE), args.method])
     if proc.returncode != 0:
         sys.exit(f"oneshot failed: {proc.stderr[-3000:]}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -186,6 +238,13 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--scheme", default="W4A16")
+    ap.add_argument("--method", default="gptq", choices=["gptq", "awq", "rtn"],
+                    help="both tools' recipe: GPTQ, AWQ + QuantizationModifier, or QuantizationModifier alone "
+                         "(static activation scales: NVFP4, FP8)")
+    ap.add_argument("--fast", action="store_true",
+                    help="also run ours with [calibration] match_oneshot = false (GPTQ's Hessians on tensor cores)")
+    ap.add_argument("--before", default=None, metavar="TREE",
+                    help="also run ours from another checkout (the code before a change), as the first row")
     ap.add_argument("--device", default="cuda:0", help="the job's resources.device")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both tools")
     ap.add_argument("--kill-at", type=int, default=20, help="the layer whose calibration the kill interrupts")
@@ -214,6 +273,7 @@ def main() -> None:
     private_runtime(args.workdir)  # kept warm parents of this bench only; each tool's first run is cold
 
     gib = 2**30
+    rows = []
     saved = os.path.join(args.workdir, "supervisor.json")
     if "supervisor" in skip:
         with open(saved) as f:
@@ -227,7 +287,9 @@ def main() -> None:
                        "tree": {"peak_rss": sup["tree"].peak_rss, "peak_gpu": sup["tree"].peak_gpu}}, f)
     print(f"supervisor (W = {sup.get('world', 1)}): wall {sup['wall']:.1f} s, start-up {sup['startup']:.1f} s, "
           f"{sup['per_layer']:.2f} s per layer; " + timeline(sup["events"], sup["wall"]), flush=True)
-    rows = [(f"supervisor W={sup.get('world', 1)}", sup)]
+    rows.append((f"supervisor W={sup.get('world', 1)}", sup))
+    print("stage clock (seconds per layer; calibration stages of rank 0, then the worker's):\n"
+          + "\n".join(stage_clock(sup)), flush=True)
     if args.world > 1 and "w1" not in skip:
         w1 = run_supervisor(args, src, data, "sup-w1", keep_warm=0, world=1)
         rows.append(("supervisor W=1", w1))
@@ -238,6 +300,22 @@ def main() -> None:
     if "oneshot" not in skip:
         one = run_oneshot(args, src, data)
         rows.append(("oneshot", one))
+        print(f"oneshot: wall {one['wall']:.1f} s; ours / oneshot {sup['wall'] / one['wall']:.3f}; tensors: "
+              f"{compare(sup['out'], one['out'])}", flush=True)
+    if args.fast:
+        fast = run_supervisor(args, src, data, "sup-fast", keep_warm=0, calibration={"match_oneshot": False})
+        print(f"supervisor match_oneshot = false: wall {fast['wall']:.1f} s, {fast['per_layer']:.2f} s per layer"
+              + (f"; / oneshot {fast['wall'] / one['wall']:.3f}; tensors: {compare(fast['out'], one['out'])}"
+                 if one else ""), flush=True)
+        rows.append(("supervisor match_oneshot = false", fast))
+        losses = fidelity(sup, fast)
+        if losses:
+            print(losses, flush=True)
+    if args.before:  # last: the run that matters most comes first when the time is short
+        before = run_supervisor(args, src, data, "sup-before", keep_warm=0, code=args.before)
+        print(f"supervisor before ({args.before}): wall {before['wall']:.1f} s, start-up {before['startup']:.1f} s, "
+              f"{before['per_layer']:.2f} s per layer", flush=True)
+        rows.insert(0, ("supervisor (before)", before))
     if args.world > 1 and "dist" not in skip:
         dist = run_dist_oneshot(args, src, data)
         rows.append((f"distributed oneshot W={args.world}", dist))
@@ -253,8 +331,13 @@ def main() -> None:
     if one:
         print(f"\noneshot: imports {one['startup']:.1f} s, load {one['load']:.1f} s, GPTQ {one['gptq']:.1f} s, "
               f"save {one['save']:.1f} s, peak reserved {one['peak_reserved'] / gib:.2f} GiB")
-        print(f"ratio wall supervisor / oneshot: {sup['wall'] / one['wall']:.3f}")
-        print("ours vs oneshot:", compare(sup["out"], one["out"]))
+        for name, r in rows:
+            if name.startswith("supervisor"):
+                print(f"{name} / oneshot: wall {r['wall'] / one['wall']:.3f}; tensors: {compare(r['out'], one['out'])}")
+    for name, r in rows:
+        if name.startswith("supervisor") and r.get("layers") and r is not sup:
+            print(f"\nstage clock, {name} (seconds per layer; calibration stages of rank 0, then the worker's):")
+            print("\n".join(stage_clock(r)))
     table = rank_table(sup)
     if table:
         print("\nper rank, mean seconds per layer (ours, W = %d):" % sup.get("world", 1))

@@ -141,13 +141,14 @@ class TreeSampler(threading.Thread):
             self.stop.wait(self.every)
 
 
-def timed(cmd: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, float, TreeSampler]:
+def timed(cmd: list[str], env: dict | None = None, cwd: str | None = None
+          ) -> tuple[subprocess.CompletedProcess, float, TreeSampler]:
     # Every tool starts on a quiet disk: without this, the checkpoint the bench just wrote (16 GB for the 8B
     # shape) was still being flushed while the first tool ran, and a tool that does not fsync (oneshot's
     # save_pretrained) left its output's flush to the next one. Not counted in any wall.
     os.sync()
     t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
     sampler = TreeSampler(proc.pid)
     sampler.start()
     out, err = proc.communicate()

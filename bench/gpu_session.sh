@@ -5,6 +5,8 @@
 #   bash bench/gpu_session.sh tests    # import check, then every tests/gpu file (three groups at once), ~9 min
 #   bash bench/gpu_session.sh calib    # bench/calib_bench.py (8 layers of the 8B shape) and bench/moe_bench.py
 #   bash bench/gpu_session.sh export   # bench/export_bench.py FP8_DYNAMIC and W4A16, bench/offload_bench.py
+#   bash bench/gpu_session.sh floor1   # issue 34: GPTQ 8 layers, before / after / oneshot (bench/calib_bench.py)
+#   bash bench/gpu_session.sh floor2   # issue 34: AWQ and NVFP4 static scales, then tests/gpu/test_calibrated_gpu.py
 set -uo pipefail
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -455,6 +457,21 @@ calib)
   tail -16 "$OUT/calib_bench.txt"
   timeout ${MOE_SECONDS:-260} python3 bench/moe_bench.py 2>&1 | quiet > "$OUT/moe_bench.txt"
   tail -16 "$OUT/moe_bench.txt"
+  ;;
+floor1)  # issue 34, part 1: GPTQ W4A16 on 8 layers of the 8B shape, 128 x 2048: ours before (the tree in
+  # .whl/before: git archive of the commit before the change) and after, and oneshot, each in its own process
+  timeout ${FLOOR_SECONDS:-540} python3 bench/calib_bench.py --layers 8 --before .whl/before --skip kill,retry 2>&1 \
+    | quiet > "$OUT/floor_gptq.txt"
+  tail -60 "$OUT/floor_gptq.txt"
+  ;;
+floor2)  # issue 34: AWQ W4A16 and NVFP4's static scales (4 layers each, ours and oneshot), then the calibrated tests
+  timeout 200 python3 bench/calib_bench.py --layers 4 --method awq --workdir /tmp/cb-awq --skip kill,retry 2>&1 \
+    | quiet > "$OUT/floor_awq.txt"
+  tail -24 "$OUT/floor_awq.txt"
+  timeout 150 python3 bench/calib_bench.py --layers 4 --method rtn --scheme NVFP4 --workdir /tmp/cb-nvfp4 \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_nvfp4.txt"
+  tail -24 "$OUT/floor_nvfp4.txt"
+  t 200 calibrated tests/gpu/test_calibrated_gpu.py
   ;;
 export)
   timeout 300 python3 bench/export_bench.py --workers 1,0 --measure-error false 2>&1 | quiet > "$OUT/export_fp8.txt"

@@ -316,7 +316,8 @@ class Exporter:
         if index == NON_LAYER and self._staging.capacity > staged_before:
             self._staging.release()  # grown for a one-off part (a quantized lm_head): keep no more than a layer's
         t3 = time.perf_counter()
-        boundary = self.backend.commit(index)  # calibrated: the next layer's inputs made durable after the shard
+        settled = self.backend.settle()  # calibrated: this layer's inputs, whose file was written beside it
+        boundary = self.backend.commit(index)  # calibrated: the next layer's inputs, durable now or `pending`
         checkpoint("boundary")
         t4 = time.perf_counter()
         gc.collect()
@@ -330,6 +331,7 @@ class Exporter:
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
                             peak_rss=_peak_rss(), rss=_rss(), peak_gpu=self._gpu_peak(gpu), quant_error=errors,
                             stages={k: round(v, 4) for k, v in stages.items()}, boundary=boundary,
+                            pending=self.backend.pending, settled=settled,
                             source_digest=digest, rank=self.rank, losses=losses, ranks=substages)
 
     def _rank_done(self, index: int, fence: str, t0: float, stages: dict, source_bytes: int, gpu, digest: str,

@@ -7,7 +7,9 @@ config.json says, and (calibrated methods) the activations that cross from one l
       ◀──────────────────────── {name: tensor}  (the format's own objects, e.g. torchao tensor subclasses)
       that dict ─────────────────────────▶ serialize(tensors)
       ◀──────────────────────── ({name: plain CPU tensor}, __metadata__)   written by child/writer.py
-      shard durable ─────────────────────▶ commit(i) -> Boundary | None  calibrated: next layer's inputs durable
+      shard durable ─────────────────────▶ settle() -> Boundary | None   calibrated: layer i's inputs, durable now
+                                           commit(i) -> Boundary | None  calibrated: next layer's inputs (durable,
+                                                                         or `pending`: made durable beside i + 1)
       WriteConfig(dest) ─────────────────▶ write_config(dest): dest/config.json
 
 The worker loop, the journal, resume and finalize never branch on the format or the method: everything that
@@ -58,8 +60,16 @@ class Backend(Protocol):
         """A part's quantized tensors as a shard stores them: plain CPU tensors and the safetensors `__metadata__`
         (the writer stores its keys in sorted order)."""
 
+    # the last commit left the next layer's inputs being made durable in the background (named by the next settle)
+    pending: bool
+
+    def settle(self) -> Boundary | None:
+        """After part `index`'s shard is durable, before commit: the inputs of part `index`, if an earlier commit
+        left them pending, once durable (calibrated methods); None otherwise."""
+
     def commit(self, index: int) -> Boundary | None:
-        """After part `index`'s shard is durable: make whatever the next layer needs durable, and name it."""
+        """After settle(): whatever the next layer needs, named; None when there is nothing, or when it is being made
+        durable in the background (`pending`)."""
 
     def write_config(self, source_config_json: str, dest_dir: str) -> str:
         """Write dest_dir/config.json (the source's config plus this format's quantization_config); its path."""

@@ -1,10 +1,13 @@
 """Calibration activations at a layer boundary: every sample's hidden states entering one decoder layer.
 
     BoundaryWriter (filled while the layer propagates)        Activations (what the next layer reads)
-      put(j, hidden) in sample order ─▶ a thread appends the      in RAM: one flat host buffer, views per sample
-        bytes to a temp file and hashes them meanwhile            on disk: one sample read back at a time (pread)
-        (+ a copy in one flat host buffer when it fits)         load(path, digest): refuses a file whose hash differs
+      put(j, hidden) in sample order ─▶ in RAM: copied into one   in RAM: one flat host buffer, views per sample
+        flat host buffer (pinned on a GPU: asynchronous DMA);     on disk: one sample read back at a time (pread)
+        on disk: a thread appends the bytes to a temp file and  load(path, digest): refuses a file whose hash differs
+        hashes them meanwhile
       commit(dest): fsync, rename, fsync the folder ─▶ Activations + (digest, size) for the journal
+      commit_later(dest) (in RAM): Activations at once; a thread writes the buffer to the temp file, hashes, fsyncs
+        and renames it while the next layer computes ─▶ PendingWrite.wait() -> (digest, size) once durable
 
 The file (state under OUT/.export/boundary/, never part of the output): b"LWBOUND1", the JSON header's length
 (u64 little-endian), the JSON header {"feeds", "dtype", "shapes"}, then every sample's bytes in sample order
@@ -12,7 +15,8 @@ The file (state under OUT/.export/boundary/, never part of the output): b"LWBOUN
 exceed the RAM budget (`resources.activation_ram_gb`); this layout is written and read one sample at a time.
 
 Owns the files' format and I/O only: it never decides which layer a boundary feeds or when one is deleted (the
-supervisor, which owns the journal, does), and never keeps a sample it was handed after `commit`.
+supervisor, which owns the journal, does), and never keeps a sample it was handed after `commit`. A buffer handed
+to commit_later must not be written to (nor given back for reuse) before its PendingWrite has ended.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import os
 import queue
 import struct
 import threading
+from typing import Callable
 
 import torch
 
@@ -137,9 +142,11 @@ class BoundaryWriter:
     """Builds one boundary, sample by sample in order; `commit` makes it durable and returns the Activations."""
 
     def __init__(self, feeds: int, shapes: list[tuple[int, ...]], dtype: torch.dtype, *, tmp_path: str | None,
-                 keep_in_ram: bool, buffer: torch.Tensor | None = None, pin: bool = False):
+                 keep_in_ram: bool, buffer: torch.Tensor | None = None, pin: bool = False, later: bool = False):
         """`buffer`: a released RAM buffer to reuse (fresh host memory costs a page fault per 4 KiB on first
-        touch, ~1.6 GB/s measured); `pin`: allocate page-locked memory for faster copies to and from a GPU."""
+        touch, ~1.6 GB/s measured); `pin`: allocate page-locked memory for faster copies to and from a GPU.
+        `later` (in RAM): the file is written after the samples, by commit_later, so the samples are copied into
+        pinned memory without waiting; otherwise a thread writes it while the samples come, as on disk."""
         if tmp_path is None and not keep_in_ram:
             raise ValueError("a boundary needs a file or RAM")
         self.feeds, self.shapes, self.dtype = feeds, [tuple(s) for s in shapes], dtype
@@ -157,13 +164,23 @@ class BoundaryWriter:
         self._fd = None
         self._queue: queue.Queue = queue.Queue(maxsize=4)
         self._thread = None
-        if tmp_path is not None:
-            self._fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            head = _header(feeds, self.shapes, dtype)
-            self._data_offset = len(head)
-            self._write(memoryview(head))
+        self._later = later and self._flat is not None
+        self._async = self._later and self._flat.is_pinned()  # device -> pinned host: DMA, no wait per sample
+        self._head = _header(feeds, self.shapes, dtype)
+        self._data_offset = len(self._head)
+        if tmp_path is not None and not self._later:  # written while the layer propagates
+            self._open()
             self._thread = threading.Thread(target=self._drain, name="boundary-writer", daemon=True)
             self._thread.start()
+
+    @property
+    def later(self) -> bool:
+        """Made for commit_later (held in RAM, a file to write afterwards)."""
+        return self._later and self._tmp is not None
+
+    def _open(self) -> None:
+        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._write(memoryview(self._head))
 
     def put(self, j: int, hidden: torch.Tensor) -> None:
         """Sample j's output hidden states (any device); samples must come in order 0, 1, ..."""
@@ -174,23 +191,34 @@ class BoundaryWriter:
         self._next += 1
         if self._flat is not None:
             dest = self._flat[self._layout._start[j]:self._layout._start[j + 1]]
-            dest.copy_(hidden.reshape(-1))  # device -> host straight into place
+            # device -> host straight into place; into pinned memory asynchronously when the file comes later (the
+            # stream orders it after the layer's forward; _complete() waits for it before anything reads the buffer)
+            dest.copy_(hidden.reshape(-1), non_blocking=self._async and hidden.is_cuda)
             buf = dest
         else:
             buf = hidden.reshape(-1).to("cpu").contiguous()
         if self._thread is not None:
             self._queue.put(buf)
 
+    def _complete(self) -> None:
+        """Every sample of this boundary is in the host buffer (the asynchronous copies have landed)."""
+        if self._async and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()
+
     def commit(self, dest: str | None) -> tuple[Activations, str, int]:
         """Finish: dest None keeps the data where it is (RAM, or the temp file), else the temp file is fsynced and
         renamed to dest durably. Returns (activations, digest of the file ("algo:hex"), file size)."""
         if self._next != len(self.shapes):
             raise ValueError(f"boundary has {self._next} of {len(self.shapes)} samples")
+        self._complete()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
         self._raise_if_failed()
+        if self._later and self._tmp is not None:  # the file is written now, from the buffer
+            self._open()
+            self._write_flat(self._flat)
         path = self._tmp
         if self._fd is not None:
             os.fsync(self._fd)
@@ -205,6 +233,27 @@ class BoundaryWriter:
             acts = Activations(self.feeds, self.shapes, self.dtype, path=path, data_offset=self._data_offset)
         self._flat = None
         return acts, f"{durable.ALGO}:{self._hash.hexdigest()}", self._size
+
+    def commit_later(self, dest: str, before_sync: Callable[[], None] = lambda: None
+                     ) -> tuple[Activations, "PendingWrite"]:
+        """In RAM: the Activations now; the file written from the buffer, fsynced and renamed to `dest` by a thread
+        (`before_sync()` called there first: a fault point for tests). The buffer is read-only until the
+        PendingWrite has ended (wait or abort)."""
+        if self._next != len(self.shapes):
+            raise ValueError(f"boundary has {self._next} of {len(self.shapes)} samples")
+        if not self._later or self._tmp is None:
+            raise ValueError("commit_later needs a boundary made with later=True, held in RAM, and a temp file")
+        self._complete()
+        flat, self._flat = self._flat, None
+        return Activations(self.feeds, self.shapes, self.dtype, flat=flat), PendingWrite(self, dest, flat, before_sync)
+
+    def _write_flat(self, buffer: torch.Tensor) -> None:
+        flat = _bytes_of(buffer)
+        for start in range(0, len(flat), SYNC_EVERY):
+            self._write(memoryview(flat[start:start + SYNC_EVERY]))
+            if self._size - self._synced >= SYNC_EVERY:
+                os.fdatasync(self._fd)  # the disk starts writing now, not all of it at the final fsync
+                self._synced = self._size
 
     def abort(self) -> None:
         """Drop a boundary that will not be committed (the layer failed); removes the temp file."""
@@ -255,6 +304,52 @@ class BoundaryWriter:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+class PendingWrite:
+    """A boundary file being written from its RAM buffer in the background (BoundaryWriter.commit_later)."""
+
+    def __init__(self, writer: BoundaryWriter, dest: str, flat: torch.Tensor, before_sync: Callable[[], None]):
+        self._writer, self._dest, self._flat, self._before_sync = writer, dest, flat, before_sync
+        self._result: tuple[str, int] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="boundary-durable", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        w = self._writer
+        try:
+            w._open()
+            w._write_flat(self._flat)
+            self._before_sync()
+            os.fsync(w._fd)
+            if hasattr(os, "posix_fadvise"):  # read back only on a resume: leave no 2 GB of page cache behind
+                os.posix_fadvise(w._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(w._fd)
+            w._fd = None
+            durable.replace(w._tmp, self._dest)
+            self._result = (f"{durable.ALGO}:{w._hash.hexdigest()}", w._size)
+        except BaseException as exc:  # noqa: BLE001 - raised by wait() on the caller's thread
+            self._error = exc
+
+    def wait(self) -> tuple[str, int]:
+        """Block until the file is durable at its name; its (digest, size). Raises what the write raised. No deadline
+        of its own, as for the synchronous fsync it replaces: the heartbeats go on, `resources.part_timeout` bounds
+        the layer (and the write had the whole next layer's time to finish)."""
+        self._thread.join()
+        self._flat = None
+        if self._error is not None:
+            self._writer.abort()
+            raise self._error
+        return self._result
+
+    def abort(self) -> None:
+        """Wait for the thread, then remove what it wrote (a failed or dropped layer's next inputs)."""
+        self._thread.join()
+        self._flat = None
+        self._writer.abort()
+        if self._result is not None:
+            durable.unlink_quietly(self._dest)
 
 
 def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:

@@ -8,11 +8,14 @@ session, modifiers, hooks and contexts, so the result is oneshot's by constructi
                          (hash checked), or for layer 0 computed from the samples through the model's own forward
     quantize_layer(i)    layer i materialised on the device, rooted at its checkpoint path ("model.layers.i")
       forward            a fresh llm-compressor session on that layer (the recipe oneshot builds, initialized on it);
-                         every sample through the layer with the modifiers' hooks (Hessians, observers, AWQ stats)
+                         every sample through the layer with the modifiers' hooks (Hessians, observers, AWQ stats;
+                         GPTQ's Hessians once per distinct input, child/hessians.py)
       calibrate          sequential_epoch_end: GPTQ's solve, AWQ's smoothing, activation/weight qparams
       propagate          every sample through the calibrated layer, hooks off ─▶ BoundaryWriter (next layer's inputs)
       quantize           calibration_end, finalize, compress_module ─▶ the shard's tensors
-    commit(i)            the boundary feeding i+1 made durable (fsync, rename) and named for the journal
+    settle()             the file of layer i's inputs, written beside layer i, durable: named for the journal
+    commit(i)            the inputs of i+1: one worker keeps them in RAM and writes their file while i+1 computes
+                         (pending); a group's rank, or inputs on disk: made durable now (fsync, rename) and named
 
     what oneshot does                              here
     load the model (bf16), linearize MoE experts   meta skeleton from config.json, experts linearized (quantize.py)
@@ -55,11 +58,13 @@ from llmcompressor.utils.metric_logging import CompressionLogger
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from child import group, quant_error
-from child.boundary import Activations, BoundaryWriter
+from child import faults, group, quant_error
+from child.hessians import SharedHessians
+from child.boundary import Activations, BoundaryWriter, PendingWrite
 from child.naming import find_decoder_layers
 from child.quantize import LayerQuantizer, _linearize_meta_experts, _load_config, _materialise, _rooted
 from child.samples import calibration_ids
+from child.staging import plain_to_host
 from shared import layout
 from shared.job import Job, effective_ignore
 from shared.messages import Boundary
@@ -117,6 +122,9 @@ class Calibrator:
                                      tensor_names=source.all_names() if source is not None else None)
         self._inputs: Activations | None = None  # the activations entering the next layer to export
         self._writer: BoundaryWriter | None = None  # the activations leaving the layer in progress
+        # the file of self._inputs being written while they are used (commit_later): its name and its write
+        self._pending: tuple[str, PendingWrite] | None = None
+        self.pending = False  # the last commit left the next layer's inputs to be made durable (see commit)
         self._spare: torch.Tensor | None = None  # the RAM of the last released inputs, reused by the next outputs
         self._pin = self.device.type == "cuda"
         self._args_key = None
@@ -165,17 +173,33 @@ class Calibrator:
                     compress_module(m)
                 # against the source weights (AWQ's scaling included), under the model's names
                 quant_error.measure(quantized, {m.key: tensors[k] for k, m in mapped.items() if m.fused is None})
-                return _back_to_checkpoint_names(root.state_dict(), mapped)
+                # off the device into fresh host memory, not the worker's pinned staging buffer (child/staging.py):
+                # measured on an H200 (docs/benchmarks.md, 2026-12-02), that buffer took the quantize stage from
+                # 0.22 to 0.18 s but, kept across layers, raised the worker's peak RSS per layer by 0.07 GiB
+                return plain_to_host(_back_to_checkpoint_names(root.state_dict(), mapped))
         except BaseException:
             if self._writer is not None:
                 self._writer.abort()
                 self._writer = None
             raise
 
+    def settle(self) -> Boundary | None:
+        """The inputs of the layer in progress, whose file an earlier commit left being written, once durable
+        (None: there was no such file: they came from a journaled file, the samples, or a synchronous commit)."""
+        if self._pending is None:
+            return None
+        (name, write), self._pending = self._pending, None
+        digest, size = write.wait()
+        return Boundary(feeds=self._inputs.feeds, file=name, digest=digest, nbytes=size)
+
     def commit(self, index: int) -> Boundary | None:
-        """After layer `index`'s shard is durable: make the next layer's inputs durable; name them."""
+        """After layer `index`'s shard is durable (and settle()): the next layer's inputs, named. One worker holding
+        them in RAM makes them durable in the background while the next layer computes (`pending` set; the next
+        settle() names them); otherwise (a group's rank, inputs on disk) they are durable when this returns."""
+        self.pending = False
         if index < 0:
             return None
+        self.settle()  # a caller that did not ask still gets these inputs' file made durable before they go
         writer, self._writer = self._writer, None
         self._drop_inputs()
         if writer is None:  # the last layer: nothing follows it
@@ -184,6 +208,10 @@ class Calibrator:
         name = self._boundary_name(index + 1)
         dest = os.path.join(self.output, name)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
+        if writer.later:
+            self._inputs, write = writer.commit_later(dest, lambda: faults.hit("boundary_sync", index + 1))
+            self._pending, self.pending = (name, write), True
+            return None
         self._inputs, digest, size = writer.commit(dest)
         return Boundary(feeds=index + 1, file=name, digest=digest, nbytes=size)
 
@@ -230,6 +258,11 @@ class Calibrator:
             outer.enter_context(_library_stages(self._stage))
             if not torch.accelerator.is_available():
                 outer.enter_context(_no_pinning())
+            # GPTQ: one Hessian per distinct input (q/k/v, gate/up, ...), each module handed the one the library
+            # would have computed for it, bit for bit (child/hessians.py)
+            fast = not self.job.calibration.match_oneshot  # [calibration] match_oneshot = false: tensor cores
+            hessians = outer.enter_context(SharedHessians(copies=self.world > 1, fast=fast).installed()) \
+                if self.method == "gptq" else None
             session = outer.enter_context(create_session())
             # oneshot.apply_recipe_modifiers: these contexts wrap initialize + the pipeline; finalize comes after
             with norm_calibration_context(root), moe_calibration_context():
@@ -242,6 +275,10 @@ class Calibrator:
                     for j in range(len(inputs)):
                         session.state.current_batch_idx = j
                         self._forward(layer, index, inputs.get(j))
+                        if hessians is not None:
+                            hessians.end_sample()
+                    if hessians is not None:
+                        hessians.finish()
                     self._stage("calibrate")
                     LifecycleCallbacks.sequential_epoch_end(list(layer.modules()))
                     self._stage("propagate")
@@ -267,13 +304,19 @@ class Calibrator:
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
         # the inputs are still held while the outputs are built: both count against the budget
         spare, self._spare = self._spare, None
+        # one worker writes the file after the layer (commit_later), beside the next one; a group's ranks commit
+        # in step with each other, each as it propagates
         return BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=tmp,
-                              keep_in_ram=2 * inputs.nbytes <= self._ram_budget, buffer=spare, pin=self._pin)
+                              keep_in_ram=2 * inputs.nbytes <= self._ram_budget, buffer=spare, pin=self._pin,
+                              later=self.world == 1)
 
     def _boundary_name(self, feeds: int) -> str:
         return layout.boundary_name(feeds, self.rank if self.world > 1 else None, self._fence)
 
     def _drop_inputs(self) -> None:
+        if self._pending is not None:  # inputs dropped before settle(): their file is not wanted (never named)
+            (_, write), self._pending = self._pending, None
+            write.abort()
         if self._inputs is not None:
             self._spare = self._inputs.close()
             self._inputs = None
@@ -379,7 +422,7 @@ def _back_to_checkpoint_names(state: dict, mapped: dict) -> dict:
         else:
             module, param = key.rsplit(".", 1)
             name = f"{modules.get(module, module)}.{param}"
-        out[name] = value.to("cpu").contiguous()
+        out[name] = value
     return out
 
 

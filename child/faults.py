@@ -11,7 +11,9 @@ point:  start | read | device | quantize | write_tmp | staged | boundary | confi
         (action "unforkable"); device fires inside a worker's turn on a GPU it shares (Hello.device_lock), lock held;
         plan fires as a worker starts describing the export (Describe)
         calibrated methods also: forward | calibrate | propagate (stages inside quantize), and boundary fires
-        after the next layer's inputs were made durable, before the supervisor hears of the layer
+        after the next layer's inputs were committed (durable, or being made durable), before the supervisor hears
+        of the layer; boundary_sync fires in the thread that makes a layer's inputs durable beside it (index: the
+        layer they feed), written but not yet fsynced
 action: sigkill | sigsegv | exit | raise | repeats | memoryerror | hang | stall | garbage | truncated | oversized |
         leak | enospc | flood | await | partitioned  (raise: a RuntimeError, retried; repeats: a ValueError, which
         the child reports as certain to repeat; await: wait until the file `path` exists, then go on; after
@@ -38,7 +40,8 @@ landed): what the memory tests use to show that no tensor of a finished layer su
 And SUPERVISOR_TEST_STAGE_HOST=1 makes a CPU worker copy its outputs through its reusable host buffer
 (child/staging.py) as a GPU worker does, so the CPU suite runs that buffer's life through real exports.
 
-Owns nothing else; it must never be consulted by anything but the child's main loop and writer.
+Owns nothing else; it must never be consulted by anything but the child's main loop, its writer and the boundary
+thread (child/calibrate.py hands the last its point).
 """
 from __future__ import annotations
 

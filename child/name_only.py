@@ -72,6 +72,12 @@ class NameOnlyQuantizer:
     def begin(self, index: int, boundary, fence: str = "") -> None:
         """Data-free: no state crosses layers."""
 
+    pending = False  # data-free: no boundary, ever
+
+    def settle(self):
+        """Data-free: nothing is written in the background."""
+        return None
+
     def commit(self, index: int):
         """Data-free: nothing beyond the shard."""
         return None

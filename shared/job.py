@@ -53,6 +53,9 @@ class Calibration(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dataset: str  # local JSONL: one {"text": ...} or {"input_ids": [...]} per line
     samples: int = 128  # the first N lines of the file
     seq_len: int = 2048  # each sample is truncated to this many tokens
+    # true: every tensor bit for bit oneshot's. false: GPTQ's Hessians from bf16 inputs on tensor cores with fp32
+    # accumulation (rounding only; its fidelity against the default: docs/fidelity.md)
+    match_oneshot: bool = True
 
 
 class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -226,6 +229,9 @@ def _check_calibration(job: Job) -> None:
         raise JobSyntaxError("[calibration] dataset is empty; set it to a JSONL file")
     if c.samples < 1 or c.seq_len < 1:
         raise JobSyntaxError("[calibration] samples and seq_len must be at least 1")
+    if not c.match_oneshot and e.method != "gptq":
+        raise JobSyntaxError("[calibration] match_oneshot = false changes GPTQ's Hessians only; remove it, or set "
+                             "[export] method = \"gptq\"")
     if e.method == "awq" and e.scheme in schemes.PER_TENSOR_WEIGHTS:
         raise JobSyntaxError(f"method = \"awq\" needs per-channel or grouped weight scales and scheme {e.scheme!r} "
                              "has one scale per tensor; use gptq or rtn, or another scheme")

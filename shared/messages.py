@@ -8,7 +8,8 @@ Data flow (one worker)::
       ExportLayer(index, attempt, fence, …) ──▶  read (mmap) → quantize → write the attempt's temp file → fsync
         (+ boundary: calibrated jobs)            (calibrated: forward → calibrate → propagate → quantize → write)
       ◀──────────── Heartbeat(index, stage) …  then  LayerWritten(index, file, fence, digest, …) | Failed(…)
-                                                 (calibrated: + boundary, the next layer's inputs, durable)
+                                                 (calibrated: + boundary, the next layer's inputs, durable; or
+                                                 pending, and the previous reply's named in `settled`)
       the supervisor moves the staged shard (layout.staged_name(index, fence)) to its name, then journals it
       Describe() ─────────────────────────────▶  every part's output on meta tensors (no weight read) + the loader
       ◀──────────── Described(parts, load)          check of that predicted output (before the first part; on GPUs
@@ -25,6 +26,13 @@ travel as data (`Failed.kind/message/traceback` text), never pickled; `Failed.re
 would repeat (same input, same code), which the supervisor then does not retry. New fields get defaults. Bump
 PROTOCOL_VERSION on any incompatible change; the child refuses a Hello with another version.
 
+Boundary durability: a calibrated worker on its own keeps the next layer's inputs in memory and writes their file
+while the next layer computes. Its LayerWritten(i) says `pending` (no boundary named); its LayerWritten(i + 1), from
+the same process, names that file in `settled` once it is durable (written, fsynced, renamed under attempt i's
+fence). The supervisor journals a boundary only once it is named durable, so a crash between the two replies costs
+the layer before it once more (resume starts from the newest durable boundary); a worker that does not hold the
+inputs of the next layer (a fresh one) is first given the layer after that boundary again.
+
 Fencing: every attempt at a part carries a fence of its own (ExportLayer.fence, fresh random per request). A worker
 writes only files named by it (its staged shard, its boundary files) and never the shard's final name; the
 supervisor places the staged shard of the attempt it is waiting for and no other. A worker that outlives its
@@ -39,7 +47,7 @@ import msgspec
 
 from shared.job import Job
 
-PROTOCOL_VERSION = 6  # 6: attempts fenced (the child stages a shard; the supervisor places it)
+PROTOCOL_VERSION = 7  # 7: a calibrated layer's next inputs made durable beside the next layer (pending, settled)
 
 NON_LAYER = -1  # the index used for the non-layer shard (embeddings, final norm, lm_head)
 
@@ -193,6 +201,10 @@ class LayerWritten(msgspec.Struct, tag=True, kw_only=True):
     # module name -> ||dequantized - source|| / ||source|| of its weight, measured by the child (child/quant_error.py)
     quant_error: dict[str, float] = {}
     boundary: Boundary | None = None  # calibrated: the next layer's inputs, made durable after the shard
+    # calibrated, one worker: the next layer's inputs stay in this worker's memory, their file is being made durable
+    # beside the next layer (boundary is None); the worker's next reply names it in `settled` (Boundary durability)
+    pending: bool = False
+    settled: Boundary | None = None  # the inputs of layer `index` this worker's previous reply left pending, durable
     losses: dict[str, float] = {}  # calibrated: module name -> the method's own loss for it (GPTQ's solver)
     source_digest: str = ""  # a live model's source tensors of this part (shared.durable.tensor_digest); "" on disk
     rank: int = 0  # the group rank that sent it; a rank other than 0 writes no shard (file "") only its boundary

@@ -94,6 +94,8 @@ def check(job: Job, source: SourceInfo, device: str, world: int = 1) -> Calibrat
     }
     if world > 1:  # each rank calibrates its own slice of the samples: the partition decides the bytes
         parts["world"] = world
+    if not c.match_oneshot:  # other arithmetic, other bytes (absent by default: fingerprints stay as they were)
+        parts["match_oneshot"] = False
     if rows.has_text:
         parts["tokenizer"] = [list(t) for t in tokenizer]
         parts["tokenizers"] = _version("tokenizers")

@@ -119,15 +119,18 @@ VLLM = "vLLM"  # verify's problem key for `--vllm`
 def cmd_plan(args) -> int:
     import msgspec
 
+    from shared.job import to_dict
     from supervisor.api import describe, load_job
     from supervisor.planview import render
+    from supervisor.status import arithmetic
 
     job = load_job(args.job)
     described = describe(job)
     if args.json:
         print(msgspec.json.encode(described).decode())
     else:
-        print("\n".join(render(described, job.source.path, job.export.scheme, job.export.consumer)))
+        print("\n".join(render(described, job.source.path, job.export.scheme, job.export.consumer,
+                               arithmetic(to_dict(job)))))
     return 0
 
 

@@ -5,7 +5,10 @@ written shard (appended and fsynced only after the shard was renamed into place)
 export also an Arithmetic record (what its workers computed with) before its first layer. A calibrated
 export's Shard record for layer i also names the boundary feeding layer i+1 (its file under .export/boundary,
 digest and size), made durable before the record: one record makes both count, atomically; a calibrated group's
-record (W ranks, each calibrating its own samples) names W boundaries, one per rank, the same way. A record counts
+record (W ranks, each calibrating its own samples) names W boundaries, one per rank, the same way. A worker on its
+own makes that boundary durable beside layer i+1: layer i's record comes without it, and once the boundary is
+durable the record is appended again naming it (the latest record per layer counts), so the journal never names a
+boundary that is not durable. A record counts
 only when its line is complete: a torn last line (the supervisor died mid-write) is ignored and cut off before
 the next append. A shard counts as done only if its file is on disk as journaled; anything else is redone, so the
 output after any crash and re-run is byte-identical to an uninterrupted run.
@@ -267,24 +270,33 @@ def restat(output: str, rec: Shard) -> Shard:
     return msgspec.structs.replace(rec, ino=st.st_ino, mtime_ns=st.st_mtime_ns)
 
 
+def calibrated_start(st: State, num_layers: int, good: Container[int]) -> int:
+    """The first layer a calibrated export redoes, from the journal alone: after the longest run of good shards
+    0..k-1 (`good`: the journaled parts taken as intact), at the newest boundary one of them names. A boundary is
+    journaled only once durable, which can be a layer after its shard (shared/messages.py, Boundary durability):
+    then the last good layer is redone from the boundary before it."""
+    k = 0
+    while k < num_layers and k in good:
+        k += 1
+    if k == num_layers:
+        return k
+    return next((j for j in range(k, 0, -1) if boundaries(st.shards[j - 1])), 0)
+
+
 def calibrated_resume(output: str, st: State, num_layers: int, good: Container[int],
                       world: int = 1) -> tuple[int, list[Boundary] | None]:
     """Where a calibrated export continues: (first layer to export, the journaled boundaries feeding it: one, or
     one per rank of a group of `world`).
 
-    Layers run in order and each needs the previous one's outputs, so resume continues after the longest run of
-    good shards 0..k-1 (`good`: the journaled parts the caller found intact and from the same source) whose last
-    record names a boundary that is on disk with its digest (re-hashed here: the boundary is small next to the
+    Layers run in order and each needs the previous one's outputs, so resume continues at calibrated_start, from the
+    boundary named there, which must be on disk with its digest (re-hashed here: the boundary is small next to the
     export, and a damaged one would silently change every later layer). A boundary that fails its hash is never
     trusted: only the newest one is kept, so the inputs are recomputed from layer 0."""
-    k = 0
-    while k < num_layers and k in good:
-        k += 1
+    k = calibrated_start(st, num_layers, good)
     if k == 0 or k == num_layers:
         return k, None
     bs = boundaries(st.shards[k - 1])
-    if not bs or len(bs) != world or any(b.feeds != k for b in bs) \
-            or verify_files(output, {b.file: b.digest for b in bs}):
+    if len(bs) != world or any(b.feeds != k for b in bs) or verify_files(output, {b.file: b.digest for b in bs}):
         return 0, None
     return k, bs
 

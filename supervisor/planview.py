@@ -18,11 +18,13 @@ from shared.messages import NON_LAYER, Described, PartPlan
 _NUMBERED = re.compile(r"(?<=\.)\d+(?=\.)")
 
 
-def render(d: Described, source: str, scheme: str, consumer: str = "transformers") -> list[str]:
+def render(d: Described, source: str, scheme: str, consumer: str = "transformers", arithmetic: str = "") -> list[str]:
     layers = [p for p in d.parts if p.index != NON_LAYER]
     lines = [f"source   {source}", f"scheme   {scheme}", f"by       {d.backend}", f"ignore   {d.ignore}",
              f"parts    {len(d.parts)}: {len(layers)} layers under {d.layer_prefix!r}, then the non-layer part",
              f"loads    {_verdict(d)}", f"for      {_consumer(d, consumer)}"]
+    if arithmetic:
+        lines.append(f"math     {arithmetic}")
     if d.world:
         lines.append(f"group    {d.world} rank{'s' if d.world > 1 else ''} calibrate each layer"
                      + (" together (one torch.distributed process group)" if d.world > 1 else "")

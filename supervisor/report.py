@@ -108,7 +108,8 @@ def summary(report: Report) -> str:
                                                 "not finished")
     left = "" if not i["left"] else f"; left: {', '.join(map(str, i['left'][:12]))}" + (
         f" … ({len(i['left'])} in all)" if len(i["left"]) > 12 else "")
-    return f"{report.output}: {i['scheme']} from {i['source']}; {i['done']} journaled, {state}{left}"
+    how = f" ({i['method']}, arithmetic {i['arithmetic']})" if i.get("arithmetic") else ""
+    return f"{report.output}: {i['scheme']}{how} from {i['source']}; {i['done']} journaled, {state}{left}"
 
 
 def _part_rows(report: Report) -> tuple[list[str], list[list[str]], list[str]]:

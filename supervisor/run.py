@@ -144,7 +144,9 @@ class Run:
         self._cleanup_lock = threading.Lock()
         self._started = False
         self._progress: _Progress | None = None
-        self._boundary = None  # calibrated: the journaled inputs of the next layer to export
+        self._boundary = None  # calibrated: the newest journaled (durable) boundary: the inputs of the next layer
+        # calibrated, one worker: (the layer whose inputs the last reply left pending, that reply's fence)
+        self._pending: tuple[int, str] | None = None
         self._arithmetic: journal.Arithmetic | None = None  # calibrated: what the layers were computed with
         self._had_layers = False  # the journal held a layer when the run began
         self._output_existed = os.path.isdir(self.plan.output)
@@ -502,6 +504,7 @@ class Run:
                          retry_delay=self.retry_delay, sequential=calibrated, cancel=self._cancel, emit=self._emit,
                          start_worker=self._start_worker, on_written=self._record, on_heartbeat=self._on_heartbeat,
                          recycle=self._should_recycle, place=self._place, boundary=self._boundary_for,
+                         restart=self._restart_for,
                          room_timeout=r.startup_timeout if cluster is not None else 0.0)
 
     # ---- calibrated exports: the boundary (a layer's input activations) crossing from one layer to the next ----
@@ -528,17 +531,55 @@ class Run:
         bs = self._boundary
         return bs if bs and all(b.feeds == index for b in bs) else None
 
-    def _check_boundary(self, reply: LayerWritten) -> None:
+    def _restart_for(self, index: int) -> int:
+        """The first layer to export again before layer `index` when no worker holds its inputs and none are
+        durable: the one the newest durable boundary feeds (0: its inputs come from the samples)."""
+        bs = self._boundary
+        return bs[0].feeds if bs and bs[0].feeds <= index else 0
+
+    def _check_boundary(self, reply: LayerWritten) -> Boundary | None:
+        """Hold a calibrated reply's boundaries to what was asked: the next layer's inputs on disk under this
+        attempt's fence, or pending; and a settled one (returned) under the fence of the reply that left it."""
         n, world = self.plan.source.num_layers, self.plan.world
-        if self.plan.calibration is None or not 0 <= reply.index < n - 1:
-            return
+        if self.plan.calibration is None or reply.index < 0:
+            return None
+        settled, pending, self._pending = reply.settled, self._pending, None
+        if settled is not None:
+            expected = layout.boundary_name(reply.index, None, pending[1]) \
+                if pending is not None and pending[0] == reply.index else None
+            if settled.file != expected or settled.feeds != reply.index or not self._on_disk(settled):
+                raise ExportFailed(f"worker named layer {reply.index}'s calibration inputs durable, but not as the "
+                                   "layer before left them", index=reply.index)
+        if reply.index >= n - 1:
+            return settled
+        if reply.pending and world == 1 and reply.boundary is None:
+            self._pending = (reply.index + 1, reply.fence)
+            return settled
         bs = reply.boundaries if world > 1 else [reply.boundary] if reply.boundary is not None else []
         names = [layout.boundary_name(reply.index + 1, r if world > 1 else None, reply.fence) for r in range(world)]
-        if [b.file for b in bs] != names or any(
-                b.feeds != reply.index + 1 or not os.path.isfile(os.path.join(self.plan.output, b.file))
-                or os.path.getsize(os.path.join(self.plan.output, b.file)) != b.nbytes for b in bs):
+        if [b.file for b in bs] != names or any(b.feeds != reply.index + 1 or not self._on_disk(b) for b in bs):
             raise ExportFailed(f"worker did not leave layer {reply.index + 1}'s calibration inputs on disk as "
                                "described", index=reply.index)
+        return settled
+
+    def _on_disk(self, b: Boundary) -> bool:
+        path = os.path.join(self.plan.output, b.file)
+        return os.path.isfile(path) and os.path.getsize(path) == b.nbytes
+
+    def _journal_boundary(self, index: int, bs: list[Boundary]) -> None:
+        """Layer `index`'s record again, now naming the boundaries its outputs made (durable), and they become the
+        newest: the one before them is spent."""
+        rec = self._done.get(index)
+        if rec is None:
+            raise ExportFailed(f"worker named layer {index + 1}'s calibration inputs durable before layer {index} "
+                               "was journaled", index=index + 1)
+        rec = msgspec.structs.replace(rec, boundary=bs[0] if len(bs) == 1 else None,
+                                      boundaries=bs if len(bs) > 1 else [])
+        self._journal.append(rec)
+        self._done[index] = rec
+        spent, self._boundary = self._boundary, bs
+        for b in spent or []:  # it fed an earlier layer; the new one was held to its layer's name
+            self._discard(os.path.join(self.plan.output, b.file))
 
     def _clear_tmp(self) -> None:
         tmp = layout.state_path(self.plan.output, layout.TMP)
@@ -784,7 +825,10 @@ class Run:
         if reply.file != layout.shard_name(reply.index) or not os.path.isfile(path) \
                 or os.path.getsize(path) != reply.nbytes:
             raise ExportFailed(f"worker reported {reply.file} but it is not on disk as described", index=reply.index)
-        self._check_boundary(reply)
+        settled = self._check_boundary(reply)
+        if settled is not None:  # the inputs of this layer, left pending by the reply before: durable now
+            self._journal_boundary(reply.index - 1, [settled])
+        again = reply.index in self._done  # a layer redone from an earlier boundary (Scheduler: restart)
         rec = journal.Shard(index=reply.index, file=reply.file, digest=reply.digest, nbytes=reply.nbytes,
                             seconds=round(reply.seconds, 3), ino=reply.ino, mtime_ns=reply.mtime_ns,
                             source_bytes=reply.source_bytes, peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
@@ -794,8 +838,10 @@ class Run:
                             where=w.where if w is not None else self._here)
         self._journal.append(rec)
         self._done[reply.index] = rec
-        if self.plan.calibration is not None and reply.index >= 0:
-            # journaled: the new boundary is the only one the next layer needs, so the one before it is spent
+        last = reply.index == self.plan.source.num_layers - 1
+        if self.plan.calibration is not None and reply.index >= 0 and (journal.boundaries(rec) or last):
+            # journaled: the new boundary is the only one the next layer needs, so the one before it is spent (the
+            # last layer needs none; a pending one stays the newest until it is named durable)
             spent, self._boundary = self._boundary, journal.boundaries(rec)
             for b in spent or []:  # it fed this layer; _check_boundary held the new one to the next layer's name
                 self._discard(os.path.join(self.plan.output, b.file))
@@ -803,7 +849,8 @@ class Run:
                                    seconds=round(reply.seconds, 3), peak_rss=reply.peak_rss, peak_gpu=reply.peak_gpu,
                                    retries=retries, quant_error=reply.quant_error, stages=reply.stages,
                                    ranks=reply.ranks, losses=reply.losses, where=rec.where))
-        self._progress.add(reply.source_bytes, reply.nbytes)
+        if not again:
+            self._progress.add(reply.source_bytes, reply.nbytes)
         self._emit(self._progress.event(worker_rss=reply.rss))
 
     def _place(self, reply: LayerWritten) -> None:

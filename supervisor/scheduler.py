@@ -17,7 +17,9 @@ then the layers in order) and reserves the next one as its read-ahead hint. Cali
 (whose worker is a group of W ranks when the export calibrates on several: supervisor.group, one worker to this
 module) and strictly in order (a part's inputs are the previous part's outputs); a failed part then comes back first,
 before anything after it, and each request names the journaled inputs of its layer (`boundary(index)`) for a
-fresh worker that does not hold them in memory.
+fresh worker that does not hold them in memory; where none are journaled yet (a worker on its own makes them durable
+beside the next layer, shared/messages.py), the layers from the newest journaled boundary (`restart(index)`) are
+exported again first.
 Owns scheduling only: it never touches the journal or files itself (on_written does) and never quantizes.
 """
 from __future__ import annotations
@@ -65,6 +67,7 @@ class Slot:
     optional: bool = False  # added by the default count beyond one per GPU: left out when its GPU has no room (NoRoom)
     elastic: bool = False  # a cluster slot: left out while its node is gone, back once Ray has room for it again
     parked: bool = False  # an elastic slot waiting for room (its worker starts ask Ray briefly, not for long)
+    holds: int | None = None  # sequential (calibrated): the layer whose inputs its worker holds in memory
 
 
 @dataclass
@@ -79,6 +82,7 @@ class _Queue:
     waiting: list[int] = field(default_factory=list)
     attempts: dict[int, int] = field(default_factory=dict)
     running: set[int] = field(default_factory=set)
+    again: set[int] = field(default_factory=set)  # written already, exported again for their outputs: not charged
 
     def put(self, index: int) -> None:
         if index not in self.waiting:
@@ -113,7 +117,8 @@ class Scheduler:
                  on_written: Callable[[LayerWritten, Worker | None, int], None],
                  on_heartbeat: Callable[[Heartbeat], None], recycle: Callable[[Worker], bool],
                  place: Callable[[LayerWritten], None] = lambda reply: None,
-                 boundary: Callable[[int], list[Boundary] | None] = lambda index: None, room_timeout: float = 0.0):
+                 boundary: Callable[[int], list[Boundary] | None] = lambda index: None,
+                 restart: Callable[[int], int] = lambda index: index, room_timeout: float = 0.0):
         if sequential and len(slots) != 1:
             raise ValueError("a sequential export runs on exactly one slot")
         self.slots = slots
@@ -123,6 +128,7 @@ class Scheduler:
         self.emit, self.start_worker, self.on_written = emit, start_worker, on_written
         self.on_heartbeat, self.recycle, self.place = on_heartbeat, recycle, place
         self.boundary = boundary  # calibrated: the journaled inputs of a layer, for workers without them
+        self.restart = restart  # calibrated: where to start again when a layer's inputs are neither journaled nor held
         self.room_timeout = room_timeout  # elastic slots: how long all of them may wait for room before the run fails
         self._cond = threading.Condition()
         self._record = threading.Lock()
@@ -359,10 +365,33 @@ class Scheduler:
         finally:
             slot.parked = False
 
-    def _export_one(self, slot: Slot, index: int) -> None:
+    def _rewinds(self, slot: Slot, index: int) -> bool:
+        """Calibrated: layer `index`'s inputs are neither journaled (their file was still being made durable) nor
+        held by this slot's worker (a fresh one): the layers from the newest journaled boundary go first, again
+        (their shards are rewritten with the same bytes, no attempt charged). True: requeued, nothing sent."""
+        if not self.sequential or index <= 0 or self.boundary(index) or \
+                (slot.worker is not None and slot.holds == index):
+            return False
+        start = self.restart(index)
+        if start >= index:
+            return False
         with self._cond:
-            attempt = self._q.attempts.get(index, 0) + 1
-            self._q.attempts[index] = attempt
+            for j in range(start, index):
+                self._q.put(j)
+                self._q.again.add(j)
+        self._done(slot, index, requeue=True)
+        return True
+
+    def _export_one(self, slot: Slot, index: int) -> None:
+        if self._rewinds(slot, index):
+            return
+        with self._cond:
+            if index in self._q.again:  # written already, exported once more for its outputs: not a retry
+                self._q.again.discard(index)
+                attempt = self._q.attempts.get(index, 1)
+            else:
+                attempt = self._q.attempts.get(index, 0) + 1
+                self._q.attempts[index] = attempt
         inputs = self.boundary(index) or []  # calibrated: one file, or one per rank of a group
         # a fence of its own per attempt: the names of every file it writes, so only this attempt's can land
         msg = ExportLayer(index=index, attempt=attempt, fence=secrets.token_hex(8), prefetch=slot.reserved,
@@ -385,6 +414,7 @@ class Scheduler:
             return
         w.layers_done += 1  # counted when written, journaled now or after the plan's verdict: recycling (by
         w.rss = reply.rss  # count or by RSS) applies to the parts written ahead of the verdict too
+        slot.holds = index + 1 if self.sequential and index >= 0 else None
         if not self._hold(reply, w, attempt - 1):  # else journaled once the plan is judged; the slot goes on
             with self._record:
                 self.on_written(reply, w, attempt - 1)
@@ -453,7 +483,7 @@ class Scheduler:
         return slot.worker
 
     def _drop(self, slot: Slot, kill: bool) -> None:
-        w, slot.worker = slot.worker, None
+        w, slot.worker, slot.holds = slot.worker, None, None
         if w is not None:
             w.kill() if kill else w.stop()
 

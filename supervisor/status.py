@@ -47,8 +47,8 @@ def status(output: str, state: journal.State | None = None) -> dict:
     parts = list(range(n)) + [NON_LAYER]
     job = st.header.job
     if needs_calibration(job["export"]["scheme"], job["export"].get("method", "rtn")):
-        # layers run in order from the last one whose outputs were journaled (files are checked by `run`)
-        k = next((i for i in range(n) if i not in st.shards), n)
+        # layers run in order from the newest journaled boundary (files are checked by `run`)
+        k = journal.calibrated_start(st, n, st.shards)
         left = list(range(k, n)) + ([] if NON_LAYER in st.shards else [NON_LAYER])
     else:
         left = [p for p in parts if p not in st.shards]
@@ -57,6 +57,7 @@ def status(output: str, state: journal.State | None = None) -> dict:
         "source": (job.get("source") or {}).get("path", "a live model (Python API)"),
         "scheme": job["export"]["scheme"],
         "method": job["export"].get("method", "rtn"),
+        "arithmetic": arithmetic(job),
         "layers": n,
         "done": f"{len(parts) - len(left)}/{len(parts)} shards",
         "left": ["non-layer" if p == NON_LAYER else p for p in left],
@@ -64,6 +65,15 @@ def status(output: str, state: journal.State | None = None) -> dict:
         "running_pid": _running_pid(output),
         "bytes": sum(r.nbytes for r in st.shards.values()),
     }
+
+
+def arithmetic(job: dict) -> str:
+    """Which arithmetic writes a calibrated export ("" for a data-free one), from the job as journaled."""
+    c = job.get("calibration")
+    if not c:
+        return ""
+    return "oneshot's, bit for bit" if c.get("match_oneshot", True) else \
+        "fast: GPTQ's Hessians from bf16 on tensor cores ([calibration] match_oneshot = false)"
 
 
 LOADER = "(transformers loader)"  # the key of a loader problem in verify's result

@@ -59,11 +59,24 @@ def _logits(folder):
     ("llama", "NVFP4", "rtn"),
     ("qwen3", "FP8", "rtn"),
     ("gemma", "W4A16", "awq"),  # offset norms: converted for calibration, smoothed, converted back (final norm too)
+    # GPTQ's Hessians shared where the inputs are (child/hessians.py), as the architecture shares them: DeepSeek-V3's
+    # MLA (q_a_proj and kv_a_proj_with_mqa, not q_b/kv_b), each routed expert's gate/up (its own tokens), the shared
+    # expert's gate/up, the dense first layer's gate/up
+    ("deepseekv3", "W4A16", "gptq"),
 ])
-def test_calibrator_equals_oneshot(kind, scheme, method, tiny_models, ids_dataset, tmp_path, tmp_path_factory):
+def test_calibrator_equals_oneshot(kind, scheme, method, tiny_models, moe_models, ids_dataset, tmp_path,
+                                   tmp_path_factory, monkeypatch):
     """Layer by layer (one thread on both sides), every tensor and config.json equal oneshot's sequential pipeline,
-    and transformers loads the result and gives oneshot's logits."""
-    source = make_tiny_gemma(str(tmp_path_factory.mktemp("gemma"))) if kind == "gemma" else tiny_models(kind)
+    and transformers loads the result and gives oneshot's logits; GPTQ computed each shared input's Hessian once."""
+    from child.hessians import SharedHessians
+
+    served = []
+    finish = SharedHessians.finish
+    monkeypatch.setattr(SharedHessians, "finish", lambda self: (served.append(self.served), finish(self))[1])
+    if kind == "gemma":
+        source = make_tiny_gemma(str(tmp_path_factory.mktemp("gemma")))
+    else:
+        source = moe_models(kind) if kind == "deepseekv3" else tiny_models(kind)
     rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
     with threads(1):
         ref = oneshot_calibrated(source, scheme, method, rows, SEQ, str(tmp_path / "ref"))
@@ -71,6 +84,8 @@ def test_calibrator_equals_oneshot(kind, scheme, method, tiny_models, ids_datase
         ours = _export_in_process(source, scheme, method, ids_dataset, tmp_path / "ours",
                                   ram_gb=1e-6 if scheme == "W8A16" else 0.0)
     assert_same_tensors(load_tensors(ref), load_tensors(str(ours)))
+    if method == "gptq":
+        assert len(served) == 2 and all(served), served  # each layer served some module from another's input
     with open(os.path.join(ref, "config.json")) as a, open(ours / "config.json") as b:
         assert json.load(a) == json.load(b)
     assert torch.equal(_logits(str(ours)), _logits(ref))

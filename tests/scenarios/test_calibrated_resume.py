@@ -63,22 +63,33 @@ def test_child_peak_rss_is_flat_across_calibrated_layers(reference):
     assert max(peaks) <= peaks[0] * 1.08, peaks
 
 
-def test_child_killed_while_calibrating_resumes_from_the_boundary(model, dataset, reference, tmp_path):
-    """SIGKILL in layer 2's calibration (no retries left) fails the run with layer 2's inputs journaled; re-running
-    (activations on disk this time; two workers, a group of two ranks, refused as another W) resumes at layer 2 on one
-    worker and ends identical. A copy whose boundary file was
-    corrupted is detected and recomputed from layer 0, and ends identical too."""
+def _journaled(out):
+    """The layers whose journaled records name a boundary (the newest record per layer), and those boundaries' files."""
+    from supervisor import journal
+
+    st = journal.read(str(out))
+    named = {i: journal.boundaries(r) for i, r in st.shards.items() if journal.boundaries(r)}
+    return sorted(named), sorted(os.path.basename(b.file) for bs in named.values() for b in bs)
+
+
+def test_child_killed_while_calibrating_resumes_from_the_newest_durable_boundary(model, dataset, reference, tmp_path):
+    """SIGKILL in layer 2's calibration (no retries left) fails the run with layers 0 and 1 journaled and the inputs
+    of layer 1 the newest journaled boundary (layer 2's were being made durable beside layer 2, named in no reply
+    yet); re-running (activations on disk this time; two workers, a group of two ranks, refused as another W) redoes
+    layer 1 from it on one worker and ends identical. A copy whose boundary file was corrupted is detected and
+    recomputed from layer 0, and ends identical too."""
     out = tmp_path / "out"
     job = _job(tmp_path, model, dataset, out, max_attempts=1)
     first = cli.run("run", job, "--json", env=_fault(tmp_path / "fired", point="calibrate", action="sigkill", index=2),
                     check=False)
     assert first.returncode == 1 and "layer 2" in first.stderr, first.stderr
-    assert _boundaries(out) == ["inputs-layer-00002.bin"]  # only the newest boundary is kept
-    assert json.loads(cli.run("status", out, "--json").stdout)["left"] == [2, 3, "non-layer"]
+    assert _journaled(out)[0] == [0]  # layer 0's record names layer 1's inputs; layer 1's names none yet
+    assert "inputs-layer-00001.bin" in _boundaries(out)  # (layer 2's may be on disk too: never named, pruned)
+    assert json.loads(cli.run("status", out, "--json").stdout)["left"] == [1, 2, 3, "non-layer"]
 
     corrupt = tmp_path / "corrupt"
     subprocess.run(["cp", "-a", str(out), str(corrupt)], check=True)
-    path, = (corrupt / layout.STATE_DIR / layout.BOUNDARY).glob("inputs-layer-00002.*.bin")
+    path, = (corrupt / layout.STATE_DIR / layout.BOUNDARY).glob("inputs-layer-00001.*.bin")
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40
     path.write_bytes(bytes(data))
@@ -88,8 +99,8 @@ def test_child_killed_while_calibrating_resumes_from_the_boundary(model, dataset
     assert refused.returncode == 2 and "started with W = 1" in refused.stderr, refused.stderr
     second = cli.events(cli.run("run", _job(tmp_path, model, dataset, out, activation_ram_gb=1e-6, workers=1),
                                 "--json"))
-    assert second[0]["type"] == "Started" and second[0]["resumed"] == 2 and second[0]["todo"] == 3
-    assert [e["index"] for e in second if e["type"] == "LayerStarted"] == [2, 3, -1]
+    assert second[0]["type"] == "Started" and second[0]["resumed"] == 1 and second[0]["todo"] == 4
+    assert [e["index"] for e in second if e["type"] == "LayerStarted"] == [1, 2, 3, -1]
     assert {e["worker"] for e in second if e["type"] == "WorkerStarted"} == {0}
     assert cli.output_bytes(out) == reference[0]
 
@@ -100,9 +111,47 @@ def test_child_killed_while_calibrating_resumes_from_the_boundary(model, dataset
     assert cli.output_bytes(corrupt) == reference[0]
 
 
+def test_child_killed_before_the_next_inputs_are_durable_redoes_one_more_layer(model, dataset, reference, tmp_path):
+    """Layer 1's shard journaled, its outputs (layer 2's inputs) held before their fsync, the child SIGKILLed in layer
+    2 (faults on events: the write thread holds, layer 2 waits for it, then dies): the journal names layer 1's inputs
+    as the newest durable boundary, never layer 2's; the re-run redoes layer 1 and ends identical."""
+    out, held = tmp_path / "out", tmp_path / "held"
+    faults = [{"point": "boundary_sync", "action": "stall", "index": 2, "once": str(held)},
+              {"point": "forward", "action": "await", "index": 2, "path": str(held), "timeout": 60},
+              {"point": "calibrate", "action": "sigkill", "index": 2, "once": str(tmp_path / "killed")}]
+    first = cli.run("run", _job(tmp_path, model, dataset, out, max_attempts=1), "--json",
+                    env={"SUPERVISOR_TEST_FAULT": json.dumps(faults)}, check=False)
+    assert first.returncode == 1 and "layer 2" in first.stderr, first.stderr
+    events = cli.events(first)
+    assert [e["index"] for e in events if e["type"] == "LayerWritten"] == [0, 1]  # layer 1 journaled before the kill
+    named, files = _journaled(out)
+    assert named == [0] and _boundaries(out) == ["inputs-layer-00001.bin"]  # layer 2's never reached its name
+    assert sorted(os.listdir(os.path.join(out, layout.STATE_DIR, layout.BOUNDARY))) == files
+    second = cli.events(cli.run("run", _job(tmp_path, model, dataset, out), "--json"))
+    assert second[0]["resumed"] == 1
+    assert [e["index"] for e in second if e["type"] == "LayerStarted"] == [1, 2, 3, -1]
+    assert cli.output_bytes(out) == reference[0]
+
+
+def test_child_killed_is_retried_from_the_newest_durable_boundary_in_the_same_run(model, dataset, reference, tmp_path):
+    """SIGKILL in layer 2's calibration with retries left: the fresh worker holds no inputs and layer 2's are not
+    journaled, so layer 1 is exported again first (no attempt charged to it), then 2 and 3: identical output."""
+    out = tmp_path / "out"
+    events = cli.events(cli.run("run", _job(tmp_path, model, dataset, out), "--json",
+                                env=_fault(tmp_path / "fired", point="calibrate", action="sigkill", index=2)))
+    assert [e["index"] for e in events if e["type"] == "Retrying"] == [2]
+    assert [e["index"] for e in events if e["type"] == "LayerStarted"] == [0, 1, 2, 1, 2, 3, -1]
+    assert [(e["index"], e["retries"]) for e in events if e["type"] == "LayerWritten" and e["index"] >= 0] == \
+        [(0, 0), (1, 0), (1, 0), (2, 1), (3, 0)]
+    progress = [e for e in events if e["type"] == "Progress"]
+    assert progress[-1]["done"] == progress[-1]["total"] == LAYERS + 1  # the layer written twice counted once
+    assert cli.output_bytes(out) == reference[0]
+
+
 def test_supervisor_killed_during_propagation_resumes(model, dataset, reference, tmp_path):
     """SIGKILL the supervisor while its child propagates layer 2 (a stalled fault holds it there; the progress
-    events say "layer 2: propagate"): the child exits by itself, and the re-run resumes at layer 2, identical."""
+    events say "layer 2: propagate"): the child exits by itself, and the re-run resumes from the newest durable
+    boundary (layer 1's inputs: layer 2's were being made durable beside it), identical."""
     out, marker = tmp_path / "out", tmp_path / "fired"
     fault = _fault(marker, point="propagate", action="stall", index=2)
     with faultkit.LiveRun("run", _job(tmp_path, model, dataset, out), "--json", env=fault) as live:
@@ -113,9 +162,9 @@ def test_supervisor_killed_during_propagation_resumes(model, dataset, reference,
         live.proc.wait()
         _, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"orphaned children still running: {alive}"
-    assert _boundaries(out) == ["inputs-layer-00002.bin"]
+    assert _journaled(out)[0] == [0] and "inputs-layer-00001.bin" in _boundaries(out)
     second = cli.events(cli.run("run", _job(tmp_path, model, dataset, out), "--json"))
-    assert second[0]["resumed"] == 2
+    assert second[0]["resumed"] == 1
     assert cli.output_bytes(out) == reference[0]
 
 
@@ -126,8 +175,9 @@ AWQ_N, AWQ_SEQ = 8, 32
 
 def test_awq_on_cpu_equals_oneshot_resumes_identically_and_loads(tiny_models, tmp_path):
     """AWQ W4A16 on CPU: equal to oneshot (its pinning skipped on both sides); a child SIGKILLed while calibrating
-    layer 1 with no retries left, then re-run, gives the uninterrupted bytes; transformers loads it."""
-    source = tiny_models("llama")
+    layer 2 with no retries left, then re-run from the newest durable boundary (layer 1's inputs), gives the
+    uninterrupted bytes; transformers loads it."""
+    source = tiny_models("llama", layers=3)
     rows = token_rows(AWQ_N, seed=7)
     dataset = write_jsonl(tmp_path / "ids.jsonl", rows)
 
@@ -138,7 +188,7 @@ def test_awq_on_cpu_equals_oneshot_resumes_identically_and_loads(tiny_models, tm
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     cli.run("run", job(whole), "--json")
     first = cli.run("run", job(killed, max_attempts=1), "--json",
-                    env=_fault(tmp_path / "fired", point="calibrate", action="sigkill", index=1), check=False)
+                    env=_fault(tmp_path / "fired", point="calibrate", action="sigkill", index=2), check=False)
     assert first.returncode == 1, first.stderr
     assert cli.events(cli.run("run", job(killed), "--json"))[0]["resumed"] == 1
     assert cli.output_bytes(killed) == cli.output_bytes(whole)

@@ -1,0 +1,127 @@
+"""child/hessians.py: GPTQ's Hessians computed once per distinct input equal the library's per-module ones bit for bit,
+whatever the pattern of shared, diverging, repeated or missing inputs; real layers share what they feed alike."""
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from child.hessians import SharedHessians, term
+
+
+def _replay(calls, modules, hook, end_sample=lambda: None):
+    """Every call in order: (name, x) a module's forward with input x; (None, fn) fn() run there (an in-place change)."""
+    for sample in calls:
+        for name, x in sample:
+            x() if name is None else hook(modules[name], x)
+        end_sample()
+
+
+def _library(calls, modules):
+    """llm-compressor's own hook (GPTQModifier.calibrate_module) on every call, in order: the reference."""
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
+    lib = types.SimpleNamespace(_hessians={}, _num_samples={})
+    _replay(calls, modules, lambda m, x: GPTQModifier.calibrate_module(lib, m, (x,), None))
+    return lib
+
+
+def _ours(calls, modules):
+    ours = types.SimpleNamespace(_hessians={}, _num_samples={})
+    sharer = SharedHessians()
+    _replay(calls, modules, lambda m, x: sharer._hook(ours, m, x), sharer.end_sample)
+    sharer.finish()
+    return ours, sharer
+
+
+def _same(lib, ours):
+    assert list(lib._hessians) == list(ours._hessians)  # the library's module order (a group's bin packing uses it)
+    assert list(lib._num_samples) == list(ours._num_samples)
+    for m in lib._hessians:
+        a, b = lib._hessians[m], ours._hessians[m]
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.int32), b.view(torch.int32))  # bits, -0.0 included
+        assert torch.equal(lib._num_samples[m], ours._num_samples[m])
+
+
+@pytest.mark.parametrize("shape", [(7, 16), (1, 7, 16), (3, 7, 16), (2, 3, 5, 16)])
+def test_term_is_accumulate_hessians_addition(shape):
+    """zeros + term(x) twice, added as the library adds, equals accumulate_hessian's Hessian and count bit for bit."""
+    from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
+
+    lin = nn.Linear(16, 4)
+    xs = [torch.randn(shape, dtype=torch.bfloat16) for _ in range(2)]
+    h, n = torch.zeros(16, 16), torch.zeros(())
+    for x in xs:
+        h, n = accumulate_hessian(x, lin, h, n)
+    ours, count = torch.zeros(16, 16), 0
+    for x in xs:
+        t, added = term(x, torch.device("cpu"))
+        ours += t
+        count += added
+    assert torch.equal(h.view(torch.int32), ours.view(torch.int32)) and n.item() == count
+
+
+def _script():
+    """Six samples of calls on nine modules (built afresh for each run: the in-place change happens during it)."""
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    for j in range(6):
+        a, b, wide = (torch.randn(1, 5, w, generator=g) for w in (16, 16, 32))
+        if j == 0:  # a zero column against a negative one: products of -0.0 (a sign the Hessian must keep as the
+            a[..., 0], a[..., 1] = 0.0, -a[..., 1].abs()  # library does)
+        sample = [("q", a), ("k", a), ("v", a), ("g", b), ("u", b), ("d", wide)]
+        if j == 2:
+            sample[1] = ("k", a.clone())  # equal values, another tensor: computed on its own, still equal
+        if j == 3:
+            sample.append(("e", a))  # first seen late: joins no one with a history
+        if j == 4:
+            c = b.clone()
+            sample = [("q", a), ("k", a), ("g", c), (None, lambda c=c: c.add_(1.0)), ("u", c)]  # v skipped;
+            # c changed in place between g and u
+        if j == 5:
+            sample += [("u", b), ("l", a[..., :16].view(1, 5, 16)), ("r", a)]  # u twice; a view of a
+        calls.append(sample)
+    return calls
+
+
+def test_shared_diverging_repeated_and_missing_inputs_equal_the_library():
+    """Modules that share an input, then one that gets another (a copy of the same values, a view, the same tensor
+    changed in place in between), one called twice in a sample, one skipped in some samples, one first seen late: every
+    Hessian and count equals the library's, and only distinct inputs were computed."""
+    torch.manual_seed(0)
+    mods = {n: nn.Linear(16, 8, bias=False) for n in "qkvguelr"}
+    mods["d"] = nn.Linear(32, 8, bias=False)  # another width
+    lib = _library(_script(), mods)
+    ours, sharer = _ours(_script(), mods)
+    _same(lib, ours)
+    calls = sum(len([c for c in s if c[0] is not None]) for s in _script())
+    assert sharer.served > 0 and sharer.computed + sharer.served == calls
+
+
+def test_a_llama_layer_shares_qkv_and_gate_up_and_equals_the_library():
+    """A real decoder layer's forward: q/k/v and gate/up each computed once per sample (4 terms for 7 modules),
+    every Hessian the library's bit for bit."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      attn_implementation="eager")
+    layer = LlamaDecoderLayer(cfg, 0).to(torch.bfloat16).eval()
+    rope = LlamaRotaryEmbedding(cfg)
+    linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    calls = []
+    hooks = [m.register_forward_hook(lambda m, args, out, n=n: calls[-1].append((n, args[0])))
+             for n, m in linears.items()]
+    with torch.no_grad():
+        for length in (9, 9, 6):
+            calls.append([])
+            x = torch.randn(1, length, 64, dtype=torch.bfloat16)
+            pos = torch.arange(length)[None]
+            layer(x, position_embeddings=rope(x, pos), position_ids=pos)
+    for h in hooks:
+        h.remove()
+    lib = _library(calls, linears)
+    ours, sharer = _ours(calls, linears)
+    _same(lib, ours)
+    assert sharer.computed == 4 * 3 and sharer.served == 3 * 3
