@@ -30,8 +30,8 @@ from shared import layout
 from shared.arithmetic import device_model
 from shared.framing import EndOfStream, FrameError, Reader, Writer
 from shared.messages import (NON_LAYER, PROTOCOL_VERSION, CheckLoad, ConfigWritten, Describe, Described, ExportLayer,
-                             Failed, Heartbeat, Hello, LayerWritten, LoadChecked, LoadReport, Ready, Stop, ToChild,
-                             WriteConfig)
+                             Failed, Heartbeat, Hello, LayerWritten, LoadChecked, LoadReport, Ready, Settle, Settled,
+                             Stop, ToChild, WriteConfig)
 
 HEARTBEAT_SECONDS = 1.0
 # A layer read ahead onto the GPU sits there beside the one being quantized. Up to this size that is cheap and
@@ -464,6 +464,12 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
                           CheckLoad: exporter.check_load}[type(msg)]
                 try:
                     reply = handle(msg, writer)
+                except Exception as exc:  # noqa: BLE001
+                    reply = _failed(None, exc)
+                writer.send(reply)
+            case Settle():
+                try:
+                    reply = Settled(boundary=exporter.backend.settle())
                 except Exception as exc:  # noqa: BLE001
                     reply = _failed(None, exc)
                 writer.send(reply)

@@ -154,11 +154,16 @@ class CheckLoad(msgspec.Struct, tag=True, kw_only=True):
     known: LoadReport | None = None  # the verdict on the predicted output: the answer if the folder matches its key
 
 
+class Settle(msgspec.Struct, tag=True):
+    """Before a calibrated worker is stopped on purpose (recycled): finish making the inputs its last reply left
+    `pending` durable, and name them (Settled), so that its successor starts from them instead of one layer back."""
+
+
 class Stop(msgspec.Struct, tag=True):
     pass
 
 
-ToChild = Union[Hello, ExportLayer, WriteConfig, Describe, CheckLoad, Stop]
+ToChild = Union[Hello, ExportLayer, WriteConfig, Describe, CheckLoad, Settle, Stop]
 
 
 # ---- child → supervisor -------------------------------------------------------------------------------------
@@ -264,4 +269,8 @@ class Failed(msgspec.Struct, tag=True, kw_only=True):
     refused: bool = False  # the job asks for something this source cannot give: bad input (exit 2), not a crash
 
 
-ToSupervisor = Union[Ready, Heartbeat, LayerWritten, ConfigWritten, Described, LoadChecked, Failed]
+class Settled(msgspec.Struct, tag=True, kw_only=True):
+    boundary: Boundary | None = None  # the inputs the last reply left pending, durable now (None: nothing was pending)
+
+
+ToSupervisor = Union[Ready, Heartbeat, LayerWritten, ConfigWritten, Described, LoadChecked, Settled, Failed]

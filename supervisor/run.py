@@ -46,7 +46,7 @@ from shared.job import Job, warm_profile
 from shared.load_verdict import LIFT_HINT, transformers_only
 from shared.load_verdict import problems as load_problems
 from shared.messages import (LISTEN_FD_ENV, LISTEN_PORT_ENV, NON_LAYER, PROTOCOL_VERSION, Boundary, CheckLoad, Describe,
-                             Described, Heartbeat, Hello, LayerWritten, LoadChecked)
+                             Described, Heartbeat, Hello, LayerWritten, LoadChecked, Settle, Settled)
 from supervisor import events as ev
 from supervisor import calibration, finalize, journal, verbatim
 from supervisor.group import Group, data_plane_env, interface_holding
@@ -503,8 +503,8 @@ class Run:
         return Scheduler(slots, max_attempts=r.max_attempts, part_timeout=r.part_timeout,
                          retry_delay=self.retry_delay, sequential=calibrated, cancel=self._cancel, emit=self._emit,
                          start_worker=self._start_worker, on_written=self._record, on_heartbeat=self._on_heartbeat,
-                         recycle=self._should_recycle, place=self._place, boundary=self._boundary_for,
-                         restart=self._restart_for,
+                         recycle=self._should_recycle, settle=self._settle_before_stop, place=self._place,
+                         boundary=self._boundary_for, restart=self._restart_for,
                          room_timeout=r.startup_timeout if cluster is not None else 0.0)
 
     # ---- calibrated exports: the boundary (a layer's input activations) crossing from one layer to the next ----
@@ -545,11 +545,7 @@ class Run:
             return None
         settled, pending, self._pending = reply.settled, self._pending, None
         if settled is not None:
-            expected = layout.boundary_name(reply.index, None, pending[1]) \
-                if pending is not None and pending[0] == reply.index else None
-            if settled.file != expected or settled.feeds != reply.index or not self._on_disk(settled):
-                raise ExportFailed(f"worker named layer {reply.index}'s calibration inputs durable, but not as the "
-                                   "layer before left them", index=reply.index)
+            self._check_settled(settled, pending, reply.index)
         if reply.index >= n - 1:
             return settled
         if reply.pending and world == 1 and reply.boundary is None:
@@ -561,6 +557,33 @@ class Run:
             raise ExportFailed(f"worker did not leave layer {reply.index + 1}'s calibration inputs on disk as "
                                "described", index=reply.index)
         return settled
+
+    def _check_settled(self, settled: Boundary, pending: tuple[int, str] | None, index: int) -> None:
+        """A boundary named durable must be the inputs of layer `index` the reply before left pending, under its
+        fence, on disk as described."""
+        expected = layout.boundary_name(index, None, pending[1]) if pending is not None and pending[0] == index \
+            else None
+        if settled.file != expected or settled.feeds != index or not self._on_disk(settled):
+            raise ExportFailed(f"worker named layer {index}'s calibration inputs durable, but not as the layer "
+                               "before left them", index=index)
+
+    def _settle_before_stop(self, w: Worker) -> None:
+        """Before a calibrated worker is recycled: have it finish the inputs its last reply left pending and journal
+        them, so that its successor starts from them rather than one layer back. A worker that cannot (dies, hangs
+        past the heartbeat timeout) costs that layer, as any worker's loss does."""
+        pending = self._pending
+        if self.plan.calibration is None or pending is None:
+            return
+        try:
+            reply = w.request(Settle(), self._cancel.is_set, lambda hb: None,
+                              timeout=self.job.resources.heartbeat_timeout)
+        except (WorkerLost, CancelledWait):
+            return
+        if not isinstance(reply, Settled) or reply.boundary is None:
+            return
+        self._pending = None
+        self._check_settled(reply.boundary, pending, pending[0])
+        self._journal_boundary(pending[0] - 1, [reply.boundary])
 
     def _on_disk(self, b: Boundary) -> bool:
         path = os.path.join(self.plan.output, b.file)

@@ -108,7 +108,7 @@ class Scheduler:
     slot's thread, or the planner's for parts written ahead of the plan's verdict. `place(reply)` gives the shard the
     replying attempt staged its name, on the slot's thread, as soon as the reply is taken (before any journaling): the
     only attempt whose files are placed is the one the slot waited on. `recycle(worker)` is asked after each part the
-    worker wrote (its layers_done and rss updated then).
+    worker wrote (its layers_done and rss updated then); `settle(worker)` runs before a worker is recycled.
     """
 
     def __init__(self, slots: list[Slot], *, max_attempts: int, part_timeout: float, retry_delay: float,
@@ -117,6 +117,7 @@ class Scheduler:
                  on_written: Callable[[LayerWritten, Worker | None, int], None],
                  on_heartbeat: Callable[[Heartbeat], None], recycle: Callable[[Worker], bool],
                  place: Callable[[LayerWritten], None] = lambda reply: None,
+                 settle: Callable[[Worker], None] = lambda worker: None,
                  boundary: Callable[[int], list[Boundary] | None] = lambda index: None,
                  restart: Callable[[int], int] = lambda index: index, room_timeout: float = 0.0):
         if sequential and len(slots) != 1:
@@ -126,7 +127,7 @@ class Scheduler:
         self.sequential = sequential
         self.cancel = cancel
         self.emit, self.start_worker, self.on_written = emit, start_worker, on_written
-        self.on_heartbeat, self.recycle, self.place = on_heartbeat, recycle, place
+        self.on_heartbeat, self.recycle, self.place, self.settle = on_heartbeat, recycle, place, settle
         self.boundary = boundary  # calibrated: the journaled inputs of a layer, for workers without them
         self.restart = restart  # calibrated: where to start again when a layer's inputs are neither journaled nor held
         self.room_timeout = room_timeout  # elastic slots: how long all of them may wait for room before the run fails
@@ -420,6 +421,8 @@ class Scheduler:
                 self.on_written(reply, w, attempt - 1)
         self._done(slot, index, requeue=False)
         if self.recycle(w):
+            with self._record:  # what it journals (a calibrated worker's pending inputs) is journaled as a part is
+                self.settle(w)
             self._drop(slot, kill=False)
 
     # ---- one request on a slot's worker, failures classified ---------------------------------------------

@@ -148,6 +148,18 @@ def test_child_killed_is_retried_from_the_newest_durable_boundary_in_the_same_ru
     assert cli.output_bytes(out) == reference[0]
 
 
+def test_a_recycled_worker_settles_its_pending_inputs_and_no_layer_is_redone(model, dataset, reference, tmp_path):
+    """recycle_after_layers = 1 on a calibrated export: before each worker is stopped it makes the next layer's
+    inputs durable and they are journaled (Settle), so every layer is exported once, each by a fresh worker, and the
+    bytes are the uninterrupted run's."""
+    out = tmp_path / "out"
+    events = cli.events(cli.run("run", _job(tmp_path, model, dataset, out, recycle_after_layers=1), "--json"))
+    assert [e["index"] for e in events if e["type"] == "LayerStarted"] == [*range(LAYERS), -1]
+    assert len([e for e in events if e["type"] == "WorkerStarted"]) >= LAYERS
+    assert not [e for e in events if e["type"] == "Retrying"]
+    assert cli.output_bytes(out) == reference[0]
+
+
 def test_supervisor_killed_during_propagation_resumes(model, dataset, reference, tmp_path):
     """SIGKILL the supervisor while its child propagates layer 2 (a stalled fault holds it there; the progress
     events say "layer 2: propagate"): the child exits by itself, and the re-run resumes from the newest durable
