@@ -10,15 +10,17 @@ other round so that a drift of the machine's speed falls on both):
   warm           the same job into a new folder: its workers fork from the warm parent the cold run kept (its wall
                  is what a re-run or a studio's next export costs); then `supervisor warm --stop`
 
-and, once per round (unless --skip oneshot), llm-compressor's oneshot on the same checkpoint
-(bench/export_bench.py's script). A tree is a folder holding the `child`, `shared` and `supervisor` packages (a
-checkout, or `git archive REV child shared supervisor | tar -x -C DIR`): its CLI and everything it starts import
-from it (PYTHONPATH first, the CLI started in that folder). Prints every run, then one table (mean, min-max of the
-rounds), and compares every tree's cold output with the first tree's and with oneshot's, tensor by tensor.
+and, after each round (the first --oneshot-rounds; none with --skip oneshot), llm-compressor's oneshot on the same
+checkpoint (bench/export_bench.py's script). A tree is a folder holding the `child`, `shared` and `supervisor`
+packages (a checkout, or `git archive REV child shared supervisor | tar -x -C DIR`): its CLI and everything it starts
+import from it (PYTHONPATH first, the CLI started in that folder). Prints every run, then one table (mean, min-max
+of the rounds), and compares every tree's cold output with the first tree's, and the last tree's with oneshot's,
+tensor by tensor.
 
     python bench/cold_start.py --tree before=/tmp/before --tree after=. --rounds 4 \\
         --device cpu --layers 8 --hidden 2048 --intermediate 5632 --vocab 32000     # the CPU VM
-    python3 bench/cold_start.py --tree before=bench/before --tree after=. --rounds 2 --device cuda:0   # one H200
+    python3 bench/cold_start.py --tree before=bench/before --tree after=. --rounds 2 --oneshot-rounds 1 \\
+        --skip imports --device cuda:0                                          # one H200 (bench/gpu_session.sh cold34)
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ sys.path.insert(0, HERE)
 
 import export_bench as eb  # noqa: E402 - the checkpoint builder, the oneshot script, the tensor comparison
 
+PACKAGES = ("child", "shared", "supervisor")
 IMPORTS = r"""
 import json, sys
 from child.zygote import _imports
@@ -109,6 +112,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0", help="the job's resources.device")
     ap.add_argument("--profile", default="compressed-tensors", help="the warm profile of the imports-alone rows")
     ap.add_argument("--skip", default="", help="comma-separated: oneshot, imports, warm")
+    ap.add_argument("--oneshot-rounds", type=int, default=None, help="run oneshot after the first N rounds only")
     ap.add_argument("--measure-error", default=False, type=lambda v: v.lower() in ("1", "true", "yes"),
                     help="[export] measure_error (default false, as the GPU benches run)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "cold-bench"))
@@ -119,7 +123,7 @@ def main() -> None:
     for spec in args.tree:
         name, _, path = spec.partition("=")
         path = os.path.abspath(path)
-        if not all(os.path.isdir(os.path.join(path, p)) for p in ("child", "shared", "supervisor")):
+        if not all(os.path.isdir(os.path.join(path, p)) for p in PACKAGES):
             sys.exit(f"--tree {spec}: {path} does not hold child/, shared/ and supervisor/")
         trees.append((name, path))
 
@@ -136,7 +140,9 @@ def main() -> None:
         runtime = os.path.join(args.workdir, f"rt-{name}")
         os.makedirs(runtime, mode=0o700)
         envs[name] = tree_env(path, runtime)
-        imports_alone(path, envs[name], args.profile)  # the tree's own bytecode cached before anything is timed
+        # the tree's own bytecode written before anything is timed (a fresh checkout has none)
+        subprocess.run([sys.executable, "-m", "compileall", "-q", *(os.path.join(path, p) for p in PACKAGES)],
+                       check=True)
 
     rows: dict[str, dict[str, list[float]]] = {name: {"imports alone": [], "imports (cold run)": [], "cold": [],
                                                       "warm": []} for name, _ in trees}
@@ -170,7 +176,7 @@ def main() -> None:
                 line += f", warm {warm['wall']:.2f} s"
                 shutil.rmtree(again)
             print(line, flush=True)
-        if "oneshot" not in skip:
+        if "oneshot" not in skip and (args.oneshot_rounds is None or r < args.oneshot_rounds):
             one = eb.run_script(eb.ONESHOT, args, src, os.path.join(args.workdir, "oneshot"), eb.IGNORE)
             oneshot.append(one["wall"])
             print(f"round {r} oneshot: {one['wall']:.2f} s (imports {one['startup']:.2f} s)", flush=True)
@@ -192,10 +198,9 @@ def main() -> None:
     first = os.path.join(args.workdir, f"out-{names[0]}")
     for name in names[1:]:
         print(f"{name}'s output vs {names[0]}'s:", eb.compare(os.path.join(args.workdir, f"out-{name}"), first))
-    if oneshot:
-        for name in names:
-            print(f"{name}'s output vs oneshot's:", eb.compare(os.path.join(args.workdir, f"out-{name}"),
-                                                            os.path.join(args.workdir, "oneshot")))
+    if oneshot:  # the last tree's (each tree's equals the first's, above)
+        print(f"{names[-1]}'s output vs oneshot's:", eb.compare(os.path.join(args.workdir, f"out-{names[-1]}"),
+                                                              os.path.join(args.workdir, "oneshot")))
 
 
 if __name__ == "__main__":

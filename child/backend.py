@@ -73,9 +73,12 @@ class Backend(Protocol):
 _MODULES: dict[str, tuple[str, ...]] = {
     # child.calibrate is left out: one of its imports initialised CUDA on the H200 machine (2026-11-30), which
     # would make forked workers unusable there; a calibrated export runs one worker, which imports it itself.
-    "compressed-tensors": ("child.quantize", "child.name_only", "child.loadcheck"),
+    "compressed-tensors": ("child.quantize", "child.name_only", "child.loadcheck", "child.preview"),
     "torchao": ("child.torchao_backend",),
 }
+# Then what every worker of the format does first whatever the job (each function takes no argument and touches no
+# device): done once in the warm parent, inherited by every fork.
+_WARM_UP: dict[str, tuple[str, ...]] = {"compressed-tensors": ("child.quantize:warm_up",)}
 
 
 # Libraries a format's worker never uses but that its libraries import when they are installed, each behind
@@ -217,14 +220,17 @@ def allow(name: str) -> None:
 
 
 def preload(profile: str) -> None:
-    """Import what a worker of warm profile `profile` (shared.job.warm_profile) will need (never touching CUDA), so
-    forked workers start warm."""
+    """Import what a worker of warm profile `profile` (shared.job.warm_profile) will need and run its warm-up
+    (_WARM_UP), never touching CUDA, so forked workers start warm."""
     hide_unused(profile)
     import child.source  # noqa: F401 - safetensors
     import child.writer  # noqa: F401 - torch, safetensors
 
     for name in _MODULES.get(profile_format(profile), ()):
         importlib.import_module(name)
+    for name in _WARM_UP.get(profile_format(profile), ()):
+        module, _, function = name.partition(":")
+        getattr(importlib.import_module(module), function)()
 
 
 def make_backend(job: Job, config_dir: str, device: str, *, output: str = "", source=None,

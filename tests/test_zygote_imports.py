@@ -66,3 +66,35 @@ def test_transformers_reads_each_model_folder_once_and_builds_the_same_import_st
     reference = _probe("transformers-own-cache")
     assert reference["scan_misses"] > 2 * 300  # the reference really walked twice
     assert warm_parent["structure"] == reference["structure"]
+
+
+# a worker's first steps after the warm parent's imports: the backend for a tiny Llama, what it imported and built
+WORKER_PROBE = """
+import json, sys
+from child.backend import preload
+preload("compressed-tensors")
+import transformers.conversion_mapping as mapping
+builds = []
+build = mapping._build_checkpoint_conversion_mapping
+mapping._build_checkpoint_conversion_mapping = lambda: builds.append(1) or build()
+before = set(sys.modules)
+from child.quantize import LayerQuantizer
+q = LayerQuantizer(sys.argv[1], "FP8_DYNAMIC", ["lm_head"])
+print(json.dumps({"layers": q.num_layers, "builds": len(builds), "imported": sorted(set(sys.modules) - before)}))
+"""
+
+
+def test_a_forked_workers_backend_finds_the_conversion_table_built_and_the_moe_classes_imported(tmp_path):
+    """Every data-free worker's backend looks up llm-compressor's MoE linearizers (whose first lookup imports
+    GPT-OSS's classes) and transformers' checkpoint conversions (whose first lookup builds the table of every
+    architecture's): the warm parent does both, so after its imports a backend for a tiny Llama builds no table and
+    imports only the Llama model's own modules."""
+    from tests.models import make_tiny_model
+
+    model = make_tiny_model("llama", str(tmp_path / "llama"))
+    proc = subprocess.run([sys.executable, "-P", "-c", WORKER_PROBE, model], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["layers"] == 2 and seen["builds"] == 0, seen
+    assert all(m.startswith("transformers.models.llama") for m in seen["imported"]), seen["imported"]
