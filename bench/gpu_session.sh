@@ -108,6 +108,13 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+cold34)  # issue 34 part 3, one H200: the data-free cold start of the packages before it (bench/before, made before
+  # the call: `mkdir -p bench/before && git archive b4cb009 child shared supervisor | tar -x -C bench/before`)
+  # against this tree's, alternating, two rounds: the warm parent's imports, 8B FP8_DYNAMIC cold and warm; oneshot once
+  timeout 280 python3 bench/cold_start.py --tree before=bench/before --tree after=. --rounds 2 --oneshot-rounds 1 \
+    --skip imports --device cuda:0 2>&1 | quiet > "$OUT/cold_start.txt"
+  tail -16 "$OUT/cold_start.txt"
+  ;;
 s29)  # issue 29, on a machine of N GPUs (nvidia-h200-x2/-x4/-x8; NOT RUN yet: no such kind was lent so far): the
   # calibrated group on every GPU against W = 1 and llm-compressor's distributed oneshot at the same W (8 layers
   # of the 8B shape, 128 x 2048 random ids, GPTQ W4A16), then the NCCL group's tests

@@ -25,6 +25,7 @@ Owns that choice only; it never reads the source or writes shards itself.
 """
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import types
@@ -82,9 +83,12 @@ class Backend(Protocol):
 _MODULES: dict[str, tuple[str, ...]] = {
     # child.calibrate is left out: one of its imports initialised CUDA on the H200 machine (2026-11-30), which
     # would make forked workers unusable there; a calibrated export runs one worker, which imports it itself.
-    "compressed-tensors": ("child.quantize", "child.name_only", "child.loadcheck"),
+    "compressed-tensors": ("child.quantize", "child.name_only", "child.loadcheck", "child.preview"),
     "torchao": ("child.torchao_backend",),
 }
+# Then what every worker of the format does first whatever the job (each function takes no argument and touches no
+# device): done once in the warm parent, inherited by every fork.
+_WARM_UP: dict[str, tuple[str, ...]] = {"compressed-tensors": ("child.quantize:warm_up",)}
 
 
 # Libraries a format's worker never uses but that its libraries import when they are installed, each behind
@@ -121,7 +125,8 @@ def hide_unused(profile: str) -> None:
     `sys.modules[name] = None` is Python's own "not installed" marker: importlib.util.find_spec then answers None
     (so transformers' is_torchao_available() is False and its torchao quantizer imports nothing) and an import
     raises ModuleNotFoundError. Once transformers is imported its availability answers are cached, so a process
-    that imported it already is left alone."""
+    that imported it already is left alone. It also lets transformers' import read its model files once instead of
+    twice (_WholeScanCache; every profile)."""
     import sys
 
     if "transformers" in sys.modules:
@@ -131,6 +136,46 @@ def hide_unused(profile: str) -> None:
     for name in _UNLOADED.get(profile, ()):
         if name not in sys.modules and not any(isinstance(f, _Unloaded) and f.name == name for f in sys.meta_path):
             sys.meta_path.insert(0, _Unloaded(name))
+    if not any(isinstance(f, _WholeScanCache) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WholeScanCache())
+
+
+class _WholeScanCache(importlib.abc.MetaPathFinder):
+    """Lets transformers scan its `models` folder once per process instead of twice.
+
+    transformers' package import builds its lazy import structure by reading every file under transformers/models
+    (`import_utils.create_import_structure_from_path`, 2384 files and 42 MB of source in 5.17, one call per folder),
+    and importing `transformers.models` (AutoConfig, any model class) asks for the same folders again. The answers
+    are kept in an `lru_cache` of 128 entries, and the folders number ~520, so the second walk finds none of them
+    and reads every file again: 0.19 s of the warm parent's ~3 s on the development VM (docs/performance.md). Here
+    the same function is kept in a cache without a bound once that module is loaded: the same answers (a function
+    of the files), each folder read once. Where the function is missing or not an lru_cache (another transformers
+    version), nothing changes."""
+
+    NAME = "transformers.utils.import_utils"
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        if fullname != self.NAME:
+            return None
+        import sys
+
+        sys.meta_path.remove(self)  # once: this module is loaded once per process
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec  # not a plain source module: leave it to the usual import
+        load = loader.exec_module
+
+        def exec_module(module) -> None:
+            load(module)
+            scan = getattr(module, "create_import_structure_from_path", None)
+            info = getattr(scan, "cache_info", None)
+            if getattr(scan, "__wrapped__", None) is not None and info is not None and info().maxsize is not None:
+                # the recursion and define_import_structure look the name up in the module: both get this one
+                module.create_import_structure_from_path = functools.lru_cache(maxsize=None)(scan.__wrapped__)
+
+        loader.exec_module = exec_module  # this module's own loader object only
+        return spec
 
 
 class _UnloadedType(type):
@@ -185,14 +230,17 @@ def allow(name: str) -> None:
 
 
 def preload(profile: str) -> None:
-    """Import what a worker of warm profile `profile` (shared.job.warm_profile) will need (never touching CUDA), so
-    forked workers start warm."""
+    """Import what a worker of warm profile `profile` (shared.job.warm_profile) will need and run its warm-up
+    (_WARM_UP), never touching CUDA, so forked workers start warm."""
     hide_unused(profile)
     import child.source  # noqa: F401 - safetensors
     import child.writer  # noqa: F401 - torch, safetensors
 
     for name in _MODULES.get(profile_format(profile), ()):
         importlib.import_module(name)
+    for name in _WARM_UP.get(profile_format(profile), ()):
+        module, _, function = name.partition(":")
+        getattr(importlib.import_module(module), function)()
 
 
 def make_backend(job: Job, config_dir: str, device: str, *, output: str = "", source=None,

@@ -76,6 +76,7 @@ __all__ = [
     "DEFAULT_IGNORE",
     "LayerQuantizer",
     "quantization_config_dict",
+    "warm_up",
     "write_config",
 ]
 
@@ -214,6 +215,19 @@ class LayerQuantizer:
         if device.type == "meta":
             return out
         return self._to_host(out)
+
+
+def warm_up() -> None:
+    """What every LayerQuantizer does first whatever the checkpoint, done once in the warm parent (child.backend
+    preload) so that each forked worker inherits it: llm-compressor's MoE linearizer imports its registered
+    classes (GPT-OSS's, transformers' gpt_oss model with it) on its first lookup, and transformers builds its whole
+    table of checkpoint conversions (~730 renamings, a regex each) on its first lookup and keeps it for the
+    process. 0.04-0.06 s here; a worker's LayerQuantizer took 0.2 s to build before and 0.08-0.1 s after on the
+    development VM. Touches no device."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    LinearExperts2D.get_registration(nn.Module)  # the registry's imports; nn.Module itself is not registered
+    get_checkpoint_conversion_mapping("")  # builds and keeps the table; no model type is ""
 
 
 def quantization_config_dict(scheme: str, ignore: list[str], config: str, modifier: QuantizationMixin | None = None,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import gc
 import json
 import os
 import select
@@ -321,15 +322,29 @@ def _imports(fmt: str) -> tuple[float, bool]:
     # the GPU; it is turned back on (and its cached answer dropped) before any worker is forked.
     os.environ["TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION"] = "1"
     t = time.perf_counter()
-    import torch
+    # No cyclic garbage collection while importing: the imports make ~0.6 M objects that all stay alive, and every
+    # full collection on the way scanned all those made so far (6-7 of them, with ~80 younger ones): a quarter of
+    # the imports' CPU time on the development VM (4.26 -> 3.10 s, docs/performance.md). What the collector would
+    # have freed (~14k objects, 9 MB of module-level temporaries, no tensor) is frozen with the rest: a collection
+    # to free it costs 0.45 s.
+    gc.disable()
+    try:
+        import torch
 
-    from child.backend import preload
+        from child.backend import preload
 
-    hashing = _hash_triton_ahead()
-    with _capability_from_nvml(torch):
-        preload(fmt)
-    if hashing is not None:
-        hashing.join()  # no thread may be running at a fork
+        hashing = _hash_triton_ahead()
+        with _capability_from_nvml(torch):
+            preload(fmt)
+        if hashing is not None:
+            hashing.join()  # no thread may be running at a fork
+    finally:
+        # Move what the imports made out of the collector's reach before it runs again (enabled first, its next
+        # collection would scan every one of them): a worker's per-layer gc.collect() then scans only what it made
+        # since (measured: 0.33 s -> 0.008 s a layer), and the collector does not write into (copy) the pages every
+        # forked worker shares with us.
+        gc.freeze()
+        gc.enable()
     _restore_triton_detection()
     from child import faults
 
@@ -341,12 +356,6 @@ def _imports(fmt: str) -> tuple[float, bool]:
         # supervisor then spawns fresh interpreters instead (slower to start, as safe).
         print("zygote: CUDA was initialised while importing; workers will be spawned, not forked",
               file=sys.stderr, flush=True)
-    import gc
-
-    # Move the ~0.5M objects the imports made out of the collector's reach: a worker's per-layer
-    # gc.collect() then scans only what it made since (measured: 0.33 s -> 0.008 s a layer), and the
-    # collector does not write into (copy) the pages every forked worker shares with us.
-    gc.freeze()
     return time.perf_counter() - t, forkable
 
 
