@@ -1,5 +1,5 @@
 """On a CUDA GPU: bitsandbytes' CUDA vs CPU quantization bytes (4-bit: nf4/fp4, double quant, blocksize, storage;
-int8), then supervisor.qlora.base_difference on a model quantized on the GPU (its 16-bit folder, another seed, a
+int8), then supervisor.live.qlora.base_difference on a model quantized on the GPU (its 16-bit folder, another seed, a
 1%-noise 'fine-tune'). Needs bitsandbytes and msgspec there (carried: docs/benchmarks.md); docs/studio.md holds
 the H200 figures."""
 import json, os, time
@@ -48,11 +48,11 @@ for k, r in out.items():
     print(k, r)
 json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "kernels.json"), "w"), indent=1)
 
-# ---- end to end: supervisor.qlora on a GPU-quantized model
+# ---- end to end: supervisor.live.qlora on a GPU-quantized model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
 from peft import LoraConfig, get_peft_model
-from supervisor import qlora, live
-from supervisor.source import inspect
+from supervisor.live import qlora, model as live
+from supervisor.checks.source import inspect
 cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=3, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=512, head_dim=128)
 root = "/tmp/models"

@@ -266,7 +266,7 @@ def timeline(events: list[dict], wall: float) -> str:
 
 def work_against_floor(events: list[dict], floor: float) -> str:
     """The work after start-up (first part started → last part written) against the write floor of the bytes the
-    workers wrote; the non-layer part, when the supervisor copied it during the imports (supervisor/verbatim.py,
+    workers wrote; the non-layer part, when the supervisor copied it during the imports (supervisor/run/verbatim.py,
     its stages copy/hash/sync), is shown apart: its bytes were written before the first part."""
     written = [e for e in events if e["type"] == "LayerWritten"]
     starts = [e["t"] for e in events if e["type"] == "LayerStarted"]
@@ -361,10 +361,10 @@ def build(args, path: str) -> int:
 WARM_KERNELS = r"""
 import sys
 import torch
-from child.backend import hide_unused
+from child.backends.backend import hide_unused
 hide_unused("compressed-tensors")
-from child.quantize import LayerQuantizer
-from child.source import Checkpoint
+from child.backends.quantize import LayerQuantizer
+from child.sources.checkpoint import Checkpoint
 src, scheme, device, ignore = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 checkpoint = Checkpoint(src)
 q = LayerQuantizer(src, scheme, ignore, device=device, tensor_names=checkpoint.all_names())

@@ -37,7 +37,7 @@ def main() -> None:
     args = p.parse_args()
 
     t0 = time.perf_counter()
-    from child.backend import preload
+    from child.backends.backend import preload
 
     preload("compressed-tensors")
     import torch
@@ -45,8 +45,8 @@ def main() -> None:
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    from child import quant_error
-    from child.quantize import LayerQuantizer
+    from child.backends import quant_error
+    from child.backends.quantize import LayerQuantizer
 
     quant_error.enabled = args.error
     print(f"imports {time.perf_counter() - t0:.2f} s")

@@ -36,8 +36,8 @@ imports_check() {  # import as the warm parent does (child/zygote.py): does any 
 import importlib, time, torch
 from child.zygote import _capability_from_nvml
 with _capability_from_nvml(torch):
-    for m in ["child.quantize", "child.name_only", "child.loadcheck", "child.samples", "child.boundary",
-              "child.calibrate", "child.torchao_backend", "child.adapter", "child.source"]:
+    for m in ["child.backends.quantize", "child.backends.name_only", "child.loadcheck", "child.backends.samples", "child.backends.boundary",
+              "child.backends.calibrate", "child.backends.torchao_backend", "child.sources.adapter", "child.sources.checkpoint"]:
         t = time.perf_counter(); importlib.import_module(m)
         print(f"{m}: {time.perf_counter() - t:.1f} s, cuda initialised: {torch.cuda.is_initialized()}", flush=True)
 print("capability (torch, after the imports):", torch.cuda.get_device_capability())
@@ -46,7 +46,7 @@ print("capability (torch, after the imports):", torch.cuda.get_device_capability
 
 importtime() {  # where the warm parent's import time goes on this machine (cumulative, the largest)
   env PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1 timeout 90 \
-    python3 -X importtime -c "import child.quantize" 2> "$OUT/importtime.raw" > /dev/null
+    python3 -X importtime -c "import child.backends.quantize" 2> "$OUT/importtime.raw" > /dev/null
   awk -F'|' '/import time:/ {gsub(/ /, "", $2); print $2, $3}' "$OUT/importtime.raw" | sort -n -r | head -40 \
     > "$OUT/importtime.txt"
   timeout 60 python3 -c "import time; t = time.perf_counter(); import torch; print(f'import torch: {time.perf_counter() - t:.1f} s')" \
@@ -54,7 +54,7 @@ importtime() {  # where the warm parent's import time goes on this machine (cumu
   head -12 "$OUT/importtime.txt"; tail -1 "$OUT/importtime.txt"
 }
 
-warm_imports() {  # the warm parent's imports as it does them (child/zygote.py), then child.calibrate's
+warm_imports() {  # the warm parent's imports as it does them (child/zygote.py), then child.backends.calibrate's
   timeout 120 env PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1 python3 -c '
 import sys, time, torch
 from child.zygote import _imports
@@ -62,8 +62,8 @@ seconds, forkable = _imports("compressed-tensors")
 ao = sys.modules.get("torchao") is not None
 print(f"warm parent imports (compressed-tensors): {seconds:.1f} s, forkable {forkable}, torchao imported: {ao}",
       flush=True)
-t = time.perf_counter(); import child.calibrate
-print(f"child.calibrate after them: {time.perf_counter() - t:.1f} s, cuda initialised: {torch.cuda.is_initialized()}")
+t = time.perf_counter(); import child.backends.calibrate
+print(f"child.backends.calibrate after them: {time.perf_counter() - t:.1f} s, cuda initialised: {torch.cuda.is_initialized()}")
 ' 2>&1 | grep "imports\|calibrate" | tee "$OUT/imports.txt"
 }
 
@@ -72,7 +72,7 @@ warm_parent_imports() {  # warm_parent_imports MODULE...: the warm parent's impo
   for i in 1 2; do
     env PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1 timeout 120 python3 -c '
 import sys, time
-t = time.perf_counter(); from child.backend import preload; preload("compressed-tensors")
+t = time.perf_counter(); from child.backends.backend import preload; preload("compressed-tensors")
 heavy = [m for m in ('"$mods"') if sys.modules.get(m) is not None]
 print(f"warm parent imports: {time.perf_counter() - t:.2f} s; imported: {heavy}")' 2>&1 | grep "warm parent" | tee -a "$OUT/imports.txt"
   done
@@ -80,7 +80,7 @@ print(f"warm parent imports: {time.perf_counter() - t:.2f} s; imported: {heavy}"
 
 preload_profile() {  # where the warm parent's imports go (as child/zygote.py does them), against oneshot's imports
   local envs="PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1"
-  env $envs timeout 120 python3 -X importtime -c "from child.backend import preload; preload('compressed-tensors')" \
+  env $envs timeout 120 python3 -X importtime -c "from child.backends.backend import preload; preload('compressed-tensors')" \
     2> "$OUT/importtime.raw" > /dev/null
   awk -F'|' '/import time:/ {gsub(/ /, "", $2); print $2, $3}' "$OUT/importtime.raw" | sort -n -r | head -80 \
     > "$OUT/importtime.txt"
@@ -88,7 +88,7 @@ preload_profile() {  # where the warm parent's imports go (as child/zygote.py do
     env $envs timeout 120 python3 -c '
 import sys, time
 t = time.perf_counter(); import torch; a = time.perf_counter() - t
-from child.backend import preload; preload("compressed-tensors"); b = time.perf_counter() - t
+from child.backends.backend import preload; preload("compressed-tensors"); b = time.perf_counter() - t
 heavy = [m for m in ("triton", "torch._dynamo", "sympy", "datasets", "pandas", "torchao", "scipy", "torch.distributed.tensor") if sys.modules.get(m) is not None]
 print(f"warm parent imports: torch {a:.2f} s, all {b:.2f} s; imported: {heavy}")' 2>&1 | grep "warm parent" >> "$OUT/importtime.txt"
     timeout 120 python3 -c 'import time; t = time.perf_counter(); from llmcompressor import oneshot; import transformers
@@ -195,7 +195,7 @@ s11a)  # eleventh session, call 1: where W4A16's quantize stage goes with three 
   eb 200 export_fp8 50 --skip kill,1w,warm,model_free_ptq,oneshot --per-layer
   ;;
 s10a)  # tenth session, call 1: the non-layer part written by the supervisor during the imports
-  # (supervisor/verbatim.py): 8B FP8_DYNAMIC and W4A16 cold against oneshot and model_free_ptq, kernels warmed
+  # (supervisor/run/verbatim.py): 8B FP8_DYNAMIC and W4A16 cold against oneshot and model_free_ptq, kernels warmed
   eb 280 export_fp8 16 --skip kill,1w,warm
   eb 280 export_w4a16 16 --scheme W4A16 --skip kill,1w,warm
   ;;

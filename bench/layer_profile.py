@@ -43,14 +43,14 @@ def main() -> None:
     if args.moe:
         return moe(args)
 
-    from child.backend import hide_unused
+    from child.backends.backend import hide_unused
 
     hide_unused("compressed-tensors")
     import torch
     from transformers import LlamaConfig
 
-    from child import quant_error
-    from child.quantize import LayerQuantizer
+    from child.backends import quant_error
+    from child.backends.quantize import LayerQuantizer
 
     quant_error.enabled = args.error
     cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_attention_heads=args.heads,
@@ -119,7 +119,7 @@ def kernels(call, sync, rows: int) -> None:
 def staged_walls(config_dir, scheme, names, tensors, device, rounds, input_pinned=None) -> list[float]:
     import torch
 
-    from child.quantize import LayerQuantizer
+    from child.backends.quantize import LayerQuantizer
     from child.staging import HostStaging
 
     staging = HostStaging(str(device))
@@ -136,15 +136,15 @@ def staged_walls(config_dir, scheme, names, tensors, device, rounds, input_pinne
 def moe(args) -> None:
     """One MoE layer of a DeepseekV3 model (layer 1; layer 0 is dense), written to a safetensors file and read back
     mapped, as a worker's source gives it."""
-    from child.backend import hide_unused
+    from child.backends.backend import hide_unused
 
     hide_unused("compressed-tensors")
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
-    from child import quant_error
-    from child.quantize import LayerQuantizer
+    from child.backends import quant_error
+    from child.backends.quantize import LayerQuantizer
     from child.staging import HostStaging
 
     quant_error.enabled = args.error

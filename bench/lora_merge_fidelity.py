@@ -3,7 +3,7 @@
     python bench/lora_merge_fidelity.py [--device cuda:0]
 
 For Llama-8B-shaped projections (q/k/v/o, gate/up/down) and ranks 8..64, with and without rsLoRA, it merges the
-same bf16 weight and fp32 adapter pair with PEFT's own lora.Linear.merge (child/adapter.py: merge_pair) on the CPU
+same bf16 weight and fp32 adapter pair with PEFT's own lora.Linear.merge (child/sources/adapter.py: merge_pair) on the CPU
 and on the device, and prints how many merged elements differ. The exporter merges on the CPU in the child
 whatever the export device, so its output is bit-equal to the CPU reference either way; this script answers
 whether a studio's own merge_and_unload() on the GPU would be (docs/fidelity.md records the answer).
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from child.adapter import LoraPair, merge_pair
+from child.sources.adapter import LoraPair, merge_pair
 
 SHAPES = {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "o_proj": (4096, 4096), "gate_proj": (14336, 4096),
           "down_proj": (4096, 14336)}

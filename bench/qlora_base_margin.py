@@ -3,7 +3,7 @@ by bitsandbytes' CUDA kernels (excess beyond the code's cell in scaled units vs 
 and the CPU time of one check of a large weight. docs/studio.md holds the H200 figures."""
 import time, torch
 import bitsandbytes.functional as F
-from supervisor import qlora
+from supervisor.live import qlora
 torch.manual_seed(0)
 def excess(scaled, live, book):
     book = torch.unique(book)

@@ -120,9 +120,9 @@ class Exporter:
     """What one worker does with ExportLayer / WriteConfig: read, quantize, write."""
 
     def __init__(self, hello: Hello, beat: Beat):
-        from child import quant_error
-        from child.backend import make_backend  # heavy: torch, transformers, llm-compressor
-        from child.source import open_source
+        from child.backends import quant_error
+        from child.backends.backend import make_backend  # heavy: torch, transformers, llm-compressor
+        from child.sources.checkpoint import open_source
 
         job = hello.job
         if job.resources.torch_threads:
@@ -130,7 +130,7 @@ class Exporter:
             torch.set_num_threads(job.resources.torch_threads)
         self.rank = hello.group.rank if hello.group is not None else 0
         if hello.group is not None:
-            from child import group
+            from child.backends import group
 
             beat.set(None, "rendezvous")
             group.join(hello.group, job.resources.startup_timeout)
@@ -261,7 +261,7 @@ class Exporter:
         self._clock = None
 
     def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:
-        from child import quant_error
+        from child.backends import quant_error
         from child.writer import stage_shard
 
         index, t0 = msg.index, time.perf_counter()
@@ -337,7 +337,7 @@ class Exporter:
     def _rank_done(self, index: int, fence: str, t0: float, stages: dict, source_bytes: int, gpu, digest: str,
                    substages: dict) -> LayerWritten:
         """A group rank's part of a layer: no shard, only the boundary of its own samples, made durable."""
-        from child import quant_error
+        from child.backends import quant_error
 
         faults.hit("quantize", index, self._writer)
         parent_alive()
@@ -429,7 +429,7 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
     beat.start()
     try:
         faults.hit("start", None, writer)  # inside: an exception while starting is reported like a real one
-        from child.backend import hide_unused
+        from child.backends.backend import hide_unused
         from shared.job import warm_profile
 
         hide_unused(warm_profile(hello.job))  # a spawned worker imports its libraries now (a forked one has them)
@@ -475,7 +475,7 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
                 writer.send(reply)
             case Stop():
                 if hello.group is not None:
-                    from child import group
+                    from child.backends import group
 
                     group.leave()
                 return 0

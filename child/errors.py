@@ -5,8 +5,8 @@
 
 An exception never crosses the pipe as itself: child/__main__.py's `_failed` sends it as `Failed(kind, message,
 traceback, refused=isinstance(exc, Refused))`, and the supervisor makes a refused one a SourceError (exit code 2,
-never retried; supervisor/scheduler.py `for_good`). Owns these classes only, and imports nothing: the backends
-(child/quantize.py, child/name_only.py, ...) and child/backend.py, which picks among them, all import it without
+never retried; supervisor/run/scheduler.py `for_good`). Owns these classes only, and imports nothing: the backends
+(child/backends/quantize.py, child/backends/name_only.py, ...) and child/backends/backend.py, which picks among them, all import it without
 importing one another.
 """
 from __future__ import annotations

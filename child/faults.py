@@ -41,7 +41,7 @@ And SUPERVISOR_TEST_STAGE_HOST=1 makes a CPU worker copy its outputs through its
 (child/staging.py) as a GPU worker does, so the CPU suite runs that buffer's life through real exports.
 
 Owns nothing else; it must never be consulted by anything but the child's main loop, its writer and the boundary
-thread (child/calibrate.py hands the last its point).
+thread (child/backends/calibrate.py hands the last its point).
 """
 from __future__ import annotations
 

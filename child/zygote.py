@@ -15,7 +15,7 @@ from the zygote, not from it. The zygote itself dies with the supervisor (parent
 socket closes; it must never run tensor work (OpenMP thread pools do not survive a fork) and never import the
 supervisor package.
 
-Kept warm (`resources.keep_warm`, supervisor/zygote.py): the zygote listens on a Unix socket in a folder only its
+Kept warm (`resources.keep_warm`, supervisor/workers/zygote.py): the zygote listens on a Unix socket in a folder only its
 user can open, in a session of its own (no parent-death signal: it outlives the run that started it) and serves
 one run at a time: each connection gets {"ready"} at once (no imports: they are done) and its own workers. When a
 connection closes (the run ended, or its supervisor was killed) the zygote SIGKILLs and reaps every worker it
@@ -75,7 +75,7 @@ def _worker(socks: list[socket.socket], wake_r: int, wake_w: int, req: dict, fds
         os.close(err_fd)
         os.environ.clear()
         os.environ.update(req["env"])
-        if listening:  # a group's rank 0: its store's socket, bound by the supervisor (child.group)
+        if listening:  # a group's rank 0: its store's socket, bound by the supervisor (child.backends.group)
             os.environ[LISTEN_FD_ENV] = str(listening[0])
         if "umask" in req:  # the run's, not the run's that started a kept zygote
             os.umask(req["umask"])
@@ -291,7 +291,7 @@ def _capability_from_nvml(torch):
     torchao's modules ask for the GPU's capability at import (`is_sm_at_least_100()` in
     torchao/prototype/mx_formats/kernels.py, reached through transformers' torchao integration); torch answers
     from the device's properties, which initialises CUDA, and a process that initialised CUDA cannot fork workers
-    that use it (measured on an H200 machine: every import of child.quantize left CUDA initialised). NVML gives
+    that use it (measured on an H200 machine: every import of child.backends.quantize left CUDA initialised). NVML gives
     the same numbers without a CUDA context. Where NVML cannot answer, torch's own function runs (and the zygote
     then reports that it cannot fork). Restored as soon as the imports are done.
     """
@@ -331,7 +331,7 @@ def _imports(fmt: str) -> tuple[float, bool]:
     try:
         import torch
 
-        from child.backend import preload
+        from child.backends.backend import preload
 
         hashing = _hash_triton_ahead()
         with _capability_from_nvml(torch):

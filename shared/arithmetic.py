@@ -1,7 +1,7 @@
 """What a calibrated layer's bytes depend on besides the job and the libraries: the torch thread count each rank runs
 with and its device's model (docs/fidelity.md: GPTQ's solve and every layer's forward reduce in an order that
 depends on them). The child reports both in Ready; the supervisor journals them and refuses a resume whose workers
-would compute otherwise (supervisor.calibration.check_arithmetic).
+would compute otherwise (supervisor.checks.calibration.check_arithmetic).
 
     device_model("cpu")     "cpu: <the CPU's model name>"   (/proc/cpuinfo, else the platform's processor name)
     device_model("cuda:0")  "cuda: <torch.cuda.get_device_name>"   (the child only: it initialises CUDA)

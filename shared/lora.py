@@ -1,7 +1,7 @@
 """What a PEFT LoRA adapter looks like on disk, and which adapters can be merged exactly: shared by both sides.
 
-The supervisor refuses an adapter before anything is written (supervisor/adapter.py) and the child refuses it
-again before merging (child/adapter.py); both use these rules, so the two never disagree. Owns names and rules
+The supervisor refuses an adapter before anything is written (supervisor/checks/adapter.py) and the child refuses it
+again before merging (child/sources/adapter.py); both use these rules, so the two never disagree. Owns names and rules
 only: no torch, no peft, never opens a file.
 """
 from __future__ import annotations

@@ -89,7 +89,7 @@ class Pool(msgspec.Struct, kw_only=True):
 class Group(msgspec.Struct, kw_only=True):
     """A calibrated export's ranks: W workers that calibrate every decoder layer together as one torch.distributed
     process group (gloo on the CPU, NCCL on GPUs). Rank 0 hosts the rendezvous (a TCPStore on `host:port`, on the
-    socket bound there for it: LISTEN_FD_ENV); every value the ranks put there is signed under `secret` (child.group),
+    socket bound there for it: LISTEN_FD_ENV); every value the ranks put there is signed under `secret` (child.backends.group),
     so a process that reaches the port cannot feed a rank a value of its own. Rank 0 writes each layer's shard;
     every rank writes the boundary of its own samples."""
 
@@ -102,14 +102,14 @@ class Group(msgspec.Struct, kw_only=True):
     backend: str = "gloo"  # "gloo" | "nccl"
 
 
-# Failed.kind of a rank whose collective waited past Group.timeout for another rank (child.group's exception class)
+# Failed.kind of a rank whose collective waited past Group.timeout for another rank (child.backends.group's exception class)
 COLLECTIVE_TIMEOUT = "CollectiveTimeout"
 # How a group's rank 0 gets its store's listening socket: bound by whoever picked the port (the supervisor, on a
 # cluster rank 0's node host) and handed to the worker as an inherited file descriptor, whose number the worker's
-# environment holds (child.group passes it to TCPStore as master_listen_fd): no other process can take the port
+# environment holds (child.backends.group passes it to TCPStore as master_listen_fd): no other process can take the port
 # between its choice and rank 0's listen, and the store listens on `Group.host` alone, never on every interface.
 LISTEN_FD_ENV = "SUPERVISOR_LISTEN_FD"
-# On a cluster: the port of the socket the node's host holds for the worker it starts (supervisor.node_agent)
+# On a cluster: the port of the socket the node's host holds for the worker it starts (supervisor.cluster.node_agent)
 LISTEN_PORT_ENV = "SUPERVISOR_LISTEN_PORT"
 
 
@@ -203,7 +203,7 @@ class LayerWritten(msgspec.Struct, tag=True, kw_only=True):
     ino: int = 0  # the staged shard's inode and mtime (a rename keeps both: resume trusts a matching stat)
     mtime_ns: int = 0
     stages: dict[str, float] = {}  # seconds per stage: read, quantize, error, save, hash, sync, cleanup
-    # module name -> ||dequantized - source|| / ||source|| of its weight, measured by the child (child/quant_error.py)
+    # module name -> ||dequantized - source|| / ||source|| of its weight, measured by the child (child/backends/quant_error.py)
     quant_error: dict[str, float] = {}
     boundary: Boundary | None = None  # calibrated: the next layer's inputs, made durable after the shard
     # calibrated, one worker: the next layer's inputs stay in this worker's memory, their file is being made durable

@@ -1,7 +1,7 @@
 """The embedding API: `Supervisor(job, model=...)`, its events and cancel; the CLI calls the same thing.
 
     caller ──job──▶ Supervisor.__init__   validate job, source, output, fingerprint (prepare: writes nothing)
-                    .start / __enter__    the run (supervisor.run.Run): lock OUT, release the live model's GPU
+                    .start / __enter__    the run (supervisor.run.sequence.Run): lock OUT, release the live model's GPU
                                           memory, start its thread (journal → parts → worker(s) → finalize)
                     .events()             typed events (supervisor.events) until Finished | Failed | Cancelled
                     .cancel()             from any thread: stop soon, leave a resumable state
@@ -10,7 +10,7 @@
                     export(job)           a Supervisor run to the end, blocking
 
 Owns the public surface and the validation before anything is written (prepare). The run's steps, its retry
-policy and its clean-up are supervisor.run's; this module never drives a scheduler or a worker pool itself.
+policy and its clean-up are supervisor.run.sequence's; this module never drives a scheduler or a worker pool itself.
 """
 from __future__ import annotations
 
@@ -25,18 +25,19 @@ from shared import layout
 from shared.job import Job, JobSyntaxError, is_calibrated, parse_toml
 from shared.messages import PROTOCOL_VERSION, Describe, Described, Failed, Hello
 from supervisor import events as ev
-from supervisor import calibration, journal
+from supervisor.checks import calibration
+from supervisor.output import journal
 from supervisor.errors import (Cancelled, ClusterError, ExportFailed, FingerprintMismatch, InputError, JobError,
                                OutputError, SourceError)
-from supervisor.lock import probe
+from supervisor.output.lock import probe
 # Plan and the LOG_* bounds are the run's; importable from here as they were before it had a module of its own
-from supervisor.run import LOG_KEEP, LOG_QUEUED_MAX, Plan, Run, check_layers  # noqa: F401
-from supervisor.source import SourceInfo, inspect
-from supervisor.scheduler import for_good
-from supervisor.worker import Worker, WorkerLost
+from supervisor.run.sequence import LOG_KEEP, LOG_QUEUED_MAX, Plan, Run, check_layers  # noqa: F401
+from supervisor.checks.source import SourceInfo, inspect
+from supervisor.run.scheduler import for_good
+from supervisor.workers.worker import Worker, WorkerLost
 
-if TYPE_CHECKING:  # supervisor.live imports torch; a plan for a checkpoint never needs it
-    from supervisor.live import Saved
+if TYPE_CHECKING:  # supervisor.live.model imports torch; a plan for a checkpoint never needs it
+    from supervisor.live.model import Saved
 
 
 def load_job(path: str | os.PathLike) -> Job:
@@ -85,13 +86,13 @@ def prepare(job: Job, model=None, *, join: bool = False) -> Plan:
     """Validate everything about the job before anything is written; raises InputError subclasses. A job without
     [source] exports `model` itself (a live model, Python API only); a PEFT `model` over a quantized base is
     exported from its 16-bit checkpoint ([source] path, or the local folder it names) plus its LoRA pairs
-    (supervisor/qlora.py), unless the job names a [source] adapter. `join`: a cluster job joins its Ray cluster
-    once the source and output are checked (supervisor.cluster: the seats placed, every node's view of the files
+    (supervisor/live/qlora.py), unless the job names a [source] adapter. `join`: a cluster job joins its Ray cluster
+    once the source and output are checked (supervisor.cluster.seats: the seats placed, every node's view of the files
     probed), and its devices are the seats'; without it (`supervisor plan`) it plans as if on this host."""
     output = os.path.abspath(job.export.output)
     saved = lora = None
     if model is not None and (job.source is None or not job.source.adapter):
-        from supervisor import qlora  # imports torch: only with a live model, which has it loaded already
+        from supervisor.live import qlora  # imports torch: only with a live model, which has it loaded already
 
         if qlora.quantized_base(model) is not None:
             # a PEFT model over a quantized base: its 16-bit checkpoint on disk + its LoRA pairs from memory
@@ -125,7 +126,7 @@ def prepare(job: Job, model=None, *, join: bool = False) -> Plan:
 
 
 def _plan(job: Job, output: str, source: SourceInfo, extra: dict | None, saved, cluster, lora) -> Plan:
-    from supervisor import devices
+    from supervisor.workers import devices
 
     if cluster is not None:  # one device per agent: the agents' GPUs, or the CPU
         devs = ["cpu"] if cluster.device == "cpu" else [cluster.device] * len(cluster.agents)
@@ -147,7 +148,7 @@ def _plan(job: Job, output: str, source: SourceInfo, extra: dict | None, saved, 
                                      *calibration.planned_arithmetic(job, devs, world))
     _check_writable(output)
     if job.export.format == "torchao":
-        from supervisor import torchao_job  # imports torchao (and torch): only for torchao jobs
+        from supervisor.checks import torchao_job  # imports torchao (and torch): only for torchao jobs
 
         torchao_job.check(job, source, devs[0])
     fresh = not os.path.exists(output) or not os.listdir(output)
@@ -156,9 +157,9 @@ def _plan(job: Job, output: str, source: SourceInfo, extra: dict | None, saved, 
 
 
 def _join_cluster(job: Job, source: SourceInfo, output: str):
-    """Join the job's Ray cluster (supervisor.cluster): an agent per slot, every node's view of the files checked."""
+    """Join the job's Ray cluster (supervisor.cluster.seats): an agent per slot, every node's view of the files checked."""
     from shared.job import warm_profile
-    from supervisor.cluster import Cluster, remote_env
+    from supervisor.cluster.seats import Cluster, remote_env
 
     files = {os.path.join(source.path, name): size for name, size, _ in source.stats}
     for folder in [job.source.adapter] if job.source.adapter else []:
@@ -196,7 +197,7 @@ def _disk_source(job: Job, output: str) -> tuple[SourceInfo, dict | None]:
     source = inspect(job.source.path)
     extra = None
     if job.source.adapter is not None:
-        from supervisor.adapter import inspect_adapter
+        from supervisor.checks.adapter import inspect_adapter
 
         extra = {"adapter": inspect_adapter(job.source.adapter, source.path, source.files)}
     if _is_within(output, source.path):
@@ -211,7 +212,7 @@ def _live_source(model, output: str) -> tuple[SourceInfo, dict, Saved]:
     if model is None:
         raise JobError("the job has no [source]: set [source] path to a checkpoint folder (only the Python API "
                        "exports a live model without one: Supervisor(job, model=...))")
-    from supervisor import live, qlora
+    from supervisor.live import model as live, qlora
 
     kind = qlora.quantized(model)  # a PEFT model over a quantized base got its [source] from prepare already
     if kind is not None:
@@ -231,7 +232,7 @@ class Supervisor:
                  retry_delay: float = 0.5):
         """`model`: the live model to release while the child runs (and, for a job without [source], the model
         to export; a PEFT model over a quantized base: its LoRA pairs are merged over the 16-bit checkpoint,
-        supervisor/qlora.py); `tokenizer`: saved into the output of a job without [source]; `pool`: an offload.PinnedPool to reuse
+        supervisor/live/qlora.py); `tokenizer`: saved into the output of a job without [source]; `pool`: an offload.PinnedPool to reuse
         across exports (pinning costs once), else one is made for this run and freed at its end."""
         self.job = job if isinstance(job, Job) else load_job(job)
         self.plan = prepare(self.job, model, join=True)
@@ -297,7 +298,7 @@ def describe(job: Job | str | os.PathLike) -> Described:
                   calibration_sha256=plan.calibration.sha256 if plan.calibration else "")
     never, ignore = (lambda: False), (lambda hb: None)
     with tempfile.TemporaryDirectory(prefix="supervisor-plan-") as tmp:
-        from supervisor import devices
+        from supervisor.workers import devices
 
         env = devices.child_env("cpu")
         env["PYTHONUNBUFFERED"] = "1"

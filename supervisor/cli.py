@@ -37,10 +37,10 @@ def _err(msg: str) -> None:
 
 def cmd_run(args) -> int:
     from supervisor.api import Supervisor
-    from supervisor.progress import Display
+    from supervisor.commands.progress import Display
 
     from shared import layout
-    from supervisor.liblog import Echo
+    from supervisor.commands.liblog import Echo
 
     run = Supervisor(args.job)
     display = Display(json_lines=args.json, total_hint=run.plan.source.num_layers + 1)
@@ -66,7 +66,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from supervisor.status import status
+    from supervisor.commands.status import status
 
     report = status(args.output)
     if args.json:
@@ -80,11 +80,11 @@ def cmd_status(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from supervisor.status import LOADER, read_state, verify
+    from supervisor.commands.status import LOADER, read_state, verify
 
     python = None
     if args.vllm is not None:
-        from supervisor import vllm_check
+        from supervisor.commands import vllm_check
 
         python = vllm_check.vllm_python(args.vllm or None)  # a missing venv is refused before the re-hash
     problems = verify(args.output)
@@ -121,8 +121,8 @@ def cmd_plan(args) -> int:
 
     from shared.job import to_dict
     from supervisor.api import describe, load_job
-    from supervisor.planview import render
-    from supervisor.status import arithmetic
+    from supervisor.commands.planview import render
+    from supervisor.commands.status import arithmetic
 
     job = load_job(args.job)
     described = describe(job)
@@ -137,7 +137,7 @@ def cmd_plan(args) -> int:
 def cmd_report(args) -> int:
     from rich.console import Console
 
-    from supervisor import report
+    from supervisor.commands import report
 
     rep = report.load(args.output)
     if args.html:
@@ -161,7 +161,7 @@ def cmd_report(args) -> int:
 def cmd_warm(args) -> int:
     import time
 
-    from supervisor import zygote
+    from supervisor.workers import zygote
 
     if args.stop:
         stopped, busy = zygote.stop_kept()
@@ -190,7 +190,7 @@ def cmd_warm(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from supervisor.demo import run_demo
+    from supervisor.commands.demo import run_demo
 
     return run_demo(args.dir, scheme=args.scheme, json_lines=args.json, debug=args.debug)
 

@@ -23,7 +23,7 @@ class Started(Event):
     redo: list[int] = []  # journaled parts that failed verification and are redone
     world: int = 1  # calibrated: the ranks that calibrate each layer together (a group when above 1)
     world_note: str = ""  # why it is 1 where more were asked (a method without a distributed path...)
-    # what the supervisor chose of the source, or could not check: a QLoRA base (supervisor/qlora.py) taken from two
+    # what the supervisor chose of the source, or could not check: a QLoRA base (supervisor/live/qlora.py) taken from two
     # folders the live model names, or one whose quantized weights are of a form not compared with the checkpoint's
     source_note: str = ""
 
@@ -89,7 +89,7 @@ class WorkerLeftOut(Event):
 
 
 class CopyDeclined(Event):
-    """The part the supervisor copied ahead (the non-layer part, supervisor/verbatim.py) is not used: the export plan
+    """The part the supervisor copied ahead (the non-layer part, supervisor/run/verbatim.py) is not used: the export plan
     changes some of it, or the copy failed. A worker exports the part instead, as with no copy; only time is lost."""
 
     index: int
@@ -113,7 +113,7 @@ class LayerWritten(Event):
     quant_error: dict[str, float] = {}  # module -> relative error of its dequantized weight vs the source
     stages: dict[str, float] = {}  # seconds per stage in the worker: read, inputs, quantize, error, save, hash, sync,
     # boundary, cleanup (inputs, boundary: a calibrated layer's activations in and out); copy, hash, sync: the
-    # non-layer part written by the supervisor itself during the workers' imports (supervisor/verbatim.py; it has
+    # non-layer part written by the supervisor itself during the workers' imports (supervisor/run/verbatim.py; it has
     # no LayerStarted)
     # calibrated: per rank ("0"; a group's "0".."W-1") its seconds per calibration stage: forward, calibrate, and
     # a group's reduce, solve, broadcast; propagate, quantize (rank 0: the compression of the shard's modules)

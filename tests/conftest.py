@@ -43,13 +43,13 @@ def tiny_models(tmp_path_factory):
 def oneshot_ref(tiny_models, tmp_path_factory):
     """oneshot_ref(kind, scheme, ignore=None, **model_options) -> folder of oneshot's compressed output, cached.
 
-    ignore=None means child.quantize.DEFAULT_IGNORE, the exporter's default.
+    ignore=None means child.backends.quantize.DEFAULT_IGNORE, the exporter's default.
     """
     done: dict[tuple, str] = {}
 
     def get(kind: str, scheme: str, ignore: list[str] | None = None, **model_options) -> str:
         if ignore is None:
-            from child.quantize import DEFAULT_IGNORE  # heavy import, only for suites that quantize
+            from child.backends.quantize import DEFAULT_IGNORE  # heavy import, only for suites that quantize
 
             ignore = DEFAULT_IGNORE
         key = (kind, scheme, tuple(ignore), tuple(sorted(model_options.items())))

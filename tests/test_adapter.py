@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-from child.adapter import AdapterFolder, Merged
-from child.quantize import DEFAULT_IGNORE, LayerQuantizer
-from child.source import Checkpoint, open_source
+from child.sources.adapter import AdapterFolder, Merged
+from child.backends.quantize import DEFAULT_IGNORE, LayerQuantizer
+from child.sources.checkpoint import Checkpoint, open_source
 from shared.job import parse_job
-from supervisor.adapter import inspect_adapter
+from supervisor.checks.adapter import inspect_adapter
 from supervisor.api import prepare
 from supervisor.errors import SourceError
 from tests.models import assert_same_tensors, load_tensors, oneshot_reference

@@ -12,7 +12,8 @@ from accelerate import dispatch_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from shared.job import parse_job
-from supervisor import Supervisor, events as ev, offload
+from supervisor import Supervisor, events as ev
+from supervisor.live import offload
 from supervisor.errors import Cancelled, ExportFailed
 
 GPU = torch.device("cpu")  # stand-in accelerator: tests/test_offload.py explains the trick
@@ -189,7 +190,7 @@ def test_gpu_without_room_for_a_layer_is_refused(job):
 def test_only_workers_the_default_count_added_beyond_one_per_gpu_are_optional(job, monkeypatch):
     """resources.workers = 0: the second and later workers on a GPU may be left out (Slot.optional), never the first
     on each GPU; workers the job asked for by number, and CPU workers, are never optional."""
-    from supervisor import devices
+    from supervisor.workers import devices
 
     monkeypatch.setattr(devices, "worker_slots", lambda devs, n, layer: ["cuda:0", "cuda:1", "cuda:0", "cuda:1"])
     run = Supervisor(job)._run
@@ -204,7 +205,7 @@ def test_enospc_in_the_supervisors_own_writes_is_a_clear_failure(job, monkeypatc
     """ENOSPC raised by the supervisor's own writes (journal, index) ends as the disk-full ExportFailed."""
     import errno
 
-    from supervisor.run import Run
+    from supervisor.run.sequence import Run
 
     def full_disk(self):
         raise OSError(errno.ENOSPC, "No space left on device", "model.safetensors.index.json")

@@ -1,4 +1,4 @@
-"""child/backend.py: what a worker of each format imports."""
+"""child/backends/backend.py: what a worker of each format imports."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = ("import sys, torch\n"
-         "from child.backend import preload\n"
+         "from child.backends.backend import preload\n"
          "preload({fmt!r})\n"
          "from transformers.utils import import_utils\n"
          "print('torchao', sys.modules.get('torchao') is not None, import_utils.is_torchao_available())\n")
@@ -28,7 +28,7 @@ def test_a_compressed_tensors_worker_never_imports_torchao(fmt, imported):
 
 
 EXTRAS_PROBE = ("import sys\n"
-                "import child.backend as b\n"
+                "import child.backends.backend as b\n"
                 "if sys.argv[1] == 'without':\n"
                 "    b._UNUSED = {{}}\n"
                 "b.preload({fmt!r})\n"
@@ -71,13 +71,13 @@ def test_transformers_optional_extras_stay_out_of_a_worker(fmt, tmp_path):
 
 
 PEFT_PROBE = ("import sys\n"
-              "import child.backend as b\n"
+              "import child.backends.backend as b\n"
               "if sys.argv[1] == 'without':\n"
               "    b._UNUSED = {}\n"
               "b.preload('compressed-tensors')\n"
               "print('peft imported', sys.modules.get('peft') is not None)\n"
               "import torch\n"
-              "from child.adapter import LoraPair, merge_pair\n"
+              "from child.sources.adapter import LoraPair, merge_pair\n"
               "w = torch.zeros(4, 3, dtype=torch.bfloat16)\n"
               "pair = LoraPair(a=torch.ones(2, 3), b=torch.ones(4, 2), r=2, lora_alpha=2)\n"
               "print('merged', merge_pair(w, pair).float().tolist() == [[2.0] * 3] * 4, type(sys.modules['peft']))\n")
@@ -85,7 +85,7 @@ PEFT_PROBE = ("import sys\n"
 
 def test_peft_stays_out_of_a_worker_until_an_adapter_is_merged():
     """llm-compressor imports peft (0.43 s of the warm parent's imports on the H200 machine) only to recognise a
-    PeftModel; the warm parent leaves it out, and a worker that merges a LoRA adapter (child/adapter.py) imports it
+    PeftModel; the warm parent leaves it out, and a worker that merges a LoRA adapter (child/sources/adapter.py) imports it
     then and merges with it: (B @ A) * alpha / r added to a zero weight is 2 everywhere. Without the hiding the same
     imports bring peft in."""
     def run(mode: str) -> list[str]:
@@ -101,7 +101,7 @@ def test_peft_stays_out_of_a_worker_until_an_adapter_is_merged():
 
 
 DATASETS_PROBE = ("import sys\n"
-                  "from child.backend import preload\n"
+                  "from child.backends.backend import preload\n"
                   "preload(sys.argv[1])\n"
                   "import llmcompressor, datasets\n"
                   "from datasets import Dataset\n"

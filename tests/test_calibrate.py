@@ -1,4 +1,4 @@
-"""child/calibrate.py, child/boundary.py, child/samples.py: the calibrated engine layer by layer equals oneshot for
+"""child/backends/calibrate.py, child/backends/boundary.py, child/backends/samples.py: the calibrated engine layer by layer equals oneshot for
 the schemes the CLI suite does not run; boundary files round-trip and refuse corruption; oneshot's sample order."""
 import json
 import os
@@ -14,13 +14,13 @@ N, SEQ = 20, 40  # more than 16 samples: torch's unstable argsort permutes equal
 
 def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0):
     """Drive the Calibrator as the worker does (begin, quantize, shard, commit) without a child process."""
-    from child.calibrate import Calibrator
-    from child.source import Checkpoint
+    from child.backends.calibrate import Calibrator
+    from child.sources.checkpoint import Checkpoint
     from child.writer import stage_shard
     from shared import layout
     from shared.job import parse_job
     from shared.messages import NON_LAYER
-    from supervisor import finalize
+    from supervisor.output import finalize
 
     job = parse_job({"source": {"path": source}, "export": {"scheme": scheme, "output": str(out), "method": method},
                      "calibration": {"dataset": dataset, "samples": N, "seq_len": SEQ},
@@ -59,7 +59,7 @@ def _logits(folder):
     ("llama", "NVFP4", "rtn"),
     ("qwen3", "FP8", "rtn"),
     ("gemma", "W4A16", "awq"),  # offset norms: converted for calibration, smoothed, converted back (final norm too)
-    # GPTQ's Hessians shared where the inputs are (child/hessians.py), as the architecture shares them: DeepSeek-V3's
+    # GPTQ's Hessians shared where the inputs are (child/backends/hessians.py), as the architecture shares them: DeepSeek-V3's
     # MLA (q_a_proj and kv_a_proj_with_mqa, not q_b/kv_b), each routed expert's gate/up (its own tokens), the shared
     # expert's gate/up, the dense first layer's gate/up
     ("deepseekv3", "W4A16", "gptq"),
@@ -68,7 +68,7 @@ def test_calibrator_equals_oneshot(kind, scheme, method, tiny_models, moe_models
                                    tmp_path_factory, monkeypatch):
     """Layer by layer (one thread on both sides), every tensor and config.json equal oneshot's sequential pipeline,
     and transformers loads the result and gives oneshot's logits; GPTQ computed each shared input's Hessian once."""
-    from child.hessians import SharedHessians
+    from child.backends.hessians import SharedHessians
 
     served = []
     finish = SharedHessians.finish
@@ -98,7 +98,7 @@ def test_sample_order_is_oneshots_dataloader_order(tmp_path, tiny_models):
     from llmcompressor.datasets import get_calibration_dataloader
     from transformers import AutoTokenizer
 
-    from child.samples import calibration_ids
+    from child.backends.samples import calibration_ids
 
     rows = token_rows(40, low=10, high=30)  # many equal lengths, longer than seq_len 20 too
     path = write_jsonl(tmp_path / "ids.jsonl", rows)
@@ -126,7 +126,7 @@ def test_a_ranks_samples_are_distributed_oneshots_partition(world, tmp_path, tin
     from llmcompressor.datasets import utils as ds_utils
     from transformers import AutoTokenizer
 
-    from child.samples import calibration_ids
+    from child.backends.samples import calibration_ids
 
     n, seq = 41, 20  # 41: the slices are uneven; many equal lengths inside each, some longer than seq
     rows = token_rows(n, low=10, high=30)
@@ -153,7 +153,7 @@ def test_a_ranks_samples_are_distributed_oneshots_partition(world, tmp_path, tin
 
 def test_boundary_round_trip_in_ram_and_on_disk(tmp_path):
     """A boundary written sample by sample reads back equal, from RAM and from disk; a flipped byte is refused."""
-    from child.boundary import Activations, BoundaryCorrupt, BoundaryWriter
+    from child.backends.boundary import Activations, BoundaryCorrupt, BoundaryWriter
 
     shapes = [(1, 7, 16), (1, 5, 16), (1, 5, 16)]
     samples = [torch.randn(s, dtype=torch.bfloat16) for s in shapes]

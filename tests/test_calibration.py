@@ -1,4 +1,4 @@
-"""A calibrated job's group size and arithmetic (supervisor/calibration.py): W on CPUs and GPUs, what `supervisor plan`
+"""A calibrated job's group size and arithmetic (supervisor/checks/calibration.py): W on CPUs and GPUs, what `supervisor plan`
 says on a host whose GPUs are faked as tests/test_devices.py fakes them, and the refusal of workers that would
 compute otherwise than a folder's layers were."""
 from __future__ import annotations
@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from shared.job import parse_job
-from supervisor import calibration, devices, journal
-from supervisor.calibration import check_arithmetic, group_size
+from supervisor.checks import calibration
+from supervisor.workers import devices
+from supervisor.output import journal
+from supervisor.checks.calibration import check_arithmetic, group_size
 from supervisor.errors import ArithmeticMismatch
 from tests.ref_calib import token_rows, write_jsonl
 

@@ -1,4 +1,4 @@
-"""The remote worker's handshake (supervisor/channel.py) between the run's port (remote.Listener) and a node host's
+"""The remote worker's handshake (supervisor/cluster/channel.py) between the run's port (remote.Listener) and a node host's
 connect path (node_agent.dial), without Ray: both ends prove the run's secret, neither sends it, a wrong secret
 is refused on both sides, a recorded exchange cannot be replayed, and with Ray's TLS variables both ends verify
 each other against the cluster's CA (certificates made here with the openssl CLI)."""
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from supervisor import channel, node_agent, remote
+from supervisor.cluster import channel, node_agent, remote
 
 HOST = "127.0.0.1"
 

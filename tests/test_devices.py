@@ -1,4 +1,4 @@
-"""GPU visibility, device specs and the free-memory check (supervisor/devices.py), on any machine."""
+"""GPU visibility, device specs and the free-memory check (supervisor/workers/devices.py), on any machine."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import devices
-from supervisor.devices import DeviceError, check_free_memory, child_env, parse_visible_devices, resolve_device
+from supervisor.workers import devices
+from supervisor.workers.devices import DeviceError, check_free_memory, child_env, parse_visible_devices, resolve_device
 
 ROOT = Path(__file__).resolve().parents[1]
 UUID = "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"

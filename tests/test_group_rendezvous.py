@@ -1,4 +1,4 @@
-"""A calibrated group's rendezvous (child/group.py, supervisor/group.py): where rank 0's store listens, and what a
+"""A calibrated group's rendezvous (child/backends/group.py, supervisor/workers/group.py): where rank 0's store listens, and what a
 process that reaches its port can and cannot do (torch 2.13's TCPStore, in this process)."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from child import group
+from child.backends import group
 from shared.messages import LISTEN_FD_ENV, Group
 from shared.sockets import bound_socket
-from supervisor.group import data_plane_env, interface_holding
+from supervisor.workers.group import data_plane_env, interface_holding
 
 SECRET = "0123456789abcdef0123456789abcdef"
 

@@ -1,4 +1,4 @@
-"""child/hessians.py: GPTQ's Hessians computed once per distinct input equal the library's per-module ones bit for bit,
+"""child/backends/hessians.py: GPTQ's Hessians computed once per distinct input equal the library's per-module ones bit for bit,
 whatever the pattern of shared, diverging, repeated or missing inputs; real layers share what they feed alike."""
 import types
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from child.hessians import SharedHessians, term
+from child.backends.hessians import SharedHessians, term
 
 
 def _replay(calls, modules, hook, end_sample=lambda: None):

@@ -1,10 +1,10 @@
-"""Which runs may share a kept warm parent (supervisor.zygote.kept_key), and the folder it lives in."""
+"""Which runs may share a kept warm parent (supervisor.workers.zygote.kept_key), and the folder it lives in."""
 from __future__ import annotations
 
 import os
 import stat
 
-from supervisor import zygote
+from supervisor.workers import zygote
 
 ENV = {"PATH": "/usr/bin", "HOME": "/home/u", "HF_HOME": "/data/hf", "PWD": "/a"}
 

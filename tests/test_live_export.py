@@ -22,7 +22,8 @@ from accelerate import dispatch_model
 from transformers import AutoTokenizer
 
 from shared.job import parse_job
-from supervisor import Supervisor, events as ev, offload
+from supervisor import Supervisor, events as ev
+from supervisor.live import offload
 from tests.ref_studio import load, lora_model
 from tests.scenarios.cli import output_bytes
 

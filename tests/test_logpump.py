@@ -1,4 +1,4 @@
-"""supervisor/logpump.py and the LogLine events: a child's lines reach the log file and the caller, floods stay bounded."""
+"""supervisor/workers/logpump.py and the LogLine events: a child's lines reach the log file and the caller, floods stay bounded."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 from shared.job import parse_job
 from supervisor import Supervisor, api, events as ev
-from supervisor.logpump import MAX_LINE, LogPump
+from supervisor.workers.logpump import MAX_LINE, LogPump
 
 PRINTER = r"""
 import sys

@@ -1,4 +1,4 @@
-"""Every MoE family at the quantizer level (child/quantize.py): equal to oneshot, dense parts untouched, loads right.
+"""Every MoE family at the quantizer level (child/backends/quantize.py): equal to oneshot, dense parts untouched, loads right.
 
 Families: Mixtral (w1/w3/w2 on disk), Qwen2-MoE (shared expert + gate), Qwen3-MoE, DeepSeek-V3 (MLA, dense first
 layer, router bias), GPT-OSS bf16 (experts fused on disk, sinks), GLM-4.5 (Glm4Moe). Each part is quantized in this
@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from child.loadcheck import check_folder
-from child.quantize import LayerQuantizer, write_config
+from child.backends.quantize import LayerQuantizer, write_config
 from shared.job import DEFAULT_IGNORE
 from shared.load_verdict import problems
 from tests.models import _bits, assert_same_tensors, load_tensors

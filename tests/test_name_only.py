@@ -1,4 +1,4 @@
-"""child/name_only.py: an architecture transformers does not know, exported by tensor names, equals model_free_ptq."""
+"""child/backends/name_only.py: an architecture transformers does not know, exported by tensor names, equals model_free_ptq."""
 from __future__ import annotations
 
 import json
@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from child.backend import make_backend
-from child.name_only import NameOnlyQuantizer
-from child.quantize import LayerQuantizer
+from child.backends.backend import make_backend
+from child.backends.name_only import NameOnlyQuantizer
+from child.backends.quantize import LayerQuantizer
 from shared.job import DEFAULT_IGNORE, effective_ignore, parse_job
 from tests.models import assert_same_tensors, load_tensors
 from tests.ref_moe import model_free_reference

@@ -1,4 +1,4 @@
-"""What a node host waits on (supervisor/node_agent.py), without Ray: a worker whose supervisor's host vanishes
+"""What a node host waits on (supervisor/cluster/node_agent.py), without Ray: a worker whose supervisor's host vanishes
 without closing the connection (its peer stops acknowledging) exits within about the heartbeat timeout
 (TCP_USER_TIMEOUT, _bound_silence; in a network namespace of the test's own), and a warm parent that never answers
 a fork request is given up within its deadline."""
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from supervisor import zygote
+from supervisor.workers import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SILENCE = 3.0  # the heartbeat timeout the host bounds the connection's silence by
@@ -26,7 +26,7 @@ SILENCE = 3.0  # the heartbeat timeout the host bounds the connection's silence 
 _SCRIPT = r"""
 import json, os, select, subprocess, sys, time
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-from supervisor import channel, node_agent, remote
+from supervisor.cluster import channel, node_agent, remote
 listener = remote.Listener("127.0.0.1", lambda peer, reason: None)
 token = os.urandom(channel.TOKEN_BYTES)
 arrived = listener.expect(token)

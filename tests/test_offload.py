@@ -1,4 +1,4 @@
-"""Release/restore of a live model (supervisor/offload.py) on CPU-only machines.
+"""Release/restore of a live model (supervisor/live/offload.py) on CPU-only machines.
 
 CI has no GPU, so most tests declare the CPU an accelerator device type (the `cpu_accelerator` fixture):
 release() then runs its real path on a dispatched model with real accelerate hooks -- planning, pool leases,
@@ -20,8 +20,8 @@ from accelerate import dispatch_model
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from supervisor import offload
-from supervisor.offload import NotReleased, OffloadError, PinnedPool, Released, map_refusal, release, restore
+from supervisor.live import offload
+from supervisor.live.offload import NotReleased, OffloadError, PinnedPool, Released, map_refusal, release, restore
 
 GPU = torch.device("cpu")  # the stand-in accelerator in device maps (see the module docstring)
 TOP = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "model.rotary_emb", "lm_head"]
@@ -555,7 +555,7 @@ def test_a_view_kept_after_close_still_reads_its_bytes():
 
 def test_bins_place_every_storage_once_and_balance_the_bytes():
     """A new chunk's storages are spread over memfds of about equal size, each storage whole, none lost."""
-    from supervisor.hostpool import _bins
+    from supervisor.live.hostpool import _bins
 
     items = [(n, i) for i, n in enumerate([900, 10, 500, 400, 300, 300, 200, 100, 50, 40])]
     bins = _bins(items, 4)
@@ -568,7 +568,7 @@ def test_bins_place_every_storage_once_and_balance_the_bytes():
 def test_a_pool_split_over_several_memfds_round_trips_and_is_reused(cpu_accelerator, monkeypatch):
     """With the pool's new memory split over several memfds, release/restore keeps every bit and logit, the second
     cycle reuses the same chunks, and every chunk is shared with a child."""
-    from supervisor import hostpool
+    from supervisor.live import hostpool
 
     monkeypatch.setattr(hostpool, "MIN_BIN", 1 << 16)
     model = dispatched()
@@ -591,7 +591,7 @@ def test_the_same_sizes_leased_again_take_the_same_places(monkeypatch):
     """A pool made to measure for one model (its storages spread over several memfds) serves the next release of
     that model without a byte more, even when first-fit in the storages' order would not fit them (the second
     release of a 16 GB model then paid for a new 1 GB chunk: 1.23 s against 0.31 s)."""
-    from supervisor import hostpool
+    from supervisor.live import hostpool
 
     monkeypatch.setattr(hostpool, "MIN_BIN", hostpool.ALIGN)
     monkeypatch.setattr(hostpool, "FILL_THREADS", 4)

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from shared.job import parse_job
-from supervisor import Supervisor, events as ev, offload
+from supervisor import Supervisor, events as ev
+from supervisor.live import offload
 from supervisor.errors import SourceError
 from tests.ref_studio import lora_model, merged_checkpoint
 from tests.scenarios.cli import output_bytes, tree
@@ -229,7 +230,7 @@ def test_qlora_model_whose_base_is_not_found_or_not_its_own_is_refused_before_an
     assert '[source] path = "<the 16-bit checkpoint' in msg and "weight conversion" not in msg
 
 
-# ---- the base is recognised by its weights (supervisor/qlora.py: base_difference), not by its config alone ----------
+# ---- the base is recognised by its weights (supervisor/live/qlora.py: base_difference), not by its config alone ----------
 _FIX = '[source] path = "<the 16-bit checkpoint the live model was loaded from>"'
 
 
@@ -403,7 +404,7 @@ def test_an_8bit_base_is_checked_by_its_int8_rows_and_exports_from_its_folder(ti
 
 
 class _Opaque(torch.nn.Parameter):
-    """A weight of a quantizer supervisor/qlora.py does not know: a tensor subclass it cannot compare."""
+    """A weight of a quantizer supervisor/live/qlora.py does not know: a tensor subclass it cannot compare."""
 
 
 def test_a_base_of_an_unknown_quantizer_is_not_refused_and_the_started_event_says_it_is_unchecked(tiny_models,

@@ -1,4 +1,4 @@
-"""child/quant_error.py: the error the layer quantizer records per module equals an independent computation.
+"""child/backends/quant_error.py: the error the layer quantizer records per module equals an independent computation.
 
 Ours: the compressed-tensors backend quantizes one layer at a time and decompresses what it will write.
 Reference (tests/ref_quant_error.py): whole-model oneshot, then compressed-tensors' fake-quantize with oneshot's
@@ -17,8 +17,8 @@ CASES = [("llama", "FP8_BLOCK", None), ("qwen3", "NVFP4A16", None), ("qwen3moe",
 @pytest.mark.parametrize("kind,scheme,ignore", CASES, ids=[f"{k}-{s}-{i}" for k, s, i in CASES])
 def test_recorded_error_equals_oneshot_fake_quantize(tiny_models, kind, scheme, ignore):
     """Every quantized module of every part gets an error, equal to the reference to 1e-6 (relative; measured 4e-8)."""
-    from child import quant_error
-    from child.quantize import DEFAULT_IGNORE, LayerQuantizer
+    from child.backends import quant_error
+    from child.backends.quantize import DEFAULT_IGNORE, LayerQuantizer
 
     ignore = DEFAULT_IGNORE if ignore is None else ignore
     path = tiny_models(kind)
@@ -60,7 +60,7 @@ def test_worker_sends_the_errors_unless_the_job_turns_them_off(tiny_models, tmp_
     try:
         reply = exporter.export(ExportLayer(index=1), writer=None)
     finally:
-        from child import quant_error
+        from child.backends import quant_error
         quant_error.enabled = True
     names = {f"model.layers.1.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                              "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}

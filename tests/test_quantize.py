@@ -1,4 +1,4 @@
-"""child/quantize.py: one layer quantized alone is bit-identical to llm-compressor's whole-model oneshot."""
+"""child/backends/quantize.py: one layer quantized alone is bit-identical to llm-compressor's whole-model oneshot."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from child.quantize import DEFAULT_IGNORE, LayerQuantizer, quantization_config_dict, write_config
+from child.backends.quantize import DEFAULT_IGNORE, LayerQuantizer, quantization_config_dict, write_config
 from tests.models import assert_same_tensors, load_tensors
 
 SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W8A16", "W4A16", "W4A16_ASYM", "NVFP4A16"]

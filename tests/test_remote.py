@@ -1,4 +1,4 @@
-"""The run's port under pressure (supervisor/remote.py's Listener), without Ray: idle connections never hold more
+"""The run's port under pressure (supervisor/cluster/remote.py's Listener), without Ray: idle connections never hold more
 than MAX_HANDSHAKES of its files and a worker still gets in; running out of files (EMFILE) pauses accepting
 instead of ending it; refusals are reported at a bounded rate."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from supervisor import channel, node_agent, remote
+from supervisor.cluster import channel, node_agent, remote
 
 HOST = "127.0.0.1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +53,7 @@ def test_idle_connections_hold_at_most_max_handshakes_and_a_worker_still_gets_in
 # Run in a process of its own: it lowers its file limit below what the flood needs.
 _EMFILE = r"""
 import json, logging, os, resource, socket, subprocess, sys, time
-from supervisor import channel, node_agent, remote
+from supervisor.cluster import channel, node_agent, remote
 
 warnings = []
 class Catch(logging.Handler):

@@ -12,7 +12,7 @@ import pytest
 from shared.messages import NON_LAYER, ExportLayer, LayerWritten
 from supervisor import events as ev
 from supervisor.errors import NoRoom
-from supervisor.scheduler import Scheduler, Slot
+from supervisor.run.scheduler import Scheduler, Slot
 
 PARTS = [*range(6), NON_LAYER]
 

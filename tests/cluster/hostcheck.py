@@ -19,8 +19,8 @@ import time
 
 import ray
 
-from supervisor import remote
-from supervisor.node_agent import NodeHost
+from supervisor.cluster import remote
+from supervisor.cluster.node_agent import NodeHost
 
 WAITS = 100
 
@@ -42,9 +42,9 @@ class PartitionedHost(AdoptingHost):
 
 def _actor(cls):
     try:
-        from supervisor.cluster import host_actor_class
+        from supervisor.cluster.seats import host_actor_class
     except ImportError:  # the tree before concurrency groups: how it made its hosts
-        from supervisor.cluster import ACTOR_CONCURRENCY
+        from supervisor.cluster.seats import ACTOR_CONCURRENCY
         return ray.remote(cls).options(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY).remote("compressed-tensors", 60,
                                                                                                os.devnull, {})
     return host_actor_class(ray, cls).options(num_cpus=0).remote("compressed-tensors", 60, os.devnull, {})

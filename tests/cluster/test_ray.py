@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from shared import layout
-from supervisor.node_agent import BLIND_ENV, DEAF_ENV
+from supervisor.cluster.node_agent import BLIND_ENV, DEAF_ENV
 from tests.ref_calib import token_rows, write_jsonl
 from tests.scenarios import cli, faultkit
 

@@ -70,7 +70,7 @@ def test_extra_workers_a_busy_gpu_cannot_hold_are_left_out(tmp_path):
     asked for one worker.
 
     Six layers, so that each of the three slots takes a part at once (the non-layer part is the supervisor's own,
-    supervisor/verbatim.py). Sizes: layers of 0.534 GiB on average (the checkpoint over its layers), so a worker needs
+    supervisor/run/verbatim.py). Sizes: layers of 0.534 GiB on average (the checkpoint over its layers), so a worker needs
     1.34 GiB (2.5 layers) and an extra one 4.01 GiB (three workers'); this process leaves 4.2 GiB free, so the first
     worker sees at least 2.2 GiB however many CUDA contexts (~0.5 GiB each: three workers' and the export plan's)
     start beside it, and an extra one at most 3.7 GiB."""

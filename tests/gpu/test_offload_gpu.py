@@ -1,4 +1,4 @@
-"""Release/restore on real GPUs (supervisor/offload.py): one GPU, two GPUs, a CPU spill, a PEFT wrapper.
+"""Release/restore on real GPUs (supervisor/live/offload.py): one GPU, two GPUs, a CPU spill, a PEFT wrapper.
 
 The model is a ~310 MB bf16 Llama (hidden 1024, 8 layers, vocab 32000, untied) built from its config, so the
 suite needs no hub access and runs in seconds. Every test checks the same contract: while released the GPU
@@ -15,8 +15,8 @@ from accelerate import dispatch_model, infer_auto_device_map
 from accelerate.utils import get_balanced_memory
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from supervisor import offload
-from supervisor.offload import NotReleased, OffloadError, PinnedPool, Released, release, restore
+from supervisor.live import offload
+from supervisor.live.offload import NotReleased, OffloadError, PinnedPool, Released, release, restore
 
 pytestmark = [
     pytest.mark.gpu,

@@ -22,7 +22,7 @@ def test_cuda_export_journals_gpu_memory_and_errors(scheme, tiny_models, tmp_pat
     report = json.loads(cli.run("report", tmp_path / "out", "--json").stdout)
     layers = [p for p in report["parts"] if p["index"] >= 0]
     assert layers and all(p["peak_gpu"] > 0 for p in layers)
-    from child.quantize import DEFAULT_IGNORE
+    from child.backends.quantize import DEFAULT_IGNORE
 
     expected = oneshot_errors(path, scheme, list(DEFAULT_IGNORE), device="cuda")
     got = {name: err for p in report["parts"] for name, err in p["quant_error"].items()}

@@ -1,7 +1,7 @@
 """On GPUs: a live PEFT model dispatched over one or two GPUs exported without a checkpoint (the studio path).
 
 The reference is PEFT + transformers on the CPU: the same base weights and adapter, merge_and_unload() on CPU,
-save_pretrained, exported with the same job. The child merges on the CPU (child/adapter.py), so the export must be
+save_pretrained, exported with the same job. The child merges on the CPU (child/sources/adapter.py), so the export must be
 bit-identical to it; whether PEFT's merge on a GPU would be is measured by bench/lora_merge_fidelity.py
 (docs/fidelity.md). Peak GPU memory in the child is one layer's work, not the model.
 """

@@ -139,7 +139,7 @@ def end_started(since: int = 0) -> None:
         end_group(proc)
 
 
-# The product's test-only knobs (child/faults.py, supervisor/verbatim.py, supervisor/run.py): a run gets those its test
+# The product's test-only knobs (child/faults.py, supervisor/run/verbatim.py, supervisor/run/sequence.py): a run gets those its test
 # passes, never one left in the environment the suite was started from.
 TEST_KNOBS = ("SUPERVISOR_TEST_FAULT", "SUPERVISOR_TEST_NO_COPY_AHEAD", "SUPERVISOR_TEST_PLAN_BESIDE",
               "SUPERVISOR_TEST_TENSOR_LOG", "SUPERVISOR_TEST_STAGE_HOST", "SUPERVISOR_TEST_PLACE_SECONDS")

@@ -123,7 +123,7 @@ def _faults_on(p: RunPlan, part) -> int:
     return sum(1 for v in p.expect.values() if v == part)
 
 
-# The supervisor writes the non-layer part itself when the export plan keeps it unchanged (supervisor/verbatim.py);
+# The supervisor writes the non-layer part itself when the export plan keeps it unchanged (supervisor/run/verbatim.py);
 # a fault aimed at a worker's non-layer part needs a worker to write it, so such runs switch that copy off.
 NO_COPY_AHEAD_ENV = "SUPERVISOR_TEST_NO_COPY_AHEAD"
 
@@ -337,7 +337,7 @@ def _read(path: str) -> bytes | None:
 
 
 def journal_shards(out: str) -> set[int]:
-    """Indices with a complete Shard line in the journal (read independently of supervisor.journal)."""
+    """Indices with a complete Shard line in the journal (read independently of supervisor.output.journal)."""
     done = set()
     try:
         with open(os.path.join(out, ".export", "journal.jsonl"), "rb") as f:

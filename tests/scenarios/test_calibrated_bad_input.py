@@ -59,7 +59,7 @@ def _no_tokenizer(tmp):
 def _other_dataset_in_output(tmp):
     """An earlier export of the same job with another dataset: the fingerprint covers the data."""
     from shared.job import parse_toml
-    from supervisor import journal
+    from supervisor.output import journal
     from supervisor.api import prepare
 
     job = parse_toml(GOOD.replace('"src"', f'"{tmp}/src"').replace('"out"', f'"{tmp}/out"')

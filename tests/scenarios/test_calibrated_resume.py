@@ -65,7 +65,7 @@ def test_child_peak_rss_is_flat_across_calibrated_layers(reference):
 
 def _journaled(out):
     """The layers whose journaled records name a boundary (the newest record per layer), and those boundaries' files."""
-    from supervisor import journal
+    from supervisor.output import journal
 
     st = journal.read(str(out))
     named = {i: journal.boundaries(r) for i, r in st.shards.items() if journal.boundaries(r)}

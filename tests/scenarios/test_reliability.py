@@ -554,7 +554,7 @@ def test_cleanup_restores_and_unlocks_even_when_closing_the_journal_fails(model,
     from shared.job import parse_job
     from supervisor.api import Supervisor
     from supervisor.errors import LockedError
-    from supervisor.lock import Lock, probe
+    from supervisor.output.lock import Lock, probe
 
     out = tmp_path / "out"
     run = Supervisor(parse_job({"source": {"path": model}, "export": {"scheme": "W4A16", "output": str(out)}}))._run

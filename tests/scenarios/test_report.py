@@ -223,7 +223,7 @@ def test_journal_figures_match_the_files(export):
         mine = [k for k in sizes if k.startswith(prefix)] if index >= 0 else \
             [k for k in sizes if not k.startswith("model.layers.")]
         assert rec["source_bytes"] == sum(sizes[k] for k in mine)
-        if index == -1:  # copied by the supervisor itself (supervisor/verbatim.py): no worker's figures
+        if index == -1:  # copied by the supervisor itself (supervisor/run/verbatim.py): no worker's figures
             assert set(rec["stages"]) == {"copy", "hash", "sync"} and rec["peak_rss"] == rec["peak_gpu"] == 0
             assert not rec["quant_error"]
             assert rec["seconds"] > 0

@@ -148,8 +148,8 @@ def test_moe_is_refused_naming_the_experts_module(tiny_models, tmp_path):
     assert proc.returncode == 2 and "model.layers.0.mlp.experts" in proc.stderr, proc.stderr
     assert not os.path.exists(tmp_path / "out")
 
-    from child.source import Checkpoint
-    from child.torchao_backend import TorchaoBackend
+    from child.sources.checkpoint import Checkpoint
+    from child.backends.torchao_backend import TorchaoBackend
     from shared.job import DEFAULT_IGNORE
 
     source = Checkpoint(src)
@@ -163,8 +163,8 @@ def test_a_shard_whose_entries_differ_from_the_prediction_is_refused(tiny_models
     """Every shard's metadata is predicted at start-up from the source's shapes and dtypes; a part whose torchao
     entries differ (here a layer handed over in float16 while the checkpoint holds bfloat16) is refused, naming the
     tensor, instead of being written with metadata that does not describe it."""
-    from child.source import Checkpoint
-    from child.torchao_backend import TorchaoBackend
+    from child.sources.checkpoint import Checkpoint
+    from child.backends.torchao_backend import TorchaoBackend
     from shared.job import DEFAULT_IGNORE
 
     source = Checkpoint(tiny_models("llama"))
@@ -182,8 +182,8 @@ def test_a_shard_whose_entries_differ_from_the_prediction_is_refused(tiny_models
 def test_prediction_from_zeros_on_the_device_equals_the_one_on_meta(scheme, tiny_models, monkeypatch):
     """Where torchao refuses the meta device (its CUDA-only paths may), the entries are predicted from a weight of
     zeros on the job's device: the same metadata as from meta (checked on the CPU schemes)."""
-    from child import torchao_backend
-    from child.source import Checkpoint
+    from child.backends import torchao_backend
+    from child.sources.checkpoint import Checkpoint
     from shared.job import DEFAULT_IGNORE
 
     source = Checkpoint(tiny_models("llama"))
@@ -210,8 +210,8 @@ def test_torchao_refusal_of_a_combination_is_a_job_error(tiny_models):
     before any worker; the device string alone decides GPU-only (CUDA is never touched here)."""
     from shared.job import parse_job
     from supervisor.errors import JobError
-    from supervisor.source import inspect
-    from supervisor.torchao_job import check
+    from supervisor.checks.source import inspect
+    from supervisor.checks.torchao_job import check
 
     job = parse_job({"source": {"path": tiny_models("llama")},
                      "export": {"format": "torchao", "scheme": "Float8DynamicActivationFloat8Weight", "output": "o",

@@ -1,4 +1,4 @@
-"""The non-layer part the supervisor writes itself while the workers' libraries import (supervisor/verbatim.py).
+"""The non-layer part the supervisor writes itself while the workers' libraries import (supervisor/run/verbatim.py).
 
 Each export here runs twice through the CLI: as users run it, and with the copy switched off
 (SUPERVISOR_TEST_NO_COPY_AHEAD=1), so that a worker writes the part through torch and safetensors.torch as before.

@@ -12,7 +12,8 @@ import os
 import pytest
 
 from shared import layout
-from supervisor import Supervisor, devices, events as ev
+from supervisor import Supervisor, events as ev
+from supervisor.workers import devices
 from tests.scenarios import cli, faultkit
 
 SCHEME = "W4A16"

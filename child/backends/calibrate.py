@@ -1,0 +1,500 @@
+"""Calibrated quantization, one decoder layer at a time: GPTQ, AWQ and static activation scales, equal to oneshot.
+
+The Backend for jobs that run calibration data through the model (child/backends/backend.py picks it). Per layer it
+replays exactly what llm-compressor's sequential pipeline does for that layer's subgraph, with the library's own
+session, modifiers, hooks and contexts, so the result is oneshot's by construction:
+
+    begin(i, boundary)   inputs of layer i: kept in memory from layer i-1, or read from the journaled boundary file
+                         (hash checked), or for layer 0 computed from the samples through the model's own forward
+    quantize_layer(i)    layer i materialised on the device, rooted at its checkpoint path ("model.layers.i")
+      forward            a fresh llm-compressor session on that layer (the recipe oneshot builds, initialized on it);
+                         every sample through the layer with the modifiers' hooks (Hessians, observers, AWQ stats;
+                         GPTQ's Hessians once per distinct input, child/backends/hessians.py)
+      calibrate          sequential_epoch_end: GPTQ's solve, AWQ's smoothing, activation/weight qparams
+      propagate          every sample through the calibrated layer, hooks off ─▶ BoundaryWriter (next layer's inputs)
+      quantize           calibration_end, finalize, compress_module ─▶ the shard's tensors
+    settle()             the file of layer i's inputs, written beside layer i, durable: named for the journal
+    commit(i)            the inputs of i+1: one worker keeps them in RAM and writes their file while i+1 computes
+                         (pending); a group's rank, or inputs on disk: made durable now (fsync, rename) and named
+
+    what oneshot does                              here
+    load the model (bf16), linearize MoE experts   meta skeleton from config.json, experts linearized (quantize.py)
+    LengthAwareSampler order, truncation           child/backends/samples.py (the library's sampler)
+    moe_calibration_context, norm context          entered around each layer's session
+    calibration_forward_context, DisableQuant      no_grad, eval, eager attention, use_cache off, DisableQuantization
+    trace: kwargs each layer receives              the model's own forward with stub layers records them
+
+Memory: one layer on the device plus one sample's activations; the samples' hidden states live on the host
+(boundary.Activations) or, above `resources.activation_ram_gb`, on disk. It must never import `supervisor`, never
+change torch's thread count (the Exporter does), and keep nothing of a layer after its shard is returned.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from typing import Callable
+
+import psutil
+import torch
+from accelerate import init_empty_weights
+from accelerate.utils import set_module_tensor_to_device
+from compressed_tensors.compressors import compress_module
+from compressed_tensors.quantization.utils import is_module_quantized
+from compressed_tensors.utils import match_named_modules, patch_attr
+from llmcompressor.core import LifecycleCallbacks
+from llmcompressor.core.session_functions import create_session
+from llmcompressor.modeling.moe.context import moe_calibration_context
+# _is_registered: the check norm_calibration_context itself makes, so the same norms are converted
+from llmcompressor.modeling.offset_norm import NormCalibrationModule, _is_registered, norm_calibration_context
+from llmcompressor.modifiers.gptq import GPTQModifier
+from llmcompressor.modifiers.quantization import QuantizationModifier
+from llmcompressor.modifiers.transform.awq import AWQModifier, get_layer_mappings_from_model
+from llmcompressor.modifiers.utils.hooks import HooksMixin
+from llmcompressor.modifiers.utils.pytorch_helpers import is_moe_model
+from llmcompressor.pipelines.cache import IntermediatesCache
+from llmcompressor.utils.helpers import DisableQuantization, eval_context
+from llmcompressor.utils.metric_logging import CompressionLogger
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from child import faults
+
+from child.backends import group, quant_error
+from child.backends.hessians import SharedHessians
+from child.backends.boundary import Activations, BoundaryWriter, PendingWrite
+from child.backends.naming import find_decoder_layers
+from child.backends.quantize import LayerQuantizer, _linearize_meta_experts, _load_config, _materialise, _rooted
+from child.backends.samples import calibration_ids
+from child.staging import plain_to_host
+from shared import layout
+from shared.job import Job, effective_ignore
+from shared.messages import Boundary
+
+__all__ = ["Calibrator", "recipe"]
+
+
+def recipe(method: str, scheme: str, ignore: list[str], awq_mappings=None, awq_offload=None) -> list:
+    """The modifiers oneshot runs for this job, fresh (they hold per-layer state)."""
+    if method == "gptq":
+        return [GPTQModifier(targets="Linear", scheme=scheme, ignore=list(ignore))]
+    quantize = QuantizationModifier(targets="Linear", scheme=scheme, ignore=list(ignore))
+    if method == "awq":
+        return [AWQModifier(mappings=awq_mappings, offload_device=awq_offload), quantize]
+    return [quantize]
+
+
+class Calibrator:
+    """Backend for calibrated jobs: holds the activations crossing layers; see the module docstring."""
+
+    # the next layer waits on the host: on the GPU, one layer and its calibration state at a time (peak GPU
+    # memory as oneshot's); a calibrated layer's forward passes dwarf the copy it would hide
+    reads_to_device = False
+    # meta tensors in, meta tensors out through the data-free quantizer of the same scheme: calibration changes
+    # values, never which tensors a layer writes or their shapes, so `supervisor plan` and the loader check
+    # before the first layer see the calibrated output's layout
+    previews = True
+    checks_loading = True  # its output is compressed-tensors: transformers' loader check applies at the end
+
+    def __init__(self, job: Job, config_dir: str, device: str, *, output: str, source,
+                 stage: Callable[[str], None] = lambda name: None, calibration_sha256: str = ""):
+        self.job, self.output, self.source, self._stage = job, output, source, stage
+        self.device = torch.device(device)
+        self.method, self.scheme, self.ignore = job.export.method, job.export.scheme, effective_ignore(job)
+        self._calibration_sha256 = calibration_sha256
+        self.rank, self.world = group.rank(), group.world()  # a group's rank calibrates its own samples (child.backends.group)
+        self.config = _load_config(config_dir)
+        self._model = _calibration_skeleton(self.config)
+        self.layer_prefix, layers = find_decoder_layers(self._model, self.config)
+        self.num_layers = len(layers)
+        self._layers = list(layers)  # the real (meta) layers; the ModuleList gets stubs below
+        self._awq_mappings = get_layer_mappings_from_model(self._model) if self.method == "awq" else None
+        self._awq_offload = torch.device("cpu") if self.method == "awq" and is_moe_model(self._model) else None
+        self._trunk_name = self.layer_prefix[:-1].rsplit(".", 1)[0] if "." in self.layer_prefix[:-1] else ""
+        self._trunk = self._model.get_submodule(self._trunk_name)
+        self._sink: dict[int, tuple] = {}
+        self._stop_at = [0]
+        for i in range(self.num_layers):
+            layers[i] = _LayerStub(self._layers[i], i, self._sink, self._stop_at)
+        _buffers_to(self._trunk, self.device)  # rotary frequencies etc.; parameters stay on meta
+        # the non-layer shard and config.json: the data-free quantizer, configured by the recipe's quantizer
+        # (its name map also turns the checkpoint's tensor names into the model's for each layer)
+        self._plain = LayerQuantizer(config_dir, self.scheme, self.ignore, device=device,
+                                     modifier=recipe(self.method, self.scheme, self.ignore)[-1],
+                                     tensor_names=source.all_names() if source is not None else None)
+        self._inputs: Activations | None = None  # the activations entering the next layer to export
+        self._writer: BoundaryWriter | None = None  # the activations leaving the layer in progress
+        # the file of self._inputs being written while they are used (commit_later): its name and its write
+        self._pending: tuple[str, PendingWrite] | None = None
+        self.pending = False  # the last commit left the next layer's inputs to be made durable (see commit)
+        self._spare: torch.Tensor | None = None  # the RAM of the last released inputs, reused by the next outputs
+        self._pin = self.device.type == "cuda"
+        self._args_key = None
+        self._args = None
+        self._fence = ""  # the current attempt's (begin)
+        r = job.resources
+        self._ram_budget = int(r.activation_ram_gb * 2**30) if r.activation_ram_gb else \
+            psutil.virtual_memory().total // 4
+
+    # ---- Backend -------------------------------------------------------------------------------------------
+    def begin(self, index: int, boundary: Boundary | None, fence: str = "") -> None:
+        """Make sure the inputs of layer `index` are at hand (the non-layer part needs none); every file this
+        attempt writes carries `fence` in its name."""
+        self._fence = fence
+        if index < 0 or (self._inputs is not None and self._inputs.feeds == index):
+            return
+        self._drop_inputs()
+        if index == 0:
+            self._inputs = self._first_inputs()
+        elif boundary is not None and boundary.feeds == index:
+            size = boundary.nbytes
+            self._inputs = Activations.load(os.path.join(self.output, boundary.file), boundary.digest, index,
+                                            in_ram=2 * size <= self._ram_budget, pin=self._pin)
+        else:
+            raise RuntimeError(f"layer {index} needs the calibration inputs left by layer {index - 1}, "
+                               "and no boundary was named for it")
+
+    def quantize_layer(self, index: int, tensors: dict) -> dict:
+        if any(t.is_meta for t in tensors.values()):
+            return self._plain.quantize_layer(index, tensors)  # a preview (see `previews`)
+        if self._inputs is None or self._inputs.feeds != index:
+            raise RuntimeError(f"layer {index}: begin() did not prepare its inputs")
+        path = f"{self.layer_prefix}{index}"
+        # loaded as the data-free quantizer loads a layer (checkpoint names mapped to the model's)
+        mapped, layer, root = self._plain.materialise(path, self._layers[index], tensors, self.device)
+        root.config = self.config  # norm_calibration_context reads model.config
+        try:
+            self._calibrate(index, layer, root)
+            if self.rank > 0:
+                return None  # rank 0 writes the shard: after the broadcasts every rank holds the same layer
+            self._stage("quantize")
+            with torch.no_grad():
+                quantized = [(n, m) for n, m in match_named_modules(root, self._plain._targets, self.ignore)
+                             if is_module_quantized(m)]
+                for _, m in quantized:
+                    compress_module(m)
+                # against the source weights (AWQ's scaling included), under the model's names
+                quant_error.measure(quantized, {m.key: tensors[k] for k, m in mapped.items() if m.fused is None})
+                # off the device into fresh host memory, not the worker's pinned staging buffer (child/staging.py):
+                # measured on an H200 (docs/benchmarks.md, 2026-12-02), that buffer took the quantize stage from
+                # 0.22 to 0.18 s but, kept across layers, raised the worker's peak RSS per layer by 0.07 GiB
+                return plain_to_host(_back_to_checkpoint_names(root.state_dict(), mapped))
+        except BaseException:
+            if self._writer is not None:
+                self._writer.abort()
+                self._writer = None
+            raise
+
+    def settle(self) -> Boundary | None:
+        """The inputs of the layer in progress, whose file an earlier commit left being written, once durable
+        (None: there was no such file: they came from a journaled file, the samples, or a synchronous commit)."""
+        if self._pending is None:
+            return None
+        (name, write), self._pending = self._pending, None
+        digest, size = write.wait()
+        return Boundary(feeds=self._inputs.feeds, file=name, digest=digest, nbytes=size)
+
+    def commit(self, index: int) -> Boundary | None:
+        """After layer `index`'s shard is durable (and settle()): the next layer's inputs, named. One worker holding
+        them in RAM makes them durable in the background while the next layer computes (`pending` set; the next
+        settle() names them); otherwise (a group's rank, inputs on disk) they are durable when this returns."""
+        self.pending = False
+        if index < 0:
+            return None
+        self.settle()  # a caller that did not ask still gets these inputs' file made durable before they go
+        writer, self._writer = self._writer, None
+        self._drop_inputs()
+        if writer is None:  # the last layer: nothing follows it
+            self._spare = None
+            return None
+        name = self._boundary_name(index + 1)
+        dest = os.path.join(self.output, name)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        if writer.later:
+            self._inputs, write = writer.commit_later(dest, lambda: faults.hit("boundary_sync", index + 1))
+            self._pending, self.pending = (name, write), True
+            return None
+        self._inputs, digest, size = writer.commit(dest)
+        return Boundary(feeds=index + 1, file=name, digest=digest, nbytes=size)
+
+    def quantize_non_layer(self, tensors: dict) -> dict:
+        if self._plain.non_layer_targets:
+            raise NotImplementedError(f"calibrated exports quantize decoder layers only; ignore "
+                                      f"{self._plain.non_layer_targets} (e.g. keep lm_head in [export] ignore)")
+        if any(t.is_meta for t in tensors.values()):
+            return self._plain.quantize_non_layer(tensors)  # a preview: the norms' round trip changes no shape
+        return self._plain.quantize_non_layer(self._offset_norms_round_trip(tensors))
+
+    def _offset_norms_round_trip(self, tensors: dict) -> dict:
+        """oneshot converts every offset norm of the model ("(1 + weight)": Gemma, Qwen3-Next) to a standard one
+        for calibration and back (norm_calibration_context), which rounds the weights; the final norm, outside
+        the layers, goes through it too (measured on Gemma: 121 of 128 weights change by up to 0.0039)."""
+        out = dict(tensors)
+        for name, meta in self._model.named_modules():
+            if not _is_registered(type(meta).__name__, NormCalibrationModule):
+                continue
+            own = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+            module = _materialise(meta, own, torch.device("cpu"), name)
+            root = _rooted(name, module)
+            root.config = self.config
+            with torch.no_grad(), norm_calibration_context(root):
+                pass
+            out.update({f"{name}.{k}": v for k, v in root.get_submodule(name).state_dict().items()})
+        return out
+
+    def serialize(self, tensors: dict) -> tuple[dict, dict[str, str]]:
+        return self._plain.serialize(tensors)
+
+    def describe(self) -> str:
+        return f"{self._plain.describe()}, calibrated ({self.method})"
+
+    def write_config(self, source_config_json: str, dest_dir: str) -> str:
+        return self._plain.write_config(source_config_json, dest_dir)
+
+    # ---- one layer's calibration ---------------------------------------------------------------------------
+    def _calibrate(self, index: int, layer: nn.Module, root: nn.Module) -> None:
+        inputs = self._inputs
+        with contextlib.ExitStack() as outer:
+            outer.enter_context(group.collectives())  # a group's ranks: the library's own reductions and broadcasts
+            outer.enter_context(_recorded_losses(root))
+            outer.enter_context(_library_stages(self._stage))
+            if not torch.accelerator.is_available():
+                outer.enter_context(_no_pinning())
+            # GPTQ: one Hessian per distinct input (q/k/v, gate/up, ...), each module handed the one the library
+            # would have computed for it, bit for bit (child/backends/hessians.py)
+            fast = not self.job.calibration.match_oneshot  # [calibration] match_oneshot = false: tensor cores
+            hessians = outer.enter_context(SharedHessians(copies=self.world > 1, fast=fast).installed()) \
+                if self.method == "gptq" else None
+            session = outer.enter_context(create_session())
+            # oneshot.apply_recipe_modifiers: these contexts wrap initialize + the pipeline; finalize comes after
+            with norm_calibration_context(root), moe_calibration_context():
+                session.initialize(model=root, recipe=recipe(self.method, self.scheme, self.ignore,
+                                                             self._awq_mappings, self._awq_offload), start=-1)
+                LifecycleCallbacks.calibration_start()
+                # the sequential pipeline: calibration_forward_context + DisableQuantization around every pass
+                with torch.no_grad(), eval_context(root), DisableQuantization(root):
+                    self._stage("forward")
+                    for j in range(len(inputs)):
+                        session.state.current_batch_idx = j
+                        self._forward(layer, index, inputs.get(j))
+                        if hessians is not None:
+                            hessians.end_sample()
+                    if hessians is not None:
+                        hessians.finish()
+                    self._stage("calibrate")
+                    LifecycleCallbacks.sequential_epoch_end(list(layer.modules()))
+                    self._stage("propagate")
+                    self._writer = self._next_writer(index, inputs)
+                    with HooksMixin.disable_hooks():
+                        for j in range(len(inputs)):
+                            out = self._forward(layer, index, inputs.get(j))
+                            if self._writer is not None:
+                                self._writer.put(j, out)
+                    LifecycleCallbacks.calibration_end()
+            session.finalize()
+
+    def _forward(self, layer: nn.Module, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        args, kwargs = self._layer_args(index, hidden.shape[1], hidden.dtype)
+        # pinned host memory (GPU runs) copies asynchronously; the layer runs after it on the same stream
+        out = layer(hidden.to(self.device, non_blocking=True), *args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def _next_writer(self, index: int, inputs: Activations) -> BoundaryWriter | None:
+        if index + 1 >= self.num_layers:
+            return None
+        tmp = layout.state_path(self.output, layout.TMP, os.path.basename(self._boundary_name(index + 1)) + ".tmp")
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        # the inputs are still held while the outputs are built: both count against the budget
+        spare, self._spare = self._spare, None
+        # one worker writes the file after the layer (commit_later), beside the next one; a group's ranks commit
+        # in step with each other, each as it propagates
+        return BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=tmp,
+                              keep_in_ram=2 * inputs.nbytes <= self._ram_budget, buffer=spare, pin=self._pin,
+                              later=self.world == 1)
+
+    def _boundary_name(self, feeds: int) -> str:
+        return layout.boundary_name(feeds, self.rank if self.world > 1 else None, self._fence)
+
+    def _drop_inputs(self) -> None:
+        if self._pending is not None:  # inputs dropped before settle(): their file is not wanted (never named)
+            (_, write), self._pending = self._pending, None
+            write.abort()
+        if self._inputs is not None:
+            self._spare = self._inputs.close()
+            self._inputs = None
+
+    # ---- what the model feeds its decoder layers -----------------------------------------------------------
+    def _run_trunk(self, stop_at: int, **inputs) -> dict[int, tuple]:
+        """Run the model's own forward up to decoder layer `stop_at` (stubs record their inputs); eager attention
+        and no KV cache, as llm-compressor's calibration context forces."""
+        self._sink.clear()
+        self._stop_at[0] = stop_at
+        try:
+            with torch.no_grad():
+                self._trunk(**inputs)
+        except _Reached:
+            return dict(self._sink)
+        raise RuntimeError("the model's forward never reached its decoder layers")
+
+    def _layer_args(self, index: int, length: int, dtype: torch.dtype) -> tuple[tuple, dict]:
+        """The arguments (besides hidden states) the model passes layer `index` for a sample of `length` tokens:
+        causal mask, rotary embeddings, position ids... They depend on the length only, so samples (sorted by
+        length) share them; they are recomputed on the device when the length changes, as oneshot computes them
+        there once per sample."""
+        key = (index, length)
+        if self._args_key != key:
+            self._args = None
+            hidden = self.config.get_text_config().hidden_size
+            sink = self._run_trunk(index, inputs_embeds=torch.zeros(1, length, hidden, dtype=dtype, device=self.device),
+                                   attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device))
+            _, args, kwargs = sink[index]
+            self._args_key, self._args = key, (args, kwargs)
+        return self._args
+
+    def _first_inputs(self) -> Activations:
+        """Layer 0's inputs: every sample's embeddings, computed by the model's own forward on the device."""
+        c = self.job.calibration
+        ids = calibration_ids(c.dataset, c.samples, c.seq_len, self.job.source.path, self._calibration_sha256,
+                              self.config.get_text_config().vocab_size, rank=self.rank, world=self.world)
+        self._stage("forward")
+        names = [n for n, _ in self._trunk.named_parameters()]
+        full = {f"{self._trunk_name}.{n}" if self._trunk_name else n: n for n in names}
+        tensors = self.source.read(sorted(full))
+        try:
+            for key, value in tensors.items():
+                # the checkpoint's dtype, as oneshot loads it (accelerate would cast to the skeleton's otherwise)
+                set_module_tensor_to_device(self._trunk, full[key], self.device, value=value, dtype=value.dtype)
+            writer = None
+            for j, x in enumerate(ids):
+                sink = self._run_trunk(0, input_ids=x.to(self.device),
+                                       attention_mask=torch.ones_like(x, device=self.device))
+                hidden = sink[0][0]
+                if writer is None:
+                    shapes = [(1, int(s.shape[1]), *hidden.shape[2:]) for s in ids]
+                    size = sum(torch.Size(s).numel() for s in shapes) * hidden.dtype.itemsize
+                    fits = 2 * size <= self._ram_budget
+                    tmp = None if fits else layout.state_path(
+                        self.output, layout.TMP, os.path.basename(self._boundary_name(0)) + ".tmp")
+                    writer = BoundaryWriter(0, shapes, hidden.dtype, tmp_path=tmp, keep_in_ram=fits, pin=self._pin)
+                writer.put(j, hidden)
+            acts, _, _ = writer.commit(None)
+            return acts
+        finally:
+            self._sink.clear()
+            for n in names:  # the embedding table is needed for layer 0's inputs only
+                set_module_tensor_to_device(self._trunk, n, "meta")
+
+
+class _Reached(Exception):
+    """Raised by the stub of the layer whose inputs were wanted: the rest of the forward is not needed."""
+
+
+class _LayerStub(nn.Module):
+    """Stands in for decoder layer `index` in the model's own forward: records what the model passes it and hands
+    the hidden states on unchanged (the real layers run one at a time, in Calibrator._calibrate)."""
+
+    def __init__(self, layer: nn.Module, index: int, sink: dict, stop_at: list[int]):
+        super().__init__()
+        self.__dict__["_layer"] = layer  # not a submodule: its (meta) parameters are not the trunk's
+        self.index, self.sink, self.stop_at = index, sink, stop_at
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_layer"], name)  # e.g. attention_type, read by the model's forward
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.sink[self.index] = (hidden_states, args, kwargs)
+        if self.index >= self.stop_at[0]:
+            raise _Reached()
+        return hidden_states
+
+
+def _back_to_checkpoint_names(state: dict, mapped: dict) -> dict:
+    """The calibrated layer's tensors (every one: AWQ also rescales norms) under the checkpoint's names: a tensor
+    the checkpoint holds keeps its name, a quantized module's tensors take its checkpoint module name, and fused
+    experts are written per expert under their linearized names (as the data-free quantizer writes them)."""
+    to_ckpt = {m.key: k for k, m in mapped.items() if m.fused is None}
+    modules = {m.rsplit(".", 1)[0]: k.rsplit(".", 1)[0] for m, k in to_ckpt.items() if m.endswith(".weight")}
+    out = {}
+    for key, value in state.items():
+        if key in to_ckpt:
+            name = to_ckpt[key]
+        else:
+            module, param = key.rsplit(".", 1)
+            name = f"{modules.get(module, module)}.{param}"
+        out[name] = value
+    return out
+
+
+def _calibration_skeleton(config) -> nn.Module:
+    """The model with parameters on meta but real buffers (rotary frequencies...), eager attention, no KV cache."""
+    config = copy.deepcopy(config)
+    config.use_cache = False
+    text = config.get_text_config()
+    text.use_cache = False
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, attn_implementation="eager")
+    _linearize_meta_experts(model)
+    model.eval()
+    return model
+
+
+def _buffers_to(module: nn.Module, device: torch.device) -> None:
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and not buf.is_meta and buf.device != device:
+                sub._buffers[name] = buf.to(device)
+
+
+@contextlib.contextmanager
+def _no_pinning():
+    # llm-compressor 0.14.0.1's AWQ pins its cached activations before each grid search, which raises
+    # "Cannot access accelerator device when none is available" on a machine without one (measured). Pinning
+    # only speeds up host->device copies and never changes a value, so without an accelerator it is skipped.
+    with patch_attr(IntermediatesCache, "_pin_intermediate", classmethod(lambda cls, value: None)):
+        yield
+
+
+@contextlib.contextmanager
+def _recorded_losses(root: nn.Module):
+    # GPTQ hands each module's loss to its CompressionLogger (which logs it rounded to two decimals); kept here as
+    # the library computed it, for `supervisor report` and the group's fidelity checks (in a group, each module's
+    # owner rank computes it)
+    names = {m: n for n, m in root.named_modules()}
+    original = CompressionLogger.set_results
+
+    def set_results(self, name=None, loss=None):
+        if loss is not None and self.module in names:
+            quant_error.record_loss(names[self.module], loss)
+        return original(self, name=name, loss=loss)
+
+    with patch_attr(CompressionLogger, "set_results", set_results):
+        yield
+
+
+@contextlib.contextmanager
+def _library_stages(stage: Callable[[str], None]):
+    # the steps of GPTQ's sequential_epoch_end, as stages (timed, shown, fault points): a group's ranks reduce each
+    # Hessian to its owner, solve their own modules, broadcast the results (the broadcast of a static-scale
+    # QuantizationModifier too); one worker only solves
+    from llmcompressor.modifiers.gptq import base as gptq
+    from llmcompressor.modifiers.quantization.quantization import base as quantization
+
+    def staged(name: str, fn):
+        def run(*args, **kwargs):
+            stage(name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                stage("calibrate")
+        return run
+
+    with patch_attr(GPTQModifier, "_reduce_hessian_to_target_rank",
+                    staged("reduce", GPTQModifier._reduce_hessian_to_target_rank)), \
+            patch_attr(GPTQModifier, "compress_module_list", staged("solve", GPTQModifier.compress_module_list)), \
+            patch_attr(gptq, "broadcast_qparams_and_cleanup", staged("broadcast", gptq.broadcast_qparams_and_cleanup)), \
+            patch_attr(quantization, "broadcast_qparams_and_cleanup",
+                       staged("broadcast", quantization.broadcast_qparams_and_cleanup)):
+        yield

@@ -1,0 +1,255 @@
+"""GPTQ's Hessians computed once per distinct input: modules fed the same tensor share one accumulation.
+
+llm-compressor's GPTQModifier hooks every quantized module's forward (`calibrate_module`) and accumulates, per
+sample, H_m += (sqrt(2) x)ᵀ(sqrt(2) x) from the module's own input x, in fp32 (`accumulate_hessian`). In a decoder
+layer several modules take the very same tensor: q/k/v_proj the attention's normed input, gate/up_proj the MLP's,
+MLA's q_a_proj and kv_a_proj_with_mqa theirs, a shared expert's gate/up theirs. Their Hessians are then made by the
+same ops, in the same order, on the same bytes, and are equal bit for bit: one computation serves them all.
+
+    a module's hook (x: its input)         the module's class (the modules whose Hessians are equal so far)
+      x is the tensor another member got   ─▶ nothing to compute: the member's term serves it too
+        in this sample (same object, not
+        modified since: its version)
+      else                                 ─▶ the term (sqrt 2 x)ᵀ(sqrt 2 x), as accumulate_hessian computes it
+      every member has seen this sample's  ─▶ H += term (what the library does per module, once per class)
+        input
+      a member gets another input, twice   ─▶ it leaves the class with a copy of H as its own history says it
+        in one sample, or none at all         is (the term not yet added, or added once)
+    finish() before the library's solve    ─▶ _hessians[m] = its class's H (a copy each in a group, whose ranks
+                                              reduce every module's Hessian in place), _num_samples[m] as the
+                                              library counts them
+
+Which modules share is found from the tensors, not from names: whatever the architecture passes to several
+modules is computed once, and a module whose input differs (a routed expert, a fused projection) keeps its own.
+Classes form in a module's first sample: a class with no history yet adds its term at the end of the sample, so
+that the modules seen later in it can join. Only torch.nn.Linear modules are handled; any other module goes
+through the library's own hook. With `[calibration] match_oneshot = false` each term is fast_term's instead
+(bf16 products on tensor cores, fp32 accumulation): rounding only, and no longer oneshot's bits. Owns nothing but these accumulations during one layer's forward stage; it never
+solves, and it is used only inside child/backends/calibrate.py's session.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from compressed_tensors.utils import get_execution_device, patch_attr
+from llmcompressor.modifiers.gptq import GPTQModifier
+from llmcompressor.modifiers.gptq.helpers import GPTQ_PRECISION
+
+__all__ = ["SharedHessians", "fast_term", "term"]
+
+
+def term(inp: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
+    """One sample's addition to a Linear module's Hessian and the samples it counts: llm-compressor 0.14.0.1's
+    `accumulate_hessian` for torch.nn.Linear, line for line, up to (not including) `hessian += ...`."""
+    inp = inp.to(device=device)
+    if len(inp.shape) == 2:
+        inp = inp.unsqueeze(0)
+    elif len(inp.shape) > 3:
+        inp = inp.reshape(inp.shape[0], -1, inp.shape[-1])
+    num_added = inp.shape[0]
+    if len(inp.shape) == 3:
+        inp = inp.reshape((-1, inp.shape[-1]))
+    inp = inp.t()
+    inp = math.sqrt(2) * inp.to(dtype=GPTQ_PRECISION)
+    return inp.matmul(inp.t()), num_added
+
+
+def fast_term(inp: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
+    """`[calibration] match_oneshot = false`: the same sum, 2 xᵀx, from the inputs' own dtype with fp32 accumulation:
+    bf16/fp16 products on a GPU's tensor cores (torch.mm out_dtype=float32; measured on an H200: 0.35 s against
+    3.10 s for a layer's seven Hessians, shared/reference/floor), elsewhere the inputs upcast to fp32. Products of
+    bf16 values are exact in fp32, and the factor 2 is exact: only the order of the additions and the rounding of
+    the default's sqrt(2) scaling differ from `term` (docs/fidelity.md measures what that changes)."""
+    inp = inp.to(device=device)
+    if len(inp.shape) == 2:
+        inp = inp.unsqueeze(0)
+    elif len(inp.shape) > 3:
+        inp = inp.reshape(inp.shape[0], -1, inp.shape[-1])
+    num_added = inp.shape[0]
+    x = inp.reshape((-1, inp.shape[-1]))
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        t = torch.mm(x.t(), x, out_dtype=GPTQ_PRECISION)
+    else:  # no mixed-precision matmul on the CPU (aten::mm.dtype is CUDA's): fp32 products, exact all the same
+        x = x.to(GPTQ_PRECISION)
+        t = x.t().matmul(x)
+    return t.mul_(2.0), num_added
+
+
+class _Input:
+    """A module's input, as identity: the same tensor object, unmodified since (its version counter). Holding the
+    tensor keeps its memory from being reused by another tensor that would look the same."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, x: torch.Tensor):
+        self.tensor, self.version = x, _version(x)
+
+    def same(self, x: torch.Tensor) -> bool:
+        return self.version is not None and x is self.tensor and _version(x) == self.version
+
+
+def _version(x: torch.Tensor) -> int | None:
+    try:
+        return x._version
+    except RuntimeError:  # an inference tensor has no version counter: never taken as shared
+        return None
+
+
+class _Class:
+    """Modules whose Hessians are equal so far: one accumulation (None: no sample added yet, zeros)."""
+
+    __slots__ = ("members", "hessian", "width", "device", "input", "pending", "shared", "seen")
+
+    def __init__(self, members: list, hessian: torch.Tensor | None, width: int, device: torch.device):
+        self.members, self.hessian, self.width, self.device = members, hessian, width, device
+        self.input: _Input | None = None  # this sample's input, once a member got it
+        self.pending: torch.Tensor | None = None  # its term, not yet added
+        self.shared = False  # the pending term is another class's too (split)
+        self.seen: list = []  # the members that got it
+
+    def add_pending(self) -> None:
+        if self.pending is None:
+            return
+        if self.hessian is None and not self.shared:
+            # the library adds the first term to make_empty_hessian's zeros: 0 + t is t + 0.0 for every float
+            # (-0.0 becomes +0.0 either way), so the term itself becomes the Hessian, without a second d x d tensor
+            self.hessian = self.pending.add_(0.0)
+        else:
+            if self.hessian is None:
+                self.hessian = torch.zeros((self.width, self.width), device=self.device, dtype=GPTQ_PRECISION)
+            self.hessian += self.pending  # accumulate_hessian's `hessian += inp.matmul(inp.t())`
+        self.input, self.pending, self.shared, self.seen = None, None, False, []
+
+    def split(self, members: list, with_pending: bool) -> "_Class":
+        """`members` leave with a copy of the history they have: H, plus the pending term if they got it."""
+        for m in members:
+            self.members.remove(m)
+            if m in self.seen:
+                self.seen.remove(m)
+        other = _Class(members, None if self.hessian is None else self.hessian.clone(), self.width, self.device)
+        if with_pending:
+            other.input, other.pending, other.seen = self.input, self.pending, list(members)
+            other.shared = self.shared = True
+        return other
+
+
+class SharedHessians:
+    """Stands in for GPTQModifier.calibrate_module during one layer's forward stage (see the module docstring)."""
+
+    def __init__(self, copies: bool = False, fast: bool = False):
+        """`copies`: finish() gives every module a Hessian of its own (a group's ranks reduce them in place);
+        `fast`: each term from fast_term (`[calibration] match_oneshot = false`), else the library's own."""
+        self._copies = copies
+        self._term = fast_term if fast else term
+        self._of: dict = {}  # module -> its _Class
+        self._classes: list[_Class] = []
+        self._modifiers: dict = {}  # module -> the GPTQModifier whose hook it is
+        self.computed = 0  # terms computed, for the stage clock's curious (tests read it)
+        self.served = 0  # module samples served by a term computed for another module
+
+    @contextlib.contextmanager
+    def installed(self):
+        """GPTQModifier's hook replaced by this object's for the session's life (hooks bind it at registration)."""
+        original = GPTQModifier.calibrate_module
+        sharer = self
+
+        def calibrate_module(modifier, module, args, _output):
+            if type(module) is not torch.nn.Linear:
+                return original(modifier, module, args, _output)
+            sharer._hook(modifier, module, args[0])
+
+        with patch_attr(GPTQModifier, "calibrate_module", calibrate_module):
+            yield self
+
+    # ---- per sample ----------------------------------------------------------------------------------------
+    def _hook(self, modifier, module, x: torch.Tensor) -> None:
+        device = get_execution_device(module)
+        if module not in modifier._num_samples:  # calibrate_module's own bookkeeping, in its order
+            modifier._hessians[module] = None  # placeholder until finish(): keeps the library's module order
+            modifier._num_samples[module] = torch.zeros(tuple(), device=device)
+            self._modifiers[module] = modifier
+            c = self._join(module, x, module.weight.shape[1], torch.device(device))
+        else:
+            c = self._of[module]
+            if c.input is None:
+                self._compute(c, x)
+                c.seen = [module]
+            elif c.input.same(x) and module not in c.seen:
+                c.seen.append(module)
+                self.served += 1
+            else:
+                # another input than the others got, or a second call in this sample (its history then holds the
+                # pending term as well): it goes on alone, from the history it has
+                old, again = c, module in c.seen
+                c = self._leave(c, module, with_pending=again)
+                c.add_pending()  # a class of one with a history: added at once (no-op when the term is not its own)
+                self._compute(c, x)
+                c.seen = [module]
+                if old.members:
+                    self._settle(old)
+        modifier._num_samples[module] += self._count(x)
+        self._settle(c)
+
+    def _join(self, module, x: torch.Tensor, width: int, device: torch.device) -> _Class:
+        """A module's first call: into a class with no history yet whose input this sample is this same tensor,
+        else a class of its own."""
+        for c in self._classes:
+            if c.hessian is None and c.input is not None and c.input.same(x) and c.width == width \
+                    and c.device == device:
+                c.members.append(module)
+                c.seen.append(module)
+                self._of[module] = c
+                self.served += 1
+                return c
+        c = _Class([module], None, width, device)
+        self._classes.append(c)
+        self._of[module] = c
+        self._compute(c, x)
+        c.seen = [module]
+        return c
+
+    def _leave(self, c: _Class, module, with_pending: bool) -> _Class:
+        other = c.split([module], with_pending)
+        self._classes.append(other)
+        self._of[module] = other
+        if not c.members:
+            self._classes.remove(c)
+        return other
+
+    def _compute(self, c: _Class, x: torch.Tensor) -> None:
+        c.pending, _ = self._term(x, c.device)
+        c.input = _Input(x)
+        self.computed += 1
+
+    @staticmethod
+    def _count(x: torch.Tensor) -> int:
+        return x.shape[0] if x.dim() >= 3 else 1  # accumulate_hessian's num_added
+
+    @staticmethod
+    def _settle(c: _Class) -> None:
+        """Add the pending term once every member has it; a class with no history waits for the sample's end."""
+        if c.pending is not None and c.hessian is not None and len(c.seen) == len(c.members):
+            c.add_pending()
+
+    def end_sample(self) -> None:
+        """After each sample's forward: members that did not get the class's input keep the history without it."""
+        for c in list(self._classes):
+            if c.pending is None:
+                continue
+            missed = [m for m in c.members if m not in c.seen]
+            if missed:
+                self._classes.append(c.split(missed, with_pending=False))
+                for m in missed:
+                    self._of[m] = self._classes[-1]
+            c.add_pending()
+
+    def finish(self) -> None:
+        """Hand each module its Hessian, where the library's hook would have left it, before its solve."""
+        self.end_sample()
+        for c in self._classes:
+            for k, m in enumerate(c.members):
+                hessian = c.hessian.clone() if self._copies and k > 0 else c.hessian
+                self._modifiers[m]._hessians[m] = hessian
+        self._of, self._classes, self._modifiers = {}, [], {}
