@@ -23,7 +23,7 @@ The hierarchy (exit code in brackets)::
      └── Cancelled .............................. [130] cancel() or Ctrl-C; the state is resumable
 
 Rules: messages are one line and say how to fix the problem; a foreign exception is translated once, at the
-boundary where it enters (`raise Ours(...) from exc`); nothing here imports torch.
+boundary where it enters (`raise Ours(...) from exc`); nothing here imports torch. `one_line` is how a foreign exception's message becomes one line.
 """
 from __future__ import annotations
 
@@ -114,7 +114,19 @@ class NameClash(SupervisorError, ImportError):
     exit_code = 2
 
 
+CANCELLED = "export cancelled; run the same job again to resume"
+
+
 class Cancelled(SupervisorError):
     """The export was cancelled (cancel() or Ctrl-C); run it again to resume."""
 
     exit_code = 130
+
+    def __init__(self, message: str = CANCELLED):
+        super().__init__(message)
+
+
+def one_line(exc: BaseException) -> str:
+    """A foreign exception's message as one line (its last non-empty one: Ray's own end with the cause)."""
+    text = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return text[-1] if text else type(exc).__name__

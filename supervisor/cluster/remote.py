@@ -36,7 +36,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 from supervisor.cluster import channel
-from supervisor.cluster.seats import one_line
+from supervisor.errors import one_line
 from supervisor.workers.worker import CancelledWait, Worker, WorkerLost
 
 TOKEN_BYTES = channel.TOKEN_BYTES

@@ -29,7 +29,7 @@ import socket
 import threading
 from dataclasses import dataclass
 
-from supervisor.errors import ClusterError, DeviceError, NoRoom
+from supervisor.errors import ClusterError, DeviceError, NoRoom, one_line
 
 PROBE_SECONDS = 120.0  # every node host's answer to the file-system probe; past it the join fails
 SHUTDOWN_SECONDS = 30.0  # ray.shutdown() at the run's end, on a thread: past it the run ends without waiting
@@ -373,8 +373,3 @@ def _probe(ray, cluster: Cluster, source_files: dict[str, int], output: str, tls
             except OSError:
                 pass
 
-
-def one_line(exc: BaseException) -> str:
-    """A foreign exception's message as one line (its last non-empty one: Ray's own end with the cause)."""
-    text = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return text[-1] if text else type(exc).__name__

@@ -24,6 +24,7 @@ Owns scheduling only: it never touches the journal or files itself (on_written d
 """
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import threading
@@ -37,7 +38,6 @@ from supervisor import events as ev
 from supervisor.errors import Cancelled, ExportFailed, NoRoom, SourceError, SupervisorError
 from supervisor.workers.worker import CancelledWait, Worker, WorkerLost
 
-ENOSPC = 28
 MAX_BACKOFF = 10.0
 
 
@@ -262,7 +262,7 @@ class Scheduler:
         if self._error is not None:
             raise self._error
         if self.cancel.is_set():
-            raise Cancelled("export cancelled; run the same job again to resume")
+            raise Cancelled()
 
     def _stopping(self) -> bool:
         return self.cancel.is_set() or self._abort.is_set()
@@ -440,7 +440,7 @@ class Scheduler:
             if isinstance(reply, success):
                 return reply, w
             if isinstance(reply, Failed):
-                if reply.errno == ENOSPC:
+                if reply.errno == errno.ENOSPC:
                     raise ExportFailed(f"disk full while writing {what}: free some space and run again to resume",
                                        index=index, traceback=reply.traceback)
                 if not reply.retry or reply.refused:
@@ -455,7 +455,7 @@ class Scheduler:
                 raise for_good(exc.failed, "starting the worker") from None
             reason, trace = exc.reason, exc.log_tail
         except CancelledWait:
-            raise Cancelled("export cancelled; run the same job again to resume") from None
+            raise Cancelled() from None
         # Whatever went wrong, the next attempt gets a fresh process: a failed child's state is suspect.
         self._drop(slot, kill=True)
         slot.died_at = time.monotonic()
@@ -465,7 +465,7 @@ class Scheduler:
         delay = min(self.retry_delay * 2 ** (attempt - 1), MAX_BACKOFF)
         self.emit(ev.Retrying(index=index, attempt=attempt + 1, reason=reason, delay=delay, what=what))
         if self._wait(delay):
-            raise Cancelled("export cancelled; run the same job again to resume")
+            raise Cancelled()
         return None, None
 
     def _wait(self, seconds: float) -> bool:
@@ -514,7 +514,7 @@ class Scheduler:
                                                   self.slots[0])
         for attempt in range(1, self.max_attempts + 1):
             if self.cancel.is_set():
-                raise Cancelled("export cancelled; run the same job again to resume")
+                raise Cancelled()
             reply, _ = self._request(slot, msg() if callable(msg) else msg, success, None, attempt, what)
             if reply is not None:
                 return reply

@@ -26,6 +26,7 @@ wire format (shared.framing), and imports torch only when a live model is handed
 """
 from __future__ import annotations
 
+import errno
 import collections
 import contextlib
 import functools
@@ -64,7 +65,6 @@ if TYPE_CHECKING:  # supervisor.live.model imports torch; a plan for a checkpoin
     from supervisor.live.model import Saved
     from supervisor.live.qlora import LiveLora, Shared
 
-ENOSPC = 28
 # Test-only: "1" judges the export plan beside the first parts, "0" before them, whatever the host's free memory
 # (tests/scenarios run both orderings on the CPU machine).
 PLAN_BESIDE_ENV = "SUPERVISOR_TEST_PLAN_BESIDE"
@@ -210,14 +210,13 @@ class Run:
             try:
                 terminal = self._export()
             except OSError as exc:
-                if exc.errno != ENOSPC:
+                if exc.errno != errno.ENOSPC:
                     raise
                 # The supervisor's own writes (journal, index, side files) on a full disk: same story as a shard.
                 raise ExportFailed(f"disk full while writing into {self.plan.output!r} ({exc.filename or 'journal'}):"
                                    " free some space and run again to resume") from exc
         except (Cancelled, CancelledWait) as exc:
-            self.error = exc if isinstance(exc, Cancelled) else Cancelled(
-                "export cancelled; run the same job again to resume")
+            self.error = exc if isinstance(exc, Cancelled) else Cancelled()
             terminal = ev.Cancelled()
         except SupervisorError as exc:
             self.error = exc
@@ -613,7 +612,7 @@ class Run:
 
     def _check_cancel(self) -> None:
         if self._cancel.is_set():
-            raise Cancelled("export cancelled; run the same job again to resume")
+            raise Cancelled()
 
     def _start_zygote(self) -> None:
         """Start the warm parent that forks workers. It is spawned from the long-lived spawner thread: a
@@ -634,7 +633,7 @@ class Run:
         except ZygoteLost as exc:
             raise ExportFailed(f"workers cannot start: {exc.reason}", traceback=exc.log_tail) from None
         except CancelledWait:
-            raise Cancelled("export cancelled; run the same job again to resume") from None
+            raise Cancelled() from None
         self._zygote = z
         self._emit(ev.PoolStarted(pid=z.pid, seconds=round(time.monotonic() - t, 3), imports=z.seconds,
                                   forking=z.forkable, reused=z.reused, kept=z.keep_warm if z.kept else 0.0))
