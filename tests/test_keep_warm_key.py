@@ -47,3 +47,11 @@ def test_the_folder_is_private_or_not_used(tmp_path, monkeypatch):
     assert zygote.kept_dir() is None
     os.chmod(made, 0o700)
     assert zygote.kept_parents() == []
+
+
+def test_the_code_stamp_covers_the_sub_packages():
+    """A module in a sub-package (child/backends/, child/sources/) is in the stamp: editing it starts a fresh warm
+    parent instead of serving the old code."""
+    files = {(f[0], f[1]) for f in zygote._code_stamp()[1]}
+    assert ("child", os.path.join("backends", "quantize.py")) in files
+    assert ("child", os.path.join("sources", "checkpoint.py")) in files

@@ -1,7 +1,7 @@
 """The Backend: one per output format and method; how a layer is quantized, how its shard is serialized, what
 config.json says, and (calibrated methods) the activations that cross from one layer to the next.
 
-    Exporter (child/__main__.py)          Backend (one per job, built once per worker)
+    Exporter (child/exporter.py)          Backend (one per job, built once per worker)
       ExportLayer(i, boundary, fence) ───▶ begin(i, boundary, fence)  calibrated: layer i's inputs at hand
       tensors of part i ─────────────────▶ quantize_layer(i, tensors) | quantize_non_layer(tensors)
       ◀──────────────────────── {name: tensor}  (the format's own objects, e.g. torchao tensor subclasses)

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 
 from shared.calibdata import CalibrationDataError, read_rows
 from shared.job import Job
+from shared.versions import installed
 from supervisor.errors import ArithmeticMismatch, CalibrationError
 from supervisor.checks.source import SourceInfo
 
@@ -161,7 +161,4 @@ def _tokenizer_files(folder: str) -> list[tuple[str, int, int]]:
 
 
 def _version(pkg: str) -> str:
-    try:
-        return version(pkg)
-    except PackageNotFoundError:
-        return "missing"
+    return installed((pkg,))[pkg]

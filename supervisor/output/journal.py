@@ -27,7 +27,6 @@ import os
 import time
 from collections.abc import Container
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from typing import Union
 
 import msgspec
@@ -35,6 +34,7 @@ import msgspec
 from shared import durable, layout
 from shared.job import Job, effective_ignore, to_dict
 from shared.messages import Boundary
+from shared.versions import installed
 from supervisor.errors import FingerprintMismatch, OutputError
 
 JOURNAL_VERSION = 2
@@ -96,13 +96,7 @@ _decoder = msgspec.json.Decoder(Record)
 
 
 def _versions(packages: tuple[str, ...] = _FINGERPRINT_PACKAGES) -> dict[str, str]:
-    out = {}
-    for pkg in packages:
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = "missing"
-    return out
+    return installed(packages)
 
 
 def fingerprint(job: Job, source_stats: list[tuple[str, int, int]], calibration: dict | None = None,

@@ -111,22 +111,20 @@ def kept_dir() -> str | None:
 
 def _code_stamp() -> list:
     """What the zygote imports from this repository, by file size and mtime, and the libraries' versions."""
-    from importlib import metadata
+    from shared.versions import installed
 
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     files = []
-    for pkg in ("child", "shared"):
+    for pkg in ("child", "shared"):  # the whole tree: a sub-package's module is served from the warm parent too
         root = os.path.join(here, pkg)
-        for name in sorted(os.listdir(root)):
-            if name.endswith(".py"):
-                st = os.stat(os.path.join(root, name))
-                files.append([pkg, name, st.st_size, st.st_mtime_ns])
-    versions = []
-    for lib in _LIBRARIES:
-        try:
-            versions.append([lib, metadata.version(lib)])
-        except metadata.PackageNotFoundError:
-            versions.append([lib, None])
+        for folder, dirs, names in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(names):
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    st = os.stat(path)
+                    files.append([pkg, os.path.relpath(path, root), st.st_size, st.st_mtime_ns])
+    versions = [[lib, v] for lib, v in installed(_LIBRARIES, None).items()]
     return [here, files, versions]
 
 
