@@ -2,7 +2,7 @@
 
 1. the first part a fresh worker quantizes (0.70-0.78 s on an H200 against 0.08 s for the next ones, 2026-12-01,
    `export_bench.py --per-layer`): where it goes, by cProfile of that first call in a fresh process;
-2. the next part copied onto the device while this one is quantized (what child/__main__.py's prefetch thread did
+2. the next part copied onto the device while this one is quantized (what child/exporter.py's prefetch thread did
    until 2026-12-01; it now copies after the quantize stage): the quantize call alone, then with another layer's
    mapped tensors copied to the device in a thread at the same time, on the default stream and on a stream of the
    thread's own, the output taken off the GPU as a worker does (child/staging.py).

@@ -3,7 +3,7 @@
     ValueError
      └── Refused   the job asks for something this source cannot give: bad input, not a crash
 
-An exception never crosses the pipe as itself: child/__main__.py's `_failed` sends it as `Failed(kind, message,
+An exception never crosses the pipe as itself: child/exporter.py's `_failed` sends it as `Failed(kind, message,
 traceback, refused=isinstance(exc, Refused))`, and the supervisor makes a refused one a SourceError (exit code 2,
 never retried; supervisor/run/scheduler.py `for_good`). Owns these classes only, and imports nothing: the backends
 (child/backends/quantize.py, child/backends/name_only.py, ...) and child/backends/backend.py, which picks among them, all import it without

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SILENCE = 3.0  # the heartbeat timeout the host bounds the connection's silence by
 
 # In `unshare -n`: the run's port and a node host's connection on loopback; the worker stands in with the child's
-# own heartbeat thread (child.__main__.Beat: a heartbeat a second, os._exit(3) when a write fails); then loopback
+# own heartbeat thread (child.process.Beat: a heartbeat a second, os._exit(3) when a write fails); then loopback
 # goes down, so nothing is acknowledged any more and no FIN or RST ever comes.
 _SCRIPT = r"""
 import json, os, select, subprocess, sys, time
@@ -35,7 +35,7 @@ dialed = node_agent.dial("127.0.0.1", listener.port, token, channel.worker_key(l
 supervisor_end = arrived.result(5)
 worker = subprocess.Popen([sys.executable, "-c",
                            "import sys, time\n"
-                           "from child.__main__ import Beat\n"
+                           "from child.process import Beat\n"
                            "from shared.framing import Writer\n"
                            "Beat(Writer(int(sys.argv[1])), 0).start()\n"
                            "time.sleep(600)\n", str(dialed.fd)], pass_fds=(dialed.fd,))

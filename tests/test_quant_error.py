@@ -48,7 +48,7 @@ class _Beat:
 def test_worker_sends_the_errors_unless_the_job_turns_them_off(tiny_models, tmp_path, measure):
     """The child's LayerWritten carries every quantized module's error; [export] measure_error = false, or
     unset on a CPU worker: none."""
-    from child.__main__ import Exporter
+    from child.exporter import Exporter
     from shared.job import parse_job
     from shared.messages import PROTOCOL_VERSION, ExportLayer, Hello
 

@@ -1,4 +1,4 @@
-"""A worker's read-ahead (child/__main__.py, Exporter): the next part is read in the background while this one is
+"""A worker's read-ahead (child/exporter.py, Exporter): the next part is read in the background while this one is
 quantized, and put onto the device only once this part's quantize stage is over (beside it, on an H200, the copy
 held the quantize stage up: docs/performance.md). On this CPU machine "onto the device" leaves the tensors where they
 are, so the order is what is checked, by recording it; the bytes written are checked against a worker that reads
@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import threading
 
-from child.__main__ import Beat, Exporter
+from child.exporter import Exporter
+from child.process import Beat
 from shared import layout
 from shared.job import parse_job
 from shared.messages import PROTOCOL_VERSION, ExportLayer, Hello

@@ -304,6 +304,6 @@ def unknown_architecture(config_dir: str, allow_remote_code: bool) -> str | None
 
 
 def _version() -> str:
-    from importlib.metadata import version
+    from shared.versions import installed
 
-    return version("transformers")
+    return installed(("transformers",))["transformers"]

@@ -1,0 +1,402 @@
+"""What one worker does: the handshake (Hello -> Ready), then a loop of `match` on the supervisor's messages.
+
+    serve(reader, writer, parent_pid)   Hello ─▶ Exporter(hello, beat) ─▶ Ready
+      ExportLayer ─▶ Exporter.export: read (the next part read ahead), backend.quantize_*, stage, LayerWritten
+      WriteConfig | Describe | CheckLoad ─▶ ConfigWritten | Described | LoadChecked
+      Settle ─▶ Settled;  Stop ─▶ return
+    any exception ─▶ Failed(kind, message, traceback) on the pipe (never pickled)
+
+One long-lived process exports many layers (importing torch + llm-compressor costs seconds, so a process per layer
+is too slow). Talks only over the two dedicated pipe fds: stdout/stderr belong to the libraries. It writes nothing
+after its parent is gone (child/process.py). It must never import the supervisor package.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import secrets
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from child import faults, process
+from child.process import Beat
+from shared import layout
+from shared.arithmetic import device_model
+from shared.framing import EndOfStream, Reader, Writer
+from shared.messages import (NON_LAYER, PROTOCOL_VERSION, CheckLoad, ConfigWritten, Describe, Described, ExportLayer,
+                             Failed, Hello, LayerWritten, LoadChecked, LoadReport, Ready, Settle, Settled, Stop,
+                             WriteConfig)
+
+# A layer read ahead onto the GPU sits there beside the one being quantized. Up to this size that is cheap and
+# hides the read; a bigger layer (a large MoE's: GBs of experts) is read ahead on the host only, so the GPU holds
+# about one layer at a time.
+DEVICE_READ_AHEAD_MAX = 2 << 30
+
+
+class Exporter:
+    """What one worker does with ExportLayer / WriteConfig: read, quantize, write."""
+
+    def __init__(self, hello: Hello, beat: Beat):
+        from child.backends import quant_error
+        from child.backends.backend import make_backend  # heavy: torch, transformers, llm-compressor
+        from child.sources.checkpoint import open_source
+
+        job = hello.job
+        if job.resources.torch_threads:
+            import torch
+            torch.set_num_threads(job.resources.torch_threads)
+        self.rank = hello.group.rank if hello.group is not None else 0
+        if hello.group is not None:
+            from child.backends import group
+
+            beat.set(None, "rendezvous")
+            group.join(hello.group, job.resources.startup_timeout)
+        self.output, self.device, self.beat = hello.output, hello.device, beat
+        self.device_lock = hello.device_lock  # several workers take turns on this GPU: see _device_stage
+        self._index: int | None = None
+        self._writer: Writer | None = None
+        measure = job.export.measure_error
+        quant_error.enabled = hello.device.startswith("cuda") if measure is None else measure
+        from child.staging import HostStaging
+
+        self.source = open_source(job, hello.pool)
+        # the output's way off the GPU, reused part after part
+        self._staging = HostStaging(hello.device, stage_host=faults.stage_host())
+        # a live model has no checkpoint folder: the supervisor wrote its config.json beside the pool
+        self.config_dir = hello.pool.config_dir if hello.pool is not None else job.source.path
+        self._trust_remote_code = job.source is not None and job.source.allow_remote_code
+        self.backend = make_backend(job, self.config_dir, hello.device, output=hello.output, source=self.source,
+                                    stage=self._stage, calibration_sha256=hello.calibration_sha256,
+                                    to_host=self._staging.to_host)
+        self.prefix = self.backend.layer_prefix
+        self._clock: tuple[str, float] | None = None  # the calibrated stage in progress, since when
+        self._substages: dict[str, float] = {}
+        self._reached: set[str] = set()
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        self._ahead: dict[int, Future] = {}
+
+    def _names(self, index: int) -> list[str]:
+        if index == NON_LAYER:
+            return self.source.non_layer_names(self.prefix, self.backend.num_layers)
+        return self.source.layer_names(self.prefix, index)
+
+    def _read(self, index: int) -> tuple[dict, str]:
+        fut = self._ahead.pop(index, None)
+        return fut.result() if fut is not None else self._load(index)
+
+    def _load(self, index: int, *, onto_device: bool = True) -> tuple[dict, str]:
+        """Part `index`'s tensors, for a layer on a GPU already on the device (unless `onto_device` is False).
+        safetensors hands out tensors that map the file, so the bytes are only read (page faults, then the copy to
+        the GPU) when first touched: doing that in the prefetch thread overlaps it with the part before
+        (measured on an H200: a 436 MB layer spent ~0.2 s of its 0.43 s "quantize" stage reading)."""
+        names = self._names(index)
+        tensors, digest = self.source.read(names), self.source.digest(names)  # the digest: of the source bytes
+        return (self._onto_device(index, tensors) if onto_device else tensors), digest
+
+    def _onto_device(self, index: int, tensors: dict) -> dict:
+        if index != NON_LAYER and self.device.startswith("cuda") and self.backend.reads_to_device \
+                and not self.device_lock and self.source.nbytes(tensors) <= DEVICE_READ_AHEAD_MAX:
+            return {k: v.to(self.device) for k, v in tensors.items()}
+        return tensors
+
+    def _prefetch(self, index: int | None) -> None:
+        """Start reading part `index` (the next one) in the background, beside this part's quantize stage; its copy
+        to the GPU waits for _prefetch_onto_device. Keeps at most one part in flight."""
+        for stale in [k for k in self._ahead if k != index]:
+            self._ahead.pop(stale).cancel()
+        if index is not None and index not in self._ahead:
+            self._ahead[index] = self._prefetcher.submit(self._load, index, onto_device=False)
+
+    def _prefetch_onto_device(self, index: int | None) -> None:
+        """Once this part's quantize stage is over: copy the part read ahead to the GPU, beside this part's write.
+        Beside the quantize stage the copy held it up, on the default stream or on one of its own: measured on an
+        H200 (2026-12-01, `bench/export_bench.py --per-layer`), an 8B-shaped layer's quantize stage took 0.07-0.11 s
+        beside the copy and 0.016-0.025 s for the last layer, which has none to copy; after it, 0.012-0.035 s.
+        (The prefetch thread runs one task at a time, in order: the read has finished when the copy starts.)"""
+        read = self._ahead.get(index) if index is not None else None
+        if read is None:
+            return
+
+        def copy() -> tuple[dict, str]:
+            tensors, digest = read.result()
+            return self._onto_device(index, tensors), digest
+
+        self._ahead[index] = self._prefetcher.submit(copy)
+
+    @contextlib.contextmanager
+    def _device_stage(self, index: int):
+        """The part's time on the device. With Hello.device_lock (workers sharing a GPU whose layers are too big for
+        two at once) it is taken in turns: wait for the lock's flock, quantize, and before letting go hand every
+        cached block back to the driver, so the GPU holds one worker's layer at a time while the other worker reads
+        or writes on the host. A worker that dies holding it releases it with its file descriptor. Yields a dict
+        whose "wait" is the seconds spent waiting for the lock."""
+        timing = {"wait": 0.0}
+        if not self.device_lock:
+            yield timing
+            return
+        import fcntl
+
+        import torch
+
+        self.beat.set(index, "wait-device")
+        t = time.perf_counter()
+        fd = os.open(self.device_lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            timing["wait"] = time.perf_counter() - t
+            self.beat.set(index, "quantize")
+            faults.hit("device", index, self._writer)
+            yield timing
+            gc.collect()  # a reference cycle must not keep a layer's GPU memory past the turn
+            if self.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        finally:
+            os.close(fd)
+
+    def _stage(self, name: str) -> None:
+        """A stage inside the part in progress (calibrated: forward, calibrate, and inside it a group's reduce, solve
+        and broadcast, then propagate, quantize): shown in heartbeats, timed (LayerWritten.ranks), and a fault point
+        for tests ("quantize" fires once, after the part, as for every backend)."""
+        if self._clock is not None:
+            self._stage_end()
+        self._clock = (name, time.perf_counter())
+        self.beat.set(self._index, name)
+        if name != "quantize" and name not in self._reached:  # a stage entered again (calibrate, after a reduce)
+            self._reached.add(name)
+            faults.hit(name, self._index, self._writer)
+
+    def _take_substages(self) -> dict[str, dict[str, float]]:
+        """The calibrated stages' seconds in the part just done, under this worker's rank ({} for data-free)."""
+        if self._clock is not None:
+            self._stage_end()
+        out, self._substages = self._substages, {}
+        return {str(self.rank): {k: round(v, 4) for k, v in out.items()}} if out else {}
+
+    def _stage_end(self) -> None:
+        last, since = self._clock
+        self._substages[last] = self._substages.get(last, 0.0) + time.perf_counter() - since
+        self._clock = None
+
+    def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:
+        from child.backends import quant_error
+        from child.writer import stage_shard
+
+        index, t0 = msg.index, time.perf_counter()
+        fence = msg.fence or secrets.token_hex(8)  # every file of this attempt is named by it (messages: Fencing)
+        self._index, self._writer = index, writer
+        quant_error.take()  # drop what a failed earlier part may have left
+        quant_error.take_losses()
+        process.reset_peak_rss()
+        gpu = self._gpu_reset()
+        self._clock, self._substages, self._reached = None, {}, set()
+        self.beat.set(index, "read")
+        tensors, digest = self._read(index)
+        self._prefetch(msg.prefetch)
+        source_bytes = self.source.nbytes(tensors)
+        faults.hit("read", index, writer)
+        t_read = time.perf_counter()
+        self.backend.begin(index, msg.boundary, fence)  # calibrated: this layer's inputs (from memory, a file, or computed)
+        self.beat.set(index, "quantize")
+        staged_before = self._staging.capacity
+        t1 = time.perf_counter()
+        with self._device_stage(index) as turn:
+            if index == NON_LAYER:
+                out = self.backend.quantize_non_layer(tensors)
+            else:
+                out = self.backend.quantize_layer(index, tensors)
+            del tensors
+            if out is not None:  # pass-through tensors may still be on the device
+                out = {k: v.to("cpu") for k, v in out.items()}
+        t2 = time.perf_counter()
+        substages = self._take_substages()
+        if out is None:  # a group's rank other than 0: calibrated with the others, rank 0 writes the shard
+            return self._rank_done(index, fence, t0, {"read": t_read - t0, "inputs": t1 - t_read,
+                                                      "quantize": t2 - t1}, source_bytes, gpu, digest, substages)
+        self._prefetch_onto_device(msg.prefetch)
+        error_seconds = quant_error.spent
+        errors = quant_error.take()
+        losses = quant_error.take_losses()
+        faults.hit("quantize", index, writer)
+        self.beat.set(index, "write")
+        process.parent_alive()
+
+        def checkpoint(stage: str) -> None:
+            process.parent_alive()
+            faults.hit(stage, index, writer)
+
+        out, metadata = self.backend.serialize(out)
+        stages = {"read": t_read - t0, "inputs": t1 - t_read, "wait": turn["wait"],
+                  "quantize": t2 - t1 - turn["wait"] - error_seconds, "error": error_seconds}
+        w = stage_shard(out, os.path.join(self.output, layout.staged_name(index, fence)), checkpoint,
+                        metadata=metadata, timings=stages)
+        del out
+        if index == NON_LAYER and self._staging.capacity > staged_before:
+            self._staging.release()  # grown for a one-off part (a quantized lm_head): keep no more than a layer's
+        t3 = time.perf_counter()
+        settled = self.backend.settle()  # calibrated: this layer's inputs, whose file was written beside it
+        boundary = self.backend.commit(index)  # calibrated: the next layer's inputs, durable now or `pending`
+        checkpoint("boundary")
+        t4 = time.perf_counter()
+        gc.collect()
+        process.malloc_trim()
+        self.source.trim()
+        stages["boundary"] = t4 - t3
+        stages["cleanup"] = time.perf_counter() - t4
+        faults.log_live_tensors(index, settle=lambda: [f.result() for f in self._ahead.values()])
+        self.beat.set(None, "idle")
+        return LayerWritten(index=index, file=layout.shard_name(index), fence=fence, digest=w.digest, nbytes=w.nbytes, ino=w.ino, mtime_ns=w.mtime_ns,
+                            seconds=time.perf_counter() - t0, source_bytes=source_bytes,
+                            peak_rss=process.peak_rss(), rss=process.rss(), peak_gpu=self._gpu_peak(gpu), quant_error=errors,
+                            stages={k: round(v, 4) for k, v in stages.items()}, boundary=boundary,
+                            pending=self.backend.pending, settled=settled,
+                            source_digest=digest, rank=self.rank, losses=losses, ranks=substages)
+
+    def _rank_done(self, index: int, fence: str, t0: float, stages: dict, source_bytes: int, gpu, digest: str,
+                   substages: dict) -> LayerWritten:
+        """A group rank's part of a layer: no shard, only the boundary of its own samples, made durable."""
+        from child.backends import quant_error
+
+        faults.hit("quantize", index, self._writer)
+        process.parent_alive()
+        t = time.perf_counter()
+        boundary = self.backend.commit(index)
+        faults.hit("boundary", index, self._writer)
+        stages["boundary"] = time.perf_counter() - t
+        gc.collect()
+        process.malloc_trim()
+        self.source.trim()
+        self.beat.set(None, "idle")
+        return LayerWritten(index=index, file="", fence=fence, digest="", nbytes=0, seconds=time.perf_counter() - t0,
+                            source_bytes=source_bytes, peak_rss=process.peak_rss(), rss=process.rss(), peak_gpu=self._gpu_peak(gpu),
+                            stages={k: round(v, 4) for k, v in stages.items()}, boundary=boundary,
+                            source_digest=digest, rank=self.rank, losses=quant_error.take_losses(),
+                            ranks=substages)
+
+    def write_config(self, msg: WriteConfig, writer: Writer) -> ConfigWritten:
+        self.beat.set(None, "config")
+        faults.hit("config", None, writer)
+        os.makedirs(msg.dest, exist_ok=True)
+        path = self.backend.write_config(os.path.join(self.config_dir, "config.json"), msg.dest)
+        self.beat.set(None, "idle")
+        return ConfigWritten(path=path)
+
+    def describe(self, msg: Describe, writer: Writer) -> Described:
+        from child.preview import describe
+
+        def on_part(index: int) -> None:
+            self.beat.set(index, "plan")
+            process.parent_alive()
+
+        faults.hit("plan", None, writer)
+        described = describe(self.source, self.backend, os.path.join(self.config_dir, "config.json"),
+                             self._trust_remote_code, on_part)
+        self.beat.set(None, "idle")
+        return described
+
+    def check_load(self, msg: CheckLoad, writer: Writer) -> LoadChecked:
+        from child.loadcheck import check_folder
+
+        self.beat.set(None, "check")
+        if not self.backend.checks_loading:
+            report = LoadReport(checked=False, reason="the loader check covers compressed-tensors outputs")
+        else:
+            report = check_folder(msg.folder, self._trust_remote_code, msg.known)
+        self.beat.set(None, "idle")
+        return LoadChecked(load=report)
+
+    def _gpu_reset(self):
+        if not self.device.startswith("cuda"):
+            return None
+        import torch
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch
+
+    def _gpu_peak(self, torch) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device)) if torch is not None else 0
+
+
+# Failures the same input and code would repeat: a tensor layout the model does not have, a group size that does not
+# tile a weight, an architecture transformers cannot build. Memory, disk and I/O errors and RuntimeErrors (CUDA
+# out-of-memory among them) depend on the moment, and crashes are not exceptions at all: those are retried.
+_REPEATS = (ValueError, TypeError, KeyError, IndexError, AttributeError, NotImplementedError, ImportError)
+
+
+def _failed(index: int | None, exc: BaseException) -> Failed:
+    from child.errors import Refused
+
+    return Failed(index=index, kind=type(exc).__name__, message=str(exc) or type(exc).__name__,
+                  traceback="".join(traceback.format_exception(exc)),
+                  errno=exc.errno if isinstance(exc, OSError) else None,
+                  retry=not isinstance(exc, _REPEATS), refused=isinstance(exc, Refused))
+
+
+def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
+    try:
+        hello = reader.recv()
+    except EndOfStream:
+        return 0
+    if not isinstance(hello, Hello) or hello.version != PROTOCOL_VERSION:
+        got = getattr(hello, "version", type(hello).__name__)
+        writer.send(Failed(kind="ProtocolError", message=f"expected Hello version {PROTOCOL_VERSION}, got {got}"))
+        return 2
+    process.set_heartbeat(hello.heartbeat_seconds)
+    faults.worker = hello.worker
+    beat = Beat(writer, parent_pid)
+    beat.start()
+    try:
+        faults.hit("start", None, writer)  # inside: an exception while starting is reported like a real one
+        from child.backends.backend import hide_unused
+        from shared.job import warm_profile
+
+        hide_unused(warm_profile(hello.job))  # a spawned worker imports its libraries now (a forked one has them)
+        exporter = Exporter(hello, beat)
+    except Exception as exc:  # noqa: BLE001 - every failure crosses the pipe as data
+        writer.send(_failed(None, exc))
+        return 1
+    gc.freeze()  # what the worker built to start (skeleton, config) lives as long as it: keep it out of each
+    # layer's gc.collect(), which then costs milliseconds instead of a third of a second (see child.zygote)
+    free, total = process.gpu_memory(hello.device)
+    import torch  # imported with the backend already
+
+    writer.send(Ready(version=PROTOCOL_VERSION, pid=os.getpid(), device=hello.device,
+                      layer_prefix=exporter.prefix, num_layers=exporter.backend.num_layers,
+                      versions=process.versions(), gpu_free=free, gpu_total=total, threads=torch.get_num_threads(),
+                      device_model=device_model(hello.device)))
+    beat.set(None, "idle")
+    while True:
+        try:
+            msg = reader.recv()
+        except EndOfStream:
+            return 0
+        match msg:
+            case ExportLayer():
+                try:
+                    reply = exporter.export(msg, writer)
+                except Exception as exc:  # noqa: BLE001 - MemoryError included: report, then the supervisor decides
+                    reply = _failed(msg.index, exc)
+                writer.send(reply)
+            case WriteConfig() | Describe() | CheckLoad():
+                handle = {WriteConfig: exporter.write_config, Describe: exporter.describe,
+                          CheckLoad: exporter.check_load}[type(msg)]
+                try:
+                    reply = handle(msg, writer)
+                except Exception as exc:  # noqa: BLE001
+                    reply = _failed(None, exc)
+                writer.send(reply)
+            case Settle():
+                try:
+                    reply = Settled(boundary=exporter.backend.settle())
+                except Exception as exc:  # noqa: BLE001
+                    reply = _failed(None, exc)
+                writer.send(reply)
+            case Stop():
+                if hello.group is not None:
+                    from child.backends import group
+
+                    group.leave()
+                return 0
+            case _:
+                writer.send(Failed(kind="ProtocolError", message=f"unexpected message {type(msg).__name__}"))
+                return 2
