@@ -361,7 +361,7 @@ def build(args, path: str) -> int:
 WARM_KERNELS = r"""
 import sys
 import torch
-from child.backends.backend import hide_unused
+from child.imports import hide_unused
 hide_unused("compressed-tensors")
 from child.backends.quantize import LayerQuantizer
 from child.sources.checkpoint import Checkpoint

@@ -37,7 +37,7 @@ def main() -> None:
     args = p.parse_args()
 
     t0 = time.perf_counter()
-    from child.backends.backend import preload
+    from child.imports import preload
 
     preload("compressed-tensors")
     import torch

@@ -72,7 +72,7 @@ warm_parent_imports() {  # warm_parent_imports MODULE...: the warm parent's impo
   for i in 1 2; do
     env PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1 timeout 120 python3 -c '
 import sys, time
-t = time.perf_counter(); from child.backends.backend import preload; preload("compressed-tensors")
+t = time.perf_counter(); from child.imports import preload; preload("compressed-tensors")
 heavy = [m for m in ('"$mods"') if sys.modules.get(m) is not None]
 print(f"warm parent imports: {time.perf_counter() - t:.2f} s; imported: {heavy}")' 2>&1 | grep "warm parent" | tee -a "$OUT/imports.txt"
   done
@@ -80,7 +80,7 @@ print(f"warm parent imports: {time.perf_counter() - t:.2f} s; imported: {heavy}"
 
 preload_profile() {  # where the warm parent's imports go (as child/zygote.py does them), against oneshot's imports
   local envs="PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1"
-  env $envs timeout 120 python3 -X importtime -c "from child.backends.backend import preload; preload('compressed-tensors')" \
+  env $envs timeout 120 python3 -X importtime -c "from child.imports import preload; preload('compressed-tensors')" \
     2> "$OUT/importtime.raw" > /dev/null
   awk -F'|' '/import time:/ {gsub(/ /, "", $2); print $2, $3}' "$OUT/importtime.raw" | sort -n -r | head -80 \
     > "$OUT/importtime.txt"
@@ -88,7 +88,7 @@ preload_profile() {  # where the warm parent's imports go (as child/zygote.py do
     env $envs timeout 120 python3 -c '
 import sys, time
 t = time.perf_counter(); import torch; a = time.perf_counter() - t
-from child.backends.backend import preload; preload("compressed-tensors"); b = time.perf_counter() - t
+from child.imports import preload; preload("compressed-tensors"); b = time.perf_counter() - t
 heavy = [m for m in ("triton", "torch._dynamo", "sympy", "datasets", "pandas", "torchao", "scipy", "torch.distributed.tensor") if sys.modules.get(m) is not None]
 print(f"warm parent imports: torch {a:.2f} s, all {b:.2f} s; imported: {heavy}")' 2>&1 | grep "warm parent" >> "$OUT/importtime.txt"
     timeout 120 python3 -c 'import time; t = time.perf_counter(); from llmcompressor import oneshot; import transformers

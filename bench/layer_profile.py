@@ -43,7 +43,7 @@ def main() -> None:
     if args.moe:
         return moe(args)
 
-    from child.backends.backend import hide_unused
+    from child.imports import hide_unused
 
     hide_unused("compressed-tensors")
     import torch
@@ -136,7 +136,7 @@ def staged_walls(config_dir, scheme, names, tensors, device, rounds, input_pinne
 def moe(args) -> None:
     """One MoE layer of a DeepseekV3 model (layer 1; layer 0 is dense), written to a safetensors file and read back
     mapped, as a worker's source gives it."""
-    from child.backends.backend import hide_unused
+    from child.imports import hide_unused
 
     hide_unused("compressed-tensors")
     import torch

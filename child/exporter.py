@@ -41,7 +41,7 @@ class Exporter:
     def __init__(self, hello: Hello, beat: Beat):
         from child.backends import quant_error
         from child.backends.backend import make_backend  # heavy: torch, transformers, llm-compressor
-        from child.sources.checkpoint import open_source
+        from child.sources import open_source
 
         job = hello.job
         if job.resources.torch_threads:
@@ -347,7 +347,7 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
     beat.start()
     try:
         faults.hit("start", None, writer)  # inside: an exception while starting is reported like a real one
-        from child.backends.backend import hide_unused
+        from child.imports import hide_unused
         from shared.job import warm_profile
 
         hide_unused(warm_profile(hello.job))  # a spawned worker imports its libraries now (a forked one has them)

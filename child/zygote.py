@@ -331,7 +331,7 @@ def _imports(fmt: str) -> tuple[float, bool]:
     try:
         import torch
 
-        from child.backends.backend import preload
+        from child.imports import preload
 
         hashing = _hash_triton_ahead()
         with _capability_from_nvml(torch):

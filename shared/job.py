@@ -129,7 +129,7 @@ def is_calibrated(job: Job) -> bool:
 
 
 def warm_profile(job: Job) -> str:
-    """What a worker of this job imports, as the warm parent names it (child/zygote.py, child/backend.preload): the
+    """What a worker of this job imports, as the warm parent names it (child/zygote.py, child/imports.py preload): the
     format, and "+calibration" for a calibrated export, whose samples go through `datasets` (a data-free warm parent
     leaves that library unloaded). Part of a kept warm parent's key, so a data-free one never serves a calibrated
     export."""

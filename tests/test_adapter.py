@@ -13,7 +13,8 @@ import torch
 
 from child.sources.adapter import AdapterFolder, Merged
 from child.backends.quantize import DEFAULT_IGNORE, LayerQuantizer
-from child.sources.checkpoint import Checkpoint, open_source
+from child.sources import open_source
+from child.sources.checkpoint import Checkpoint
 from shared.job import parse_job
 from supervisor.checks.adapter import inspect_adapter
 from supervisor.api import prepare

@@ -1,4 +1,4 @@
-"""child/backends/backend.py: what a worker of each format imports."""
+"""child/imports.py: what a worker of each format imports."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = ("import sys, torch\n"
-         "from child.backends.backend import preload\n"
+         "from child.imports import preload\n"
          "preload({fmt!r})\n"
          "from transformers.utils import import_utils\n"
          "print('torchao', sys.modules.get('torchao') is not None, import_utils.is_torchao_available())\n")
@@ -28,7 +28,7 @@ def test_a_compressed_tensors_worker_never_imports_torchao(fmt, imported):
 
 
 EXTRAS_PROBE = ("import sys\n"
-                "import child.backends.backend as b\n"
+                "import child.imports as b\n"
                 "if sys.argv[1] == 'without':\n"
                 "    b._UNUSED = {{}}\n"
                 "b.preload({fmt!r})\n"
@@ -71,7 +71,7 @@ def test_transformers_optional_extras_stay_out_of_a_worker(fmt, tmp_path):
 
 
 PEFT_PROBE = ("import sys\n"
-              "import child.backends.backend as b\n"
+              "import child.imports as b\n"
               "if sys.argv[1] == 'without':\n"
               "    b._UNUSED = {}\n"
               "b.preload('compressed-tensors')\n"
@@ -101,7 +101,7 @@ def test_peft_stays_out_of_a_worker_until_an_adapter_is_merged():
 
 
 DATASETS_PROBE = ("import sys\n"
-                  "from child.backends.backend import preload\n"
+                  "from child.imports import preload\n"
                   "preload(sys.argv[1])\n"
                   "import llmcompressor, datasets\n"
                   "from datasets import Dataset\n"

@@ -16,9 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what the warm parent's imports leave: the collector's record, and transformers' lazy import structure
 PROBE = """
 import gc, hashlib, json, sys
-import child.backends.backend
+import child.imports
 if sys.argv[1] == "transformers-own-cache":  # the reference: transformers' scan as it ships, nothing else changed
-    child.backends.backend._WholeScanCache.find_spec = lambda self, fullname, path=None, target=None: None
+    child.imports._WholeScanCache.find_spec = lambda self, fullname, path=None, target=None: None
 from child.zygote import _imports
 _imports("compressed-tensors")
 import transformers, transformers.models
@@ -71,7 +71,7 @@ def test_transformers_reads_each_model_folder_once_and_builds_the_same_import_st
 # a worker's first steps after the warm parent's imports: the backend for a tiny Llama, what it imported and built
 WORKER_PROBE = """
 import json, sys
-from child.backends.backend import preload
+from child.imports import preload
 preload("compressed-tensors")
 import transformers.conversion_mapping as mapping
 builds = []

@@ -83,8 +83,8 @@ _THROUGH_IMPORTS = textwrap.dedent("""
     cache.triton_key, runtime.cache, triton.runtime = triton_key, cache, runtime
     sys.modules.update({"triton": triton, "triton.runtime": runtime, "triton.runtime.cache": cache})
 
-    import child.backends.backend
-    child.backends.backend.preload = lambda fmt: print("beside the imports:", computed.wait(timeout=30))
+    import child.imports
+    child.imports.preload = lambda fmt: print("beside the imports:", computed.wait(timeout=30))
     from child import zygote
 
     zygote._imports("compressed-tensors")

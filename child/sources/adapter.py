@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from child.backends.backend import allow
+from child.imports import allow
 from shared.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, not_mergeable_key, split_key, unsupported
 
-allow("peft")  # the warm parent marks it absent: no other export imports it (child/backends/backend.py)
+allow("peft")  # the warm parent marks it absent: no other export imports it (child/imports.py)
 _NAME = "default"
 
 

@@ -57,32 +57,6 @@ class Source(Protocol):
         """Give back what the source keeps mapped for parts already exported (called after each part)."""
 
 
-def open_source(job, pool=None) -> Source:
-    """The Source the job names: a live model's pool (Hello.pool) or the checkpoint on disk, with its LoRA
-    adapter (a [source] adapter folder, or the live PEFT model's own pairs) merged on top. A pool with a [source]
-    holds only a live QLoRA model's pairs, merged over that checkpoint."""
-    from child.sources.adapter import Merged
-
-    if pool is not None and job.source is not None:
-        from child.sources.live import PoolSource
-
-        # a live PEFT model over a quantized base (supervisor/live/qlora.py): the 16-bit checkpoint, and the live
-        # pairs from the pool merged as PeftModel.from_pretrained(base, <the adapter saved>) would (upcast)
-        pairs = PoolSource(pool, autocast=True)
-        return Merged(Checkpoint(job.source.path), pairs.pairs, digest=pairs.pairs_digest)
-    if pool is not None:
-        from child.sources.live import PoolSource
-
-        live = PoolSource(pool)
-        return Merged(live, live.pairs) if live.has_loras else live
-    disk = Checkpoint(job.source.path)
-    if job.source.adapter:
-        from child.sources.adapter import AdapterFolder
-
-        return Merged(disk, AdapterFolder(job.source.adapter).pairs)
-    return disk
-
-
 class NamedTensors:
     """What a Source derives from the names of its tensors (`_names`: any collection of every tensor name); reading
     the tensors is each Source's own."""

@@ -10,7 +10,7 @@ of the shared memory), so reading a layer costs no copy and the child's memory h
 `trim()` after each part unmaps what it touched, so the child's RSS stays one layer's.
 `digest(names)` hashes a part's tensors (and its LoRA pairs) so the journal can tell a changed live model from the
 one the shards came from. A QLoRA model's pool holds LoRA pairs only (supervisor/live/qlora.py): `pairs` and
-`pairs_digest` serve them, merged over the checkpoint on disk (child/sources/checkpoint.py's open_source). Owns reading the
+`pairs_digest` serve them, merged over the checkpoint on disk (child/sources/__init__.py's open_source). Owns reading the
 mapping only; it never writes to it and never closes the supervisor's memory (closing the fds here closes only the
 child's copies).
 """

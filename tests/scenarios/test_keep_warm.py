@@ -192,7 +192,7 @@ def test_another_environment_gets_another_parent(model, runtime, tmp_path):
 
 
 def test_a_calibrated_run_never_forks_from_a_data_free_parent(model, runtime, tmp_path):
-    """A data-free run's kept parent leaves `datasets` unloaded (child/backends/backend.py); a calibrated export reads its
+    """A data-free run's kept parent leaves `datasets` unloaded (child/imports.py); a calibrated export reads its
     samples through it, so it gets a parent of its own profile, and finishes; each kept parent then serves the
     runs of its own profile."""
     from tests.ref_calib import token_rows, write_jsonl
