@@ -29,7 +29,6 @@ import secrets
 import selectors
 import socket
 import ssl
-import subprocess
 import threading
 import time
 from concurrent.futures import Future
@@ -37,6 +36,7 @@ from typing import Callable
 
 from supervisor.cluster import channel
 from supervisor.errors import one_line
+from supervisor.workers.handle import Handle
 from supervisor.workers.worker import CancelledWait, Worker, WorkerLost
 
 TOKEN_BYTES = channel.TOKEN_BYTES
@@ -304,10 +304,10 @@ def _quiet_close(sock) -> None:
         pass
 
 
-class RemoteProc:
-    """A worker process on another node, with the subset of subprocess.Popen that supervisor.workers.worker uses. Its exit
-    is asked of the node host one `wait_worker` call at a time, each answered within WAIT_SLICE (the exit code,
-    or None: not yet); an error there means the actor or its node died."""
+class RemoteProc(Handle):
+    """A worker process on another node (a ProcessHandle, supervisor/workers/handle.py). Its exit is asked of the
+    node host one `wait_worker` call at a time, each answered within WAIT_SLICE (the exit code, or None: not yet);
+    an error there means the actor or its node died."""
 
     def __init__(self, host, pid: int, where: str):
         import ray
@@ -344,15 +344,8 @@ class RemoteProc:
             if deadline is not None and time.monotonic() >= deadline:
                 return False
 
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self._settle(0)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None and not self._settle(timeout):
-            raise subprocess.TimeoutExpired(f"worker {self.pid} on {self.where}", timeout)
-        return self.returncode
+    def _exited(self, timeout: float | None) -> bool:
+        return self.returncode is not None or self._settle(timeout)
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
@@ -360,14 +353,6 @@ class RemoteProc:
                 self.host.signal_worker.remote(self.pid, int(sig))  # not waited for: the exit says it landed
             except Exception:  # noqa: BLE001 - a dead host: the process is gone with it
                 pass
-
-    def terminate(self) -> None:
-        import signal
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        import signal
-        self.send_signal(signal.SIGKILL)
 
 
 class RemoteWorker(Worker):

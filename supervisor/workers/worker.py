@@ -22,6 +22,7 @@ from typing import Callable
 
 from shared.framing import EndOfStream, FrameError, Reader, Writer
 from shared.messages import PROTOCOL_VERSION, Failed, Heartbeat, Hello, Ready, Stop, ToSupervisor
+from supervisor.workers.handle import ProcessHandle, pumped
 from supervisor.workers.logpump import LogPump, OnLine
 
 POLL = 0.2  # seconds between checks of the process, the cancel flag and the heartbeat clock
@@ -86,7 +87,7 @@ class Worker:
         self.env = env
         self.startup_timeout = startup_timeout
         self.heartbeat_timeout = heartbeat_timeout
-        self.proc: subprocess.Popen | None = None
+        self.proc: ProcessHandle | None = None
         self.ready: Ready | None = None
         self.rss = 0
         self.layers_done = 0
@@ -126,25 +127,16 @@ class Worker:
         p2c_r, p2c_w = os.pipe()
         c2p_r, c2p_w = os.pipe()
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+        start = self.fork or spawn
         try:
             with open(self.log_path, "ab") as log:
                 self._log_start = os.fstat(log.fileno()).st_size  # earlier workers' output is not this child's
-            if self.fork is not None:
-                self.proc = self.fork(self.env, (p2c_r, c2p_w), (out_w, err_w))
-            else:
-                self.proc = spawn(self.env, (p2c_r, c2p_w), (out_w, err_w))
-        except BaseException:
-            os.close(out_r)
-            os.close(err_r)
-            raise
+            # stdout/stderr go through the pump: into the log file, and to on_log as LogLine events
+            self.proc, self._pump = pumped(lambda out_w, err_w: start(self.env, (p2c_r, c2p_w), (out_w, err_w)),
+                                           self.log_path, self.on_log)
         finally:
-            for fd in (p2c_r, c2p_w, out_w, err_w):
-                os.close(fd)
-        # stdout/stderr go through the pump: into the log file, and to on_log as LogLine events
-        self._pump = LogPump({"stdout": out_r, "stderr": err_r}, self.log_path, self.proc.pid, self.on_log)
-        self._pump.start()
+            os.close(p2c_r)
+            os.close(c2p_w)
         self._fds = [p2c_w, c2p_r]
         return c2p_r, p2c_w
 

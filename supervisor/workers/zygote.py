@@ -42,6 +42,7 @@ from typing import Callable
 
 from shared import durable
 from supervisor.run import verbatim
+from supervisor.workers.handle import Handle, pumped
 from supervisor.workers.logpump import LogPump, OnLine
 from supervisor.workers.worker import CancelledWait, describe_exit
 
@@ -211,8 +212,9 @@ class ZygoteLost(Exception):
         self.reason, self.log_tail = reason, log_tail
 
 
-class Forked:
-    """A worker forked by the zygote, with the subset of subprocess.Popen that supervisor.workers.worker uses."""
+class Forked(Handle):
+    """A worker forked by the zygote (a ProcessHandle, supervisor/workers/handle.py): its exit arrives on the
+    zygote's socket and settles it."""
 
     def __init__(self, pid: int, zygote: "Zygote"):
         self.pid = pid
@@ -232,13 +234,10 @@ class Forked:
             os.close(self._pidfd)
             self._pidfd = None
 
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if not self._settled.wait(timeout):
-            raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
-        return self.returncode
+    def _exited(self, timeout: float | None) -> bool:
+        if timeout == 0:
+            return self._settled.is_set()
+        return self._settled.wait(timeout)
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is not None:
@@ -250,12 +249,6 @@ class Forked:
                 os.kill(self.pid, sig)
         except (ProcessLookupError, OSError):
             pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 class Zygote:
@@ -304,22 +297,14 @@ class Zygote:
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         cmd = [sys.executable, "-P", "-m", "child.zygote", "--sock-fd", str(theirs.fileno()),
                "--parent-pid", str(os.getpid()), "--format", self.fmt]
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
         try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
-                                         pass_fds=(theirs.fileno(), *self.pass_fds), close_fds=True, env=self.env)
-        except BaseException:
-            os.close(out_r)
-            os.close(err_r)
-            raise
+            self.proc, self._pump = pumped(
+                lambda out_w, err_w: subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+                                                      pass_fds=(theirs.fileno(), *self.pass_fds), close_fds=True,
+                                                      env=self.env), self.log_path, self.on_log)
         finally:
             theirs.close()
-            os.close(out_w)
-            os.close(err_w)
         self.pid = self.proc.pid
-        self._pump = LogPump({"stdout": out_r, "stderr": err_r}, self.log_path, self.proc.pid, self.on_log)
-        self._pump.start()
         self._connected(ours)
         self._wait_ready(cancelled)
 
