@@ -64,7 +64,7 @@ from child.backends import group, quant_error
 from child.backends.hessians import SharedHessians
 from child.backends.boundary import Activations, BoundaryWriter, PendingWrite
 from child.backends.naming import find_decoder_layers
-from child.backends.quantize import LayerQuantizer, _linearize_meta_experts, _load_config, _materialise, _rooted
+from child.backends.quantize import LayerQuantizer, linearize_meta_experts, load_config, materialise, rooted
 from child.backends.samples import calibration_ids
 from child.staging import plain_to_host
 from shared import layout
@@ -103,7 +103,7 @@ class Calibrator:
         self.method, self.scheme, self.ignore = job.export.method, job.export.scheme, effective_ignore(job)
         self._calibration_sha256 = calibration_sha256
         self.rank, self.world = group.rank(), group.world()  # a group's rank calibrates its own samples (child.backends.group)
-        self.config = _load_config(config_dir)
+        self.config = load_config(config_dir)
         self._model = _calibration_skeleton(self.config)
         self.layer_prefix, layers = find_decoder_layers(self._model, self.config)
         self.num_layers = len(layers)
@@ -234,8 +234,8 @@ class Calibrator:
             if not _is_registered(type(meta).__name__, NormCalibrationModule):
                 continue
             own = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
-            module = _materialise(meta, own, torch.device("cpu"), name)
-            root = _rooted(name, module)
+            module = materialise(meta, own, torch.device("cpu"), name)
+            root = rooted(name, module)
             root.config = self.config
             with torch.no_grad(), norm_calibration_context(root):
                 pass
@@ -436,7 +436,7 @@ def _calibration_skeleton(config) -> nn.Module:
     text.use_cache = False
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, attn_implementation="eager")
-    _linearize_meta_experts(model)
+    linearize_meta_experts(model)
     model.eval()
     return model
 

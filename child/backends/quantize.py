@@ -107,7 +107,7 @@ class LayerQuantizer:
         self.trust_remote_code = trust_remote_code
         self._to_host = to_host or plain_to_host
         self.tensor_names = tensor_names  # the checkpoint's tensor names: config.json's ignore list is written in them
-        self.config = _load_config(config_dir, trust_remote_code)
+        self.config = load_config(config_dir, trust_remote_code)
         self._skeleton, self._names, self._raw_experts = _meta_skeleton(self.config, trust_remote_code)
         prefix, layers = find_decoder_layers(self._skeleton, self.config)
         self.layer_prefix: str = prefix
@@ -153,7 +153,7 @@ class LayerQuantizer:
         # deriving it applies the scheme to every module of a meta model (0.75 s for a 6-layer, 64-expert MoE)
         if source_config_json not in self._compressed:
             self._compressed[source_config_json] = _compressed_qconfig(
-                self._modifier, _load_config(source_config_json, self.trust_remote_code), self.trust_remote_code,
+                self._modifier, load_config(source_config_json, self.trust_remote_code), self.trust_remote_code,
                 self.tensor_names)
         return write_config(source_config_json, dest_dir, self.scheme, self.ignore, self._modifier,
                             self.trust_remote_code, self.tensor_names, self._compressed[source_config_json])
@@ -193,8 +193,8 @@ class LayerQuantizer:
             if m.fused is not None:
                 fused.setdefault(m.fused, {})[m.key[len(m.fused) + 1:]] = tensors[k]
         experts = {p[len(prefix):]: (self._raw_experts[p], params) for p, params in fused.items()}
-        module = _materialise(meta_module, direct, device, path, experts, self.config)
-        return mapped, module, _rooted(path, module)
+        module = materialise(meta_module, direct, device, path, experts, self.config)
+        return mapped, module, rooted(path, module)
 
     def _quantize_subtree(
         self, path: str, meta_module: nn.Module, tensors: dict[str, torch.Tensor]
@@ -239,7 +239,7 @@ def quantization_config_dict(scheme: str, ignore: list[str], config: str, modifi
     `tensor_names` (the checkpoint's) decide which of transformers' renamings those names are written back through.
     """
     qcfg, _ = _compressed_qconfig(modifier if modifier is not None else _modifier(scheme, ignore),
-                                  _load_config(config, trust_remote_code), trust_remote_code, tensor_names)
+                                  load_config(config, trust_remote_code), trust_remote_code, tensor_names)
     if qcfg is None:
         return {}  # nothing targeted: oneshot writes no block
     # the same keys, in the same order, as ModelCompressor.update_config writes
@@ -261,7 +261,7 @@ def write_config(source_config_json: str, dest_dir: str, scheme: str, ignore: li
         source = json.load(f)
     qcfg, unties = compressed if compressed is not None else _compressed_qconfig(
         modifier if modifier is not None else _modifier(scheme, ignore),
-        _load_config(source_config_json, trust_remote_code), trust_remote_code, tensor_names)
+        load_config(source_config_json, trust_remote_code), trust_remote_code, tensor_names)
     if unties:
         # oneshot unties a targeted tied head, and resave_config copies that into the original config
         text = source.get("text_config", source)
@@ -289,7 +289,7 @@ def _modifier(scheme: str, ignore: list[str]) -> QuantizationModifier:
     return modifier
 
 
-def _load_config(config: str, trust_remote_code: bool = False) -> PretrainedConfig:
+def load_config(config: str, trust_remote_code: bool = False) -> PretrainedConfig:
     folder = os.path.dirname(config) if os.path.isfile(config) else config
     if os.path.isfile(config) and os.path.basename(config) != "config.json":
         raise ValueError(f"expected a config.json or its folder, got {config}")
@@ -302,15 +302,15 @@ def _meta_skeleton(config: PretrainedConfig, trust_remote_code: bool = False) ->
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     raw_keys = set(model.state_dict())
-    raw_experts = _linearize_meta_experts(model)
+    raw_experts = linearize_meta_experts(model)
     names = NameMap.build(model, raw_keys, set(model.state_dict()), list(raw_experts))
     return model, names, raw_experts
 
 
-def _linearize_meta_experts(model: nn.Module) -> dict[str, nn.Module]:
+def linearize_meta_experts(model: nn.Module) -> dict[str, nn.Module]:
     # llmcompressor's linearize_moe cannot run on meta (its offload copy rejects meta tensors), so build the
     # same LinearExperts2D directly on meta; weights come later from the checkpoint's per-expert tensors, or from
-    # fused experts tensors through the original module (see _materialise).
+    # fused experts tensors through the original module (see materialise).
     raw = {}
     for name, experts in get_non_linearized_moes(model):
         cls = LinearExperts2D.get_linear_experts_cls(type(experts))
@@ -321,7 +321,7 @@ def _linearize_meta_experts(model: nn.Module) -> dict[str, nn.Module]:
     return raw
 
 
-def _materialise(
+def materialise(
     meta_module: nn.Module, tensors: dict[str, torch.Tensor], device: torch.device, path: str,
     fused: dict[str, tuple[nn.Module, dict[str, torch.Tensor]]] | None = None, config: PretrainedConfig | None = None,
 ) -> nn.Module:
@@ -416,7 +416,7 @@ def _assemble(root: nn.Module, tensors: dict[str, torch.Tensor], mapped: dict, q
     return out
 
 
-def _rooted(path: str, module: nn.Module) -> nn.Module:
+def rooted(path: str, module: nn.Module) -> nn.Module:
     """Wrap module in empty parents so its named_modules() are full checkpoint paths ("model.layers.3.mlp")."""
     *parents, leaf = path.split(".")
     root = node = nn.Module()
