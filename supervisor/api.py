@@ -31,7 +31,10 @@ from supervisor.errors import (Cancelled, ClusterError, ExportFailed, Fingerprin
                                OutputError, SourceError)
 from supervisor.output.lock import probe
 # Plan and the LOG_* bounds are the run's; importable from here as they were before it had a module of its own
-from supervisor.run.sequence import LOG_KEEP, LOG_QUEUED_MAX, Plan, Run, check_layers  # noqa: F401
+from supervisor.run.feed import LOG_KEEP, LOG_QUEUED_MAX  # noqa: F401 - what recent_logs() and events() keep
+from supervisor.run.launch import check_layers
+from supervisor.run.plan import Plan
+from supervisor.run.sequence import Run
 from supervisor.checks.source import SourceInfo, inspect
 from supervisor.run.scheduler import for_good
 from supervisor.workers.worker import Worker, WorkerLost
@@ -96,7 +99,7 @@ def prepare(job: Job, model=None, *, join: bool = False) -> Plan:
 
         if qlora.quantized_base(model) is not None:
             # a PEFT model over a quantized base: its 16-bit checkpoint on disk + its LoRA pairs from memory
-            job, lora = qlora.plan(job, model)
+            job, lora = qlora.base_and_pairs(job, model)
     if job.resources.cluster and lora is not None:
         raise ClusterError('[resources] cluster = "ray" cannot export a live PEFT model\'s LoRA pairs: they are in this '
                            "host's memory; export it here (remove cluster) or save the adapter and name it in "

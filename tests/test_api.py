@@ -169,36 +169,39 @@ def test_gpu_without_room_for_a_layer_is_refused(job):
     from shared.messages import Ready
     from supervisor.errors import DeviceError
 
+    from supervisor.run import launch
+
     run = Supervisor(job)._run
-    need = run._layer_need()
+    need = launch.layer_need(run.plan)
     ready = Ready(version=1, pid=1, device="cuda:0", layer_prefix="model.layers.", num_layers=2,
                   gpu_free=need - 1, gpu_total=8 * need)
     with pytest.raises(DeviceError, match="GiB free") as caught:
-        run._check_gpu_room(ready)
+        launch.check_gpu_room(run.plan, ready)
     assert caught.value.exit_code == 2
-    run._check_gpu_room(Ready(version=1, pid=1, device="cuda:0", layer_prefix="model.layers.", num_layers=2,
-                              gpu_free=need, gpu_total=8 * need))  # exactly enough is accepted
+    launch.check_gpu_room(run.plan, Ready(version=1, pid=1, device="cuda:0", layer_prefix="model.layers.", num_layers=2,
+                                          gpu_free=need, gpu_total=8 * need))  # exactly enough is accepted
     # a worker the default count added starts only where its GPU holds every worker's layers there
     three = Ready(version=1, pid=1, device="cuda:0", layer_prefix="model.layers.", num_layers=2,
                   gpu_free=3 * need - 1, gpu_total=8 * need)
     with pytest.raises(DeviceError, match="3 workers' layers there need") as caught:
-        run._check_gpu_room(three, "cuda:0", workers=3)
+        launch.check_gpu_room(run.plan, three, "cuda:0", workers=3)
     assert caught.value.exit_code == 2
-    run._check_gpu_room(three, "cuda:0", workers=2)
+    launch.check_gpu_room(run.plan, three, "cuda:0", workers=2)
 
 
 def test_only_workers_the_default_count_added_beyond_one_per_gpu_are_optional(job, monkeypatch):
     """resources.workers = 0: the second and later workers on a GPU may be left out (Slot.optional), never the first
     on each GPU; workers the job asked for by number, and CPU workers, are never optional."""
+    from supervisor.run.launch import slots_for
     from supervisor.workers import devices
 
     monkeypatch.setattr(devices, "worker_slots", lambda devs, n, layer: ["cuda:0", "cuda:1", "cuda:0", "cuda:1"])
     run = Supervisor(job)._run
-    assert [s.optional for s in run._make_scheduler().slots] == [False, False, True, True]
+    assert [s.optional for s in slots_for(run.plan)] == [False, False, True, True]
     asked = Supervisor(msgspec.structs.replace(job, resources=msgspec.structs.replace(job.resources, workers=4)))._run
-    assert not any(s.optional for s in asked._make_scheduler().slots)
+    assert not any(s.optional for s in slots_for(asked.plan))
     monkeypatch.setattr(devices, "worker_slots", lambda devs, n, layer: ["cpu", "cpu"])
-    assert not any(s.optional for s in Supervisor(job)._run._make_scheduler().slots)
+    assert not any(s.optional for s in slots_for(Supervisor(job)._run.plan))
 
 
 def test_enospc_in_the_supervisors_own_writes_is_a_clear_failure(job, monkeypatch):

@@ -44,7 +44,7 @@ class StandIn:
 
 
 def _run(slots: list[Slot], no_room: set[int], caller=None):
-    """Run PARTS on `slots`; a worker started for a slot in `no_room` finds its GPU full (as run._check_gpu_room
+    """Run PARTS on `slots`; a worker started for a slot in `no_room` finds its GPU full (as launch.check_gpu_room
     says it, after the child started). `caller(scheduler, layers_written)`: handed NON_LAYER before the run, and
     called on a thread of its own (layers_written: an Event set once every layer is journaled). Returns the events,
     the parts written by each slot (None: by the caller) with their retries, and the stand-ins refused."""
@@ -54,7 +54,7 @@ def _run(slots: list[Slot], no_room: set[int], caller=None):
 
     def start_worker(slot, on_hello):
         w = StandIn(slot, all_started)
-        slot.worker = w  # as run._start_worker does, so that a stop or kill reaches it
+        slot.worker = w  # as Launcher.start_worker does (supervisor/run/launch.py), so that a stop or kill reaches it
         on_hello()
         with lock:
             tried.add(slot.id)

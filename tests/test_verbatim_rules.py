@@ -21,7 +21,7 @@ def llama(tiny_models):
 
 def test_a_data_free_export_copies_every_tensor_outside_the_layers(llama):
     src = inspect(llama)
-    part = verbatim.plan(_job(llama), src)
+    part = verbatim.part_to_copy(_job(llama), src)
     names = [t.name for t in part.tensors]
     assert names == sorted(n for n in src.tensor_names if not n.startswith("model.layers."))
     assert names == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
@@ -38,20 +38,20 @@ def test_exports_that_change_the_part_do_not_copy_it(why, job, llama, tmp_path):
     if why == "calibrated":
         (tmp_path / "c.jsonl").write_text('{"text": "t5 t6"}\n')
         data["calibration"] = {"dataset": str(tmp_path / "c.jsonl"), "samples": 1, "seq_len": 4}
-    assert verbatim.plan(parse_job(data), inspect(llama)) is None, why
+    assert verbatim.part_to_copy(parse_job(data), inspect(llama)) is None, why
 
 
 def test_an_adapter_or_the_switch_turns_it_off(llama, monkeypatch):
     src = inspect(llama)
     job = _job(llama)
     job.source.adapter = "/some/adapter"  # a merge may change values under the same names
-    assert verbatim.plan(job, src) is None
+    assert verbatim.part_to_copy(job, src) is None
     monkeypatch.setenv(verbatim.OFF_ENV, "1")
-    assert verbatim.plan(_job(llama), src) is None
+    assert verbatim.part_to_copy(_job(llama), src) is None
 
 
 def test_the_plan_confirms_only_an_unchanged_part(llama):
-    part = verbatim.plan(_job(llama), inspect(llama))
+    part = verbatim.part_to_copy(_job(llama), inspect(llama))
     names = [t.name for t in part.tensors]
 
     def described(**plan):

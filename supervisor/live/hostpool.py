@@ -104,10 +104,10 @@ class PinnedPool:
         so a pool made to measure is reused whole; other sizes go first-fit into the chunks, the rest into new
         ones."""
         if self._layout is None or self._layout[0] != tuple(sizes):
-            self._layout = (tuple(sizes), self._plan(sizes))
+            self._layout = (tuple(sizes), self._fit(sizes))
         return [self._chunks[c][offset : offset + n] for (c, offset), n in zip(self._layout[1], sizes)]
 
-    def _plan(self, sizes: list[int]) -> list[tuple[int, int]]:
+    def _fit(self, sizes: list[int]) -> list[tuple[int, int]]:
         """(chunk index, byte offset) for each size; makes the chunks the sizes that do not fit need."""
         cursors = [0] * len(self._chunks)
         spots: list[tuple[int, int] | None] = [None] * len(sizes)

@@ -8,7 +8,7 @@ per layer (no adapter saved, no merge into 4 bits).
 
     Supervisor(job, model=qlora)
       prepare:  quantized_base(model)      a PEFT model with a non-plain (tensor subclass) weight in its base
-                plan(job, model)           the pairs of the active adapter (names, A/B paths, scaling); the base:
+                base_and_pairs(job, model) the pairs of the active adapter (names, A/B paths, scaling); the base:
                                            [source] path, else the local folder the model names (its own
                                            config._name_or_path, then the adapter's base_model_name_or_path;
                                            where both are folders and differ, the one whose weights match)
@@ -71,7 +71,7 @@ class LiveLora:
     quantized: str  # the type of a quantized base weight, for messages (Params4bit, Int8Params, ...)
     found_by: str = ""  # "": [source] path was given; else the attribute that named the discovered folder
     note: str = ""  # for the Started event: which of two named folders was taken, or what could not be checked
-    checked: str = ""  # the folder whose weights plan() verified already (choosing between two named folders)
+    checked: str = ""  # the folder whose weights base_and_pairs() verified already (choosing between two named folders)
 
 
 def quantized_base(model: nn.Module) -> str | None:
@@ -91,7 +91,7 @@ def quantized(model: nn.Module) -> str | None:
     return None
 
 
-def plan(job: Job, model: nn.Module) -> tuple[Job, LiveLora]:
+def base_and_pairs(job: Job, model: nn.Module) -> tuple[Job, LiveLora]:
     """The job to run (with [source] path set to the discovered base when it had no [source]) and the live pairs;
     raises SourceError with a one-line message. Reads the model's names only, unless it names two folders: then a
     few of each one's tensors decide (base_difference)."""

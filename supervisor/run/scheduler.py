@@ -63,7 +63,7 @@ class Slot:
     worker: Worker | None = None
     reserved: int | None = None  # the part this slot will take next (its read-ahead hint)
     died_at: float | None = None  # when its last worker was lost, for the restart-latency event
-    planner: bool = False  # the export plan's worker (Scheduler.plan_beside): it exports no part
+    planner: bool = False  # the export plan's worker (Scheduler.judge_beside): it exports no part
     optional: bool = False  # added by the default count beyond one per GPU: left out when its GPU has no room (NoRoom)
     elastic: bool = False  # a cluster slot: left out while its node is gone, back once Ray has room for it again
     parked: bool = False  # an elastic slot waiting for room (its worker starts ask Ray briefly, not for long)
@@ -137,7 +137,7 @@ class Scheduler:
         self._abort = threading.Event()
         self._error: BaseException | None = None
         self.planner = Slot(id=len(slots), device=slots[0].device, planner=True)
-        self._verdict: threading.Event | None = None  # set up by plan_beside; set once the plan is judged
+        self._verdict: threading.Event | None = None  # set up by judge_beside; set once the plan is judged
         self._refused = False
         self._held_written: list[tuple[LayerWritten, Worker, int]] = []  # parts written, to journal after it
         self._planning: threading.Thread | None = None
@@ -145,8 +145,8 @@ class Scheduler:
         self._handed: set[int] = set()  # parts handed off to the caller (hand_off)
 
     # ---- the export plan, judged while the first parts run --------------------------------------------------
-    def plan_beside(self, plan: Callable[[Slot], None]) -> None:
-        """Run `plan(slot)` while run() exports the first parts: requests about the whole export (the export plan,
+    def judge_beside(self, judge: Callable[[Slot], None]) -> None:
+        """Run `judge(slot)` while run() exports the first parts: requests about the whole export (the export plan,
         Describe: every part predicted and transformers' loader run on the prediction) on the slot's worker, one
         of its own (`request(..., slot=slot)`); it raises to refuse the export.
         Until the verdict, parts are exported (LayerStarted, Retrying) but none is journaled: on_written (and with
@@ -156,7 +156,7 @@ class Scheduler:
         its Hello sent) and while it finishes starting; a failure to start it is retried as the export plan's.
         run() returns after the verdict."""
         self._verdict = threading.Event()
-        self._planning = threading.Thread(target=self._plan, args=(plan,), name="planner", daemon=True)
+        self._planning = threading.Thread(target=self._judge, args=(judge,), name="planner", daemon=True)
         self._planning.start()
         while not self._planner_up.wait(0.1):
             if self._stopping():
@@ -167,10 +167,10 @@ class Scheduler:
         """Parts are running ahead of the export plan's verdict."""
         return self._verdict is not None and not self._verdict.is_set()
 
-    def _plan(self, plan: Callable[[Slot], None]) -> None:
+    def _judge(self, judge: Callable[[Slot], None]) -> None:
         refusal = None
         try:
-            plan(self.planner)
+            judge(self.planner)
         except BaseException as exc:  # noqa: BLE001 - the run's error, raised from run()
             refusal = exc
         try:

@@ -1,6 +1,6 @@
 """The non-layer part written by the supervisor itself, while the workers' libraries are still importing.
 
-    Supervisor._export ── plan(job, source) ─▶ Part: the non-layer tensors and where their bytes lie in the source
+    Run._export ── part_to_copy(job, source) ─▶ Part: the non-layer tensors and where their bytes lie in the source
     copy thread (start):  safetensors' serialize_file(those bytes, mapped from the source files)
                             ─▶ OUT/.export/tmp/model-non-layer.safetensors.ahead.tmp, digest, fsync
                           wait for the export plan's verdict (Described, from a worker)
@@ -18,7 +18,7 @@ keeps every one of its source tensors under its own name, dtype and shape and wr
 Only then is it renamed into place and journaled, like a worker's shard, never before the verdict. A refused or
 cancelled run deletes it; a crash leaves it in .export/tmp, which the next run clears.
 
-The parts that qualify (plan): a checkpoint on disk without an adapter (a merge changes values under the same
+The parts that qualify (part_to_copy): a checkpoint on disk without an adapter (a merge changes values under the same
 names), format compressed-tensors, a data-free method, and lm_head in the ignore list (otherwise it is quantized).
 Owns this copy only: it never imports torch, never quantizes, and journals only through the `settle` it is given.
 """
@@ -67,15 +67,15 @@ class Part:
         """Why the export plan does not write this part as the copy did ("" when it does): the plan must keep every
         one of the part's tensors under its own name, dtype and shape, quantize none, and write no other byte.
         The data-free backends pass a tensor they keep through untouched, so its bytes are the source's."""
-        plan = next((p for p in described.parts if p.index == NON_LAYER), None)
-        if plan is None:
+        forecast = next((p for p in described.parts if p.index == NON_LAYER), None)
+        if forecast is None:
             return "the export plan does not describe the non-layer part"
-        if plan.quantized:
-            return f"the export plan quantizes {plan.quantized[0]!r}"
-        if sorted(plan.kept) != sorted(t.name for t in self.tensors):
+        if forecast.quantized:
+            return f"the export plan quantizes {forecast.quantized[0]!r}"
+        if sorted(forecast.kept) != sorted(t.name for t in self.tensors):
             return "the export plan keeps other tensors in the non-layer part"
-        if plan.out_bytes != self.nbytes:
-            return f"the export plan writes {plan.out_bytes} bytes for the non-layer part, not {self.nbytes}"
+        if forecast.out_bytes != self.nbytes:
+            return f"the export plan writes {forecast.out_bytes} bytes for the non-layer part, not {self.nbytes}"
         return ""
 
     def write(self, path: str) -> tuple[str, dict[str, float]]:
@@ -121,7 +121,7 @@ class Part:
         return durable.digest_safetensors(path, data)
 
 
-def plan(job: Job, source) -> Part | None:
+def part_to_copy(job: Job, source) -> Part | None:
     """The non-layer part of `source` (supervisor.checks.source.SourceInfo) to copy ahead, or None when this export's
     non-layer part may not be written as it is (see the module docstring) or its tensors cannot be located."""
     if os.environ.get(OFF_ENV) == "1":

@@ -133,7 +133,7 @@ def worker_threads(torch_threads: int, device: str, sharing: int, cores: int) ->
 
 
 def room_for_planner(slots: list[str], layer_bytes: int) -> bool:
-    """Whether the export plan's worker may run beside the parts' workers (Scheduler.plan_beside): always on GPUs (it
+    """Whether the export plan's worker may run beside the parts' workers (Scheduler.judge_beside): always on GPUs (it
     holds a CUDA context and one module's probe there); on a CPU when the host's free memory holds one worker more
     than `slots` has, each wanting worker_bytes."""
     if any(d != "cpu" for d in slots):
