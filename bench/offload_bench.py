@@ -1,7 +1,7 @@
 """Release/restore time of an 8B-shaped bf16 model on one GPU, against model.to() and plain pinned copies.
 
 Methods, each for --rounds rounds on the same model:
-  release/restore   supervisor.live.offload with one PinnedPool kept across rounds (round 1 pays for pinning)
+  release/restore   supervisor.offload with one PinnedPool kept across rounds (round 1 pays for pinning)
   pinned copies     the same bytes copied into pre-pinned host buffers and back into the same GPU tensors:
                     the transfer floor, with no allocation, bookkeeping or freeing
   model.to          model.to("cpu") / model.to(device), what a caller does without this module
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from supervisor.live import offload  # noqa: E402
-from supervisor.live.offload import PinnedPool, Released, release, restore  # noqa: E402
+from supervisor import offload  # noqa: E402
+from supervisor.offload import PinnedPool, Released, release, restore  # noqa: E402
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ def main() -> int:
     os.makedirs(root, exist_ok=True)
     model = os.path.join(root, "model")
     if not os.path.exists(os.path.join(model, "config.json")):
-        from supervisor.commands.demo import make_model
+        from supervisor.demo import make_model
         make_model(model, layers=args.layers, hidden=256)
     parts = list(range(args.layers)) + [-1]
     print(f"soak: {args.runs} runs, seed {seed}, model {args.layers} layers in {root}, {args.jobs} at a time",

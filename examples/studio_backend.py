@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from shared.job import parse_job
 from supervisor import Supervisor, events as ev
-from supervisor.commands.demo import make_model
+from supervisor.demo import make_model
 
 
 def main(workdir: str) -> int:

@@ -110,7 +110,7 @@ def planned_arithmetic(job: Job, devices: list[str], world: int) -> tuple[list[i
     from supervisor.workers.devices import worker_threads
 
     ranks = [devices[r] for r in range(world)] if devices != ["cpu"] else ["cpu"] * world
-    sharing = world if devices == ["cpu"] else 1  # as run.Run._start_group gives each rank its share of the cores
+    sharing = world if devices == ["cpu"] else 1  # each rank its share of the cores (run.launch)
     threads = [worker_threads(job.resources.torch_threads, d, sharing, os.cpu_count() or 1) or None for d in ranks]
     return threads, [device_model("cpu") if d == "cpu" else None for d in ranks]
 

@@ -162,7 +162,7 @@ def release(model: nn.Module, *, buffers: PinnedPool | None = None, share_host: 
         buffers.check_usable()
     state = _snapshot(model)
     state.share_host = share_host
-    refusal = (_share_refusal(state) if share_host else map_refusal(state.device_map)) or _plan_moves(state)
+    refusal = (_share_refusal(state) if share_host else map_refusal(state.device_map)) or _choose_moves(state)
     if refusal:
         return NotReleased(refusal)
     before = _allocated(state.devices)
@@ -291,7 +291,7 @@ def _moves(state: _Snapshot, tensor: torch.Tensor, slot: _Slot | None) -> bool:
     return _on_accelerator(tensor) or (state.share_host and slot is not None and tensor.device.type == "cpu")
 
 
-def _plan_moves(state: _Snapshot) -> str | None:
+def _choose_moves(state: _Snapshot) -> str | None:
     """Fill state.storages / state.stacks with the tensors to move; a refusal when that is impossible."""
     storages: dict[tuple, _StorageMove] = {}
     stacks: dict[int, _StackMove] = {}
