@@ -10,34 +10,32 @@
                     export(job)           a Supervisor run to the end, blocking
 
 Owns the public surface and the validation before anything is written (prepare). The run's steps, its retry
-policy and its clean-up are supervisor.run.sequence's; this module never drives a scheduler or a worker pool itself.
+policy and its clean-up are supervisor.run's (describe's one worker: supervisor.run.launch.forecast); this module
+never drives a scheduler or a worker itself.
 """
 from __future__ import annotations
 
 import os
 import queue
-import tempfile
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from shared import layout
 from shared.job import Job, JobSyntaxError, is_calibrated, parse_toml
-from shared.messages import PROTOCOL_VERSION, Describe, Described, Failed, Hello
+from shared.messages import Described
 from supervisor import events as ev
 from supervisor.checks import calibration
 from supervisor.output import journal
-from supervisor.errors import (Cancelled, ClusterError, ExportFailed, FingerprintMismatch, InputError, JobError,
-                               OutputError, SourceError)
+from supervisor.errors import (Cancelled, ClusterError, FingerprintMismatch, InputError, JobError, OutputError,
+                               SourceError)
 from supervisor.output.lock import probe
 # Plan and the LOG_* bounds are the run's; importable from here as they were before it had a module of its own
 from supervisor.run.feed import LOG_KEEP, LOG_QUEUED_MAX  # noqa: F401 - what recent_logs() and events() keep
-from supervisor.run.launch import check_layers
+from supervisor.run.launch import forecast
 from supervisor.run.plan import Plan
 from supervisor.run.sequence import Run
 from supervisor.checks.source import SourceInfo, inspect
-from supervisor.run.scheduler import for_good
-from supervisor.workers.worker import Worker, WorkerLost
 
 if TYPE_CHECKING:  # supervisor.live.model imports torch; a plan for a checkpoint never needs it
     from supervisor.live.model import Saved
@@ -296,29 +294,7 @@ def describe(job: Job | str | os.PathLike) -> Described:
     worker (its log in a temporary folder); validates like `run` and writes nothing."""
     job = job if isinstance(job, Job) else load_job(job)
     plan = prepare(job)
-    r = job.resources
-    hello = Hello(version=PROTOCOL_VERSION, job=job, output=plan.output, device="cpu",
-                  calibration_sha256=plan.calibration.sha256 if plan.calibration else "")
-    never, ignore = (lambda: False), (lambda hb: None)
-    with tempfile.TemporaryDirectory(prefix="supervisor-plan-") as tmp:
-        from supervisor.workers import devices
-
-        env = devices.child_env("cpu")
-        env["PYTHONUNBUFFERED"] = "1"
-        w = Worker(hello, os.path.join(tmp, "worker.log"), env, startup_timeout=r.startup_timeout,
-                   heartbeat_timeout=r.heartbeat_timeout)
-        try:
-            ready = w.start(never, ignore)
-            reply = w.request(Describe(), never, ignore)
-        except WorkerLost as exc:
-            if exc.failed is not None:
-                raise for_good(exc.failed, "starting the worker") from None
-            raise ExportFailed(f"planning failed: {exc.reason}", traceback=exc.log_tail) from None
-        finally:
-            w.stop()
-    if isinstance(reply, Failed):
-        raise for_good(reply, "the export plan")
-    check_layers(ready, plan.source)
+    reply = forecast(plan)
     return msgspec.structs.replace(reply, world=plan.world, world_note=plan.world_note) if plan.calibration else reply
 
 

@@ -10,6 +10,7 @@
                                         WorkerStarted
                                    a calibrated group (plan.world > 1): workers.group.Group of every rank
     on_heartbeat(hb)               the progress event a worker's heartbeat makes
+    forecast(plan)                 `supervisor plan`: one spawned CPU worker answers Describe (api.describe)
 
 Built by the run with what it needs (the plan, an emit function, the cancel token, the log feed, the live model's
 lease, the progress clock); it calls nothing of the run. Owns starting workers; it never sends them parts (the
@@ -28,7 +29,8 @@ import msgspec
 
 from shared import layout
 from shared.job import warm_profile
-from shared.messages import LISTEN_FD_ENV, LISTEN_PORT_ENV, PROTOCOL_VERSION, Heartbeat, Hello
+from shared.messages import (LISTEN_FD_ENV, LISTEN_PORT_ENV, PROTOCOL_VERSION, Describe, Described, Failed, Heartbeat,
+                             Hello)
 from supervisor import events as ev
 from supervisor.checks.source import SourceInfo
 from supervisor.errors import Cancelled, ExportFailed, NoRoom, SourceError
@@ -306,3 +308,35 @@ def check_layers(ready, source: SourceInfo) -> None:
         raise SourceError(f"the model class sees {ready.num_layers} layers under {ready.layer_prefix!r} but the "
                           f"weights hold {source.num_layers} under {source.layer_prefix!r}; "
                           "this architecture is not supported")
+
+
+def forecast(plan: Plan) -> Described:
+    """The export plan (`supervisor plan`, api.describe): one CPU worker, spawned with its log in a temporary
+    folder, answers Describe; nothing is written into the output. Raises the error the worker's failure maps to."""
+    import tempfile
+
+    from supervisor.run.scheduler import for_good
+    from supervisor.workers import devices
+
+    r = plan.job.resources
+    hello = Hello(version=PROTOCOL_VERSION, job=plan.job, output=plan.output, device="cpu",
+                  calibration_sha256=plan.calibration.sha256 if plan.calibration else "")
+    never, ignore = (lambda: False), (lambda hb: None)
+    with tempfile.TemporaryDirectory(prefix="supervisor-plan-") as tmp:
+        env = devices.child_env("cpu")
+        env["PYTHONUNBUFFERED"] = "1"
+        w = Worker(hello, os.path.join(tmp, "worker.log"), env, startup_timeout=r.startup_timeout,
+                   heartbeat_timeout=r.heartbeat_timeout)
+        try:
+            ready = w.start(never, ignore)
+            reply = w.request(Describe(), never, ignore)
+        except WorkerLost as exc:
+            if exc.failed is not None:
+                raise for_good(exc.failed, "starting the worker") from None
+            raise ExportFailed(f"planning failed: {exc.reason}", traceback=exc.log_tail) from None
+        finally:
+            w.stop()
+    if isinstance(reply, Failed):
+        raise for_good(reply, "the export plan")
+    check_layers(ready, plan.source)
+    return reply
