@@ -108,6 +108,14 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+floor3)  # issue 34, seventeenth session: GPTQ W4A16 on 8 layers of the 8B shape, 128 x 2048: ours by default (the
+  # calibrated non-layer part copied ahead), ours with match_oneshot = false, and oneshot; then cold34
+  timeout 300 python3 bench/calib_bench.py --layers 8 --fast --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"
+  tail -70 "$OUT/floor_gptq.txt"
+  timeout 230 python3 bench/cold_start.py --tree before=.whl/before --tree after=. --rounds 2 --oneshot-rounds 1 \
+    --skip imports --device cuda:0 2>&1 | quiet > "$OUT/cold_start.txt"
+  tail -16 "$OUT/cold_start.txt"
+  ;;
 cold34)  # issue 34 part 3, one H200: the data-free cold start of the packages before it (bench/before, made before
   # the call: `mkdir -p bench/before && git archive b4cb009 child shared supervisor | tar -x -C bench/before`)
   # against this tree's, alternating, two rounds: the warm parent's imports, 8B FP8_DYNAMIC cold and warm; oneshot once

@@ -39,9 +39,13 @@ def describe(source, backend, source_config_json: str, trust_remote_code: bool =
         else:
             out = _layer(backend, index, f"{prefix}{index}.", tensors, cache if cacheable else None)
         predicted.update(out)
-        # kept: written under its own name with its own dtype and shape (FP8 keeps the name "weight", not the dtype)
-        kept = [k for k in names if k in out and (out[k].dtype, out[k].shape) == (tensors[k].dtype, tensors[k].shape)]
-        parts.append(PartPlan(index=index, quantized=sorted(set(names) - set(kept)), kept=kept,
+        # kept: written under its own name with its own dtype and shape (FP8 keeps the name "weight", not the dtype),
+        # and with its own values (meta tensors cannot show a value change: the backend names those it makes)
+        rewritten = set(backend.rewritten(names)) if index == NON_LAYER and hasattr(backend, "rewritten") else set()
+        kept = [k for k in names if k in out and k not in rewritten
+                and (out[k].dtype, out[k].shape) == (tensors[k].dtype, tensors[k].shape)]
+        parts.append(PartPlan(index=index, quantized=sorted(set(names) - set(kept) - rewritten), kept=kept,
+                              rewritten=sorted(rewritten),
                               out_bytes=sum(t.numel() * t.element_size() for t in out.values())))
     if not backend.checks_loading:
         load = LoadReport(checked=False, reason="the loader check covers compressed-tensors outputs")

@@ -47,7 +47,7 @@ import msgspec
 
 from shared.job import Job
 
-PROTOCOL_VERSION = 7  # 7: a calibrated layer's next inputs made durable beside the next layer (pending, settled)
+PROTOCOL_VERSION = 8  # 8: PartPlan.rewritten (a calibrated non-layer part copied ahead unless it names one); 7: 7: a calibrated layer's next inputs made durable beside the next layer (pending, settled)
 
 NON_LAYER = -1  # the index used for the non-layer shard (embeddings, final norm, lm_head)
 
@@ -240,6 +240,9 @@ class PartPlan(msgspec.Struct, kw_only=True):
     index: int  # decoder layer index, or NON_LAYER
     quantized: list[str] = []  # source tensors replaced by compressed ones
     kept: list[str] = []  # source tensors written as they are
+    # source tensors written under their own name, dtype and shape with other values (a calibrated export's offset
+    # norms, which oneshot's round trip rounds): neither kept nor quantized
+    rewritten: list[str] = []
     out_bytes: int = 0  # bytes of the part's output tensors
 
 

@@ -31,14 +31,23 @@ def test_a_data_free_export_copies_every_tensor_outside_the_layers(llama):
 @pytest.mark.parametrize("why, job", [
     ("lm_head quantized", {"ignore": []}),
     ("torchao", {"format": "torchao", "scheme": "Int8WeightOnly"}),
-    ("calibrated", {"method": "gptq"}),
 ])
-def test_exports_that_change_the_part_do_not_copy_it(why, job, llama, tmp_path):
+def test_exports_that_change_the_part_do_not_copy_it(why, job, llama):
     data = {"source": {"path": llama}, "export": {"scheme": "FP8_DYNAMIC", "output": "o", **job}}
-    if why == "calibrated":
-        (tmp_path / "c.jsonl").write_text('{"text": "t5 t6"}\n')
-        data["calibration"] = {"dataset": str(tmp_path / "c.jsonl"), "samples": 1, "seq_len": 4}
     assert verbatim.part_to_copy(parse_job(data), inspect(llama)) is None, why
+
+
+def test_a_calibrated_export_copies_it_until_the_plan_says_otherwise(llama, tmp_path):
+    """Calibration changes the layers only, except the offset norms' round trip (the worker names those)."""
+    (tmp_path / "c.jsonl").write_text('{"text": "t5 t6"}\n')
+    data = {"source": {"path": llama}, "export": {"scheme": "W4A16", "output": "o", "method": "gptq"},
+            "calibration": {"dataset": str(tmp_path / "c.jsonl"), "samples": 1, "seq_len": 4}}
+    part = verbatim.part_to_copy(parse_job(data), inspect(llama))
+    assert [t.name for t in part.tensors] == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+    plan = PartPlan(index=NON_LAYER, kept=[t.name for t in part.tensors if t.name != "model.norm.weight"],
+                    rewritten=["model.norm.weight"], out_bytes=part.nbytes)
+    why = part.differs(Described(backend="x", layer_prefix="model.layers.", parts=[plan]))
+    assert why == "the export rewrites 'model.norm.weight' (calibration's offset-norm round trip)"
 
 
 def test_an_adapter_or_the_switch_turns_it_off(llama, monkeypatch):

@@ -225,6 +225,13 @@ class Calibrator:
             return self._plain.quantize_non_layer(tensors)  # a preview: the norms' round trip changes no shape
         return self._plain.quantize_non_layer(self._offset_norms_round_trip(tensors))
 
+    def rewritten(self, names: list[str]) -> list[str]:
+        """Of the non-layer part's source tensors, those this export writes with other values under the same name,
+        dtype and shape: the offset norms' (see _offset_norms_round_trip). The supervisor copies the part ahead
+        only when there are none (supervisor/run/verbatim.py)."""
+        norms = [n + "." for n, m in self._model.named_modules() if _is_registered(type(m).__name__, NormCalibrationModule)]
+        return [k for k in names if any(k.startswith(n) for n in norms)]
+
     def _offset_norms_round_trip(self, tensors: dict) -> dict:
         """oneshot converts every offset norm of the model ("(1 + weight)": Gemma, Qwen3-Next) to a standard one
         for calibration and back (norm_calibration_context), which rounds the weights; the final norm, outside

@@ -48,6 +48,11 @@ def test_cli_calibrated_export_equals_oneshot(kind, scheme, method, data, tiny_m
         assert json.load(b) == json.load(a)
     assert torch.equal(loaded_logits(str(out), logits_input), loaded_logits(ref, logits_input))
     assert not list((out / ".export" / "boundary").iterdir())  # no calibration state left once finished
+    # the non-layer part was the supervisor's copy, made while the worker imported (supervisor/run/verbatim.py)
+    assert not [e for e in events if e["type"] == "CopyDeclined"]
+    with open(out / ".export" / "journal.jsonl") as f:
+        shard = [r for r in map(json.loads, f) if r.get("type") == "Shard" and r["index"] == -1][-1]
+    assert set(shard["stages"]) == {"copy", "hash", "sync"}, shard
 
 
 def test_cli_calibrated_mixtral_keeps_the_checkpoints_expert_names(tmp_path, logits_input):

@@ -134,3 +134,24 @@ def test_a_run_killed_while_the_copy_waits_for_the_plan_resumes_to_the_same_byte
     assert cli.output_bytes(out) == ref["bytes"]
     assert set(_non_layer_record(out)["stages"]) == {"copy", "hash", "sync"}
     assert os.listdir(os.path.join(out, ".export", "tmp")) == []
+
+
+def test_a_calibrated_export_whose_final_norm_calibration_rounds_has_a_worker_write_the_part(tmp_path):
+    """Gemma's offset norms go through oneshot's round trip ("(1 + weight)" and back), which rounds the final norm
+    outside the layers: the calibrated worker says so in the export plan (PartPlan.rewritten), the copy is dropped,
+    and the worker's part equals oneshot's."""
+    from tests.models import assert_same_tensors, load_tensors
+    from tests.ref_calib import make_tiny_gemma, oneshot_calibrated, token_rows, write_jsonl
+
+    source = make_tiny_gemma(str(tmp_path / "gemma"))
+    rows = token_rows(8)
+    dataset = write_jsonl(tmp_path / "calib.jsonl", rows)
+    out = str(tmp_path / "out")
+    job = cli.write_job(tmp_path / "job.toml", source, out, "W4A16", method="gptq", torch_threads=1,
+                        calibration={"dataset": dataset, "samples": 8, "seq_len": 40})
+    events = cli.events(cli.run("run", job, "--json"))
+    declined = [(e["index"], e["reason"]) for e in events if e["type"] == "CopyDeclined"]
+    assert declined == [(-1, "the export rewrites 'model.norm.weight' (calibration's offset-norm round trip)")]
+    assert "quantize" in _non_layer_record(out)["stages"]
+    ref = oneshot_calibrated(source, "W4A16", "gptq", rows, 40, str(tmp_path / "ref"))
+    assert_same_tensors(load_tensors(ref), load_tensors(out))
