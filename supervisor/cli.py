@@ -104,7 +104,7 @@ def cmd_verify(args) -> int:
     measured = None
     if quality_check is not None and not problems:
         measured = quality.measure(args.output, args.quality, args.samples, args.seq_len,
-                                   on_event=None if args.json else _quality_progress)
+                                   on_event=(lambda e: None) if args.json else _quality_progress)
     if args.json:
         print(json.dumps({"output": args.output, "ok": not problems, "problems": problems,
                           **({"vllm": vllm} if vllm is not None else {}),
