@@ -172,6 +172,23 @@ def check(output: str, dataset: str, samples: int, seq_len: int):
     return job, rows.sha256, st
 
 
+def check_job(job) -> None:
+    """A job's [evaluate] table, refused before the export writes anything (the held-out file's lines)."""
+    e = job.evaluate
+    if e.samples < 1 or e.seq_len < 2:
+        raise QualityError(f"[evaluate] samples must be at least 1 and seq_len at least 2 (got {e.samples}, "
+                           f"{e.seq_len})")
+    if job.source is None:
+        raise QualityError("[evaluate] needs a source folder on disk (the export of a live model has none to "
+                           "measure against)")
+    try:
+        calibdata.read_rows(e.dataset, e.samples)
+    except calibdata.CalibrationDataError as exc:
+        raise QualityError(str(exc).replace("calibration dataset", "[evaluate] dataset")
+                           .replace("[calibration] samples", "[evaluate] samples")
+                           .replace("set [calibration] dataset to", "name")) from None
+
+
 def _key(st, sha: str, samples: int, seq_len: int) -> tuple[str, dict]:
     parts = {"files": dict(sorted(st.finalized.files.items())), "held_out_sha256": sha, "samples": samples,
              "seq_len": seq_len, "versions": _versions()}

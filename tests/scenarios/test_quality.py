@@ -202,3 +202,26 @@ def test_bad_input_is_refused_in_one_line(tmp_path, tiny_models):
     os.unlink(part / ".export" / "done.json")
     ok = write_jsonl(tmp_path / "ok.jsonl", token_rows(2))
     _one_line_refusal([str(part), "--quality", ok, "--samples", "2"], part, "not finished")
+
+
+def test_evaluate_in_the_job_runs_at_the_end_of_the_export(tmp_path, tiny_models, held_out):
+    """[evaluate] in job.toml: the figures come as events at the end of `run`, are journaled (report --json shows
+    them, and verify --quality finds them measured) and equal the reference; a missing file is refused before
+    anything is written."""
+    base = tiny_models("llama", layers=2)
+    out = tmp_path / "out"
+    job = cli.write_job(tmp_path / "job.toml", base, out, "W4A16")
+    with open(job, "a") as f:
+        f.write(f'[evaluate]\ndataset = "{held_out}"\nsamples = {N}\nseq_len = {SEQ}\n')
+    bad = tmp_path / "bad.toml"
+    bad.write_text(open(job).read().replace(held_out, str(tmp_path / "missing.jsonl")))
+    cli.assert_refused(str(bad), "does not exist", tmp_path)
+    evs = cli.events(cli.run("run", job, "--json"))
+    measured = [e for e in evs if e["type"] == "QualityMeasured"]
+    assert len(measured) == 1 and [e["index"] for e in evs if e["type"] == "QualityLayer"] == [0, 1]
+    assert evs[-1]["type"] == "Finished"
+    rep = json.loads(cli.run("report", str(out), "--json").stdout)["quality"]
+    assert rep["kl"] == measured[0]["kl"] and [r["rel_error"] for r in rep["layers"]] == measured[0]["rel_error"]
+    _, got = _verify(str(out), held_out)
+    assert got["quality"] == rep
+    _assert_agrees(got, reference(base, str(out), held_out, SEQ))
