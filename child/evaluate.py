@@ -88,7 +88,7 @@ class Stream:
         from transformers.modeling_utils import LoadStateDictConfig
         from transformers.quantizers.auto import get_hf_quantizer
 
-        self.reader, self.device = reader, device
+        self.reader, self.device, self.folder = reader, device, folder
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
         config._attn_implementation = "eager"  # as the calibrated export runs its layers (child/calibrate.py)
         config.use_cache = False
@@ -100,11 +100,12 @@ class Stream:
                                                                                              "bfloat16"))
         self.config, self.dtype = config, dtype
         cls = AutoModelForCausalLM._model_mapping[type(config)]
+        files = _checkpoint_files(folder)  # torchao's quantizer reads its tensors' metadata from them
         with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary frequencies) real
             model = cls._from_config(copy.deepcopy(config), dtype=dtype)
             if self.hf_quantizer is not None:
                 self.hf_quantizer.preprocess_model(model=model, dtype=dtype, device_map={"": device},
-                                                   checkpoint_files=None, use_kernels=False)
+                                                   checkpoint_files=files, use_kernels=False)
         model.eval()
         for sub in model.modules():  # buffers to the device
             for name, buf in sub._buffers.items():
@@ -200,6 +201,18 @@ class Stream:
         return out.logits[0].float()
 
 
+def _checkpoint_files(folder: str) -> list[str]:
+    import json
+
+    index = os.path.join(folder, layout.INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    return [os.path.join(folder, n) for n in names]
+
+
 def held_out_ids(spec, tokenizer_dir: str, vocab_size: int, max_positions: int | None) -> list[torch.Tensor]:
     """The held-out samples as token ids [1, L] (file order), as [calibration] reads and tokenizes them."""
     from child.samples import _tokenize  # the calibration path's tokenizer handling (truncation to seq_len)
@@ -264,6 +277,10 @@ class Evaluator:
         self._stage(index, "read")
         for s in (self.source, self.export):
             s.load(s.reader.layer_names(s.prefix, index))
+            unloaded = [n for n, p in s.layer(index).named_parameters() if p.is_meta]
+            if unloaded:  # transformers would initialise these at random: no figure of that is worth reporting
+                raise Refused(f"transformers' loader leaves {len(unloaded)} weights of layer {index} unloaded in "
+                              f"{s.folder} (e.g. {unloaded[0]}); see `supervisor verify` without --quality")
         faults.hit("evaluate", index)
         self._stage(index, "forward")
         inputs = self._inputs

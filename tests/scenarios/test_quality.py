@@ -96,6 +96,7 @@ CASES = {
     "llama-W4A16": dict(kind="llama", scheme="W4A16"),
     "qwen3-FP8_DYNAMIC": dict(kind="qwen3", scheme="FP8_DYNAMIC"),  # activations quantized on the fly
     "qwen3moe-W4A16": dict(kind="qwen3moe", scheme="W4A16"),  # fused experts, transformers' MoE conversions
+    "llama-torchao-Int8WeightOnly": dict(kind="llama", scheme="Int8WeightOnly", export={"format": "torchao"}),
 }
 
 
@@ -103,7 +104,7 @@ CASES = {
 def test_quality_equals_whole_model_transformers(case, tiny_models, held_out, tmp_path):
     c = CASES[case]
     source = tiny_models(c["kind"], layers=2)
-    out = _export(tmp_path, source, c["scheme"])
+    out = _export(tmp_path, source, c["scheme"], **({"export": c["export"]} if "export" in c else {}))
     before = cli.output_bytes(out)
     proc, got = _verify(out, held_out)
     assert got["ok"], got
