@@ -257,6 +257,8 @@ class Evaluator:
         self.ids = held_out_ids(self.spec, job.source.path, text.vocab_size,
                                 getattr(text, "max_position_embeddings", None))
         self._inputs: Activations | None = None
+        self._pending = None  # (the boundary being made durable, its PendingWrite)
+        self._pin = self.device.type == "cuda"
         r = job.resources
         self._ram_budget = int(r.activation_ram_gb * 2**30) if r.activation_ram_gb else \
             psutil.virtual_memory().total // 4
@@ -288,7 +290,9 @@ class Evaluator:
         dest = os.path.join(self.output, boundary_name(index + 1, msg.fence))
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         fits = 2 * inputs.nbytes <= self._ram_budget
-        writer = BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=dest + ".tmp", keep_in_ram=fits)
+        # in RAM: the file is written while the next layer computes (commit_later), named in the next reply
+        writer = BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=dest + ".tmp", keep_in_ram=fits,
+                                pin=self._pin, later=True)
         diff2 = ref2 = cos = 0.0
         positions = 0
         try:
@@ -303,7 +307,14 @@ class Evaluator:
                 writer.put(2 * j, hs.to(inputs.dtype))
                 writer.put(2 * j + 1, he.to(inputs.dtype))
             self._stage(index, "write")
-            acts, digest, size = writer.commit(dest)
+            settled = self._settle()  # the inputs of this layer, written meanwhile
+            boundary, pending = None, None
+            if writer.later:
+                acts, pending = writer.commit_later(dest)
+            else:
+                acts, digest, size = writer.commit(dest)
+                boundary = Boundary(feeds=index + 1, file=boundary_name(index + 1, msg.fence), digest=digest,
+                                    nbytes=size)
         except BaseException:
             writer.abort()
             raise
@@ -311,22 +322,32 @@ class Evaluator:
             s.unload(s.layer(index))
         self._drop_inputs()
         self._inputs = acts
+        if pending is not None:
+            self._pending = (Boundary(feeds=index + 1, file=boundary_name(index + 1, msg.fence), digest="",
+                                      nbytes=0), pending)
         return LayerEvaluated(index=index, rel_error=math.sqrt(diff2 / ref2) if ref2 else 0.0,
-                              cosine=cos / max(positions, 1),
-                              boundary=Boundary(feeds=index + 1, file=boundary_name(index + 1, msg.fence),
-                                                digest=digest, nbytes=size),
+                              cosine=cos / max(positions, 1), boundary=boundary, pending=pending is not None,
+                              settled=settled,
                               seconds=round(time.monotonic() - t0, 3), peak_rss=_peak_rss(),
                               peak_gpu=int(torch.cuda.max_memory_allocated(self.device)) if gpu else 0)
+
+    def _settle(self) -> Boundary | None:
+        """The boundary the previous reply left pending, once durable (None: none was)."""
+        if self._pending is None:
+            return None
+        (b, write), self._pending = self._pending, None
+        digest, size = write.wait()
+        return Boundary(feeds=b.feeds, file=b.file, digest=digest, nbytes=size)
 
     def _begin(self, index: int, boundary: Boundary | None) -> None:
         if self._inputs is not None and self._inputs.feeds == index:
             return
-        self._drop_inputs()
+        self._drop_inputs(abort=True)
         if index == 0:
             self._inputs = self._first_inputs()
         elif boundary is not None and boundary.feeds == index:
             self._inputs = Activations.load(os.path.join(self.output, boundary.file), boundary.digest, index,
-                                            in_ram=2 * boundary.nbytes <= self._ram_budget)
+                                            in_ram=2 * boundary.nbytes <= self._ram_budget, pin=self._pin)
         else:
             raise RuntimeError(f"quality: layer {index} needs the inputs left by layer {index - 1}, and none "
                                "were named")
@@ -345,7 +366,7 @@ class Evaluator:
                 tmp = None if fits else os.path.join(self.output, boundary_name(0, "first")) + ".tmp"
                 if tmp:
                     os.makedirs(os.path.dirname(tmp), exist_ok=True)
-                writer = BoundaryWriter(0, shapes, hs.dtype, tmp_path=tmp, keep_in_ram=fits)
+                writer = BoundaryWriter(0, shapes, hs.dtype, tmp_path=tmp, keep_in_ram=fits, pin=self._pin)
             writer.put(2 * j, hs)
             writer.put(2 * j + 1, he.to(hs.dtype))
         acts, _, _ = writer.commit(None)
@@ -368,14 +389,17 @@ class Evaluator:
                 nll_s -= float(ls[:-1].gather(-1, nxt[:, None]).sum(dtype=torch.float64))
                 nll_e -= float(le[:-1].gather(-1, nxt[:, None]).sum(dtype=torch.float64))
                 predicted += nxt.numel()
-        self._drop_inputs()
+        self._drop_inputs(abort=True)
         return QualityMeasured(kl=kl / positions, top1=top1 / positions,
                                ppl_source=math.exp(nll_s / predicted) if predicted else float("nan"),
                                ppl_export=math.exp(nll_e / predicted) if predicted else float("nan"),
                                samples=len(self.ids), tokens=positions, seconds=round(time.monotonic() - t0, 3))
 
-    def _drop_inputs(self) -> None:
-        if self._inputs is not None:
+    def _drop_inputs(self, abort: bool = False) -> None:
+        if abort and self._pending is not None:  # its file is not wanted any more (never named)
+            (_, write), self._pending = self._pending, None
+            write.abort()
+        if self._inputs is not None and self._pending is None:
             self._inputs.close()
             self._inputs = None
 

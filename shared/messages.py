@@ -24,7 +24,8 @@ Data flow (one worker)::
     quality (`supervisor verify OUT --quality FILE`; a worker whose Hello carries `evaluate`, child/evaluate.py)
       EvaluateLayer(index, fence, boundary) ──▶  source layer i and export layer i over every held-out sample's
                                                  two hidden states (boundary: the journaled inputs of layer i)
-      ◀──────────── LayerEvaluated(index, rel_error, cosine, boundary)   (the next layer's inputs, durable)
+      ◀──────────── LayerEvaluated(index, rel_error, cosine, boundary | pending, settled)   (the next layer's
+                                                 inputs: durable, or made durable beside the next layer)
       EvaluateLayer(index = num_layers) ──────▶  final norm + head of each model over the last layer's outputs
       ◀──────────── QualityMeasured(kl, top1, ppl_source, ppl_export, samples, tokens)
 
@@ -304,7 +305,12 @@ class LayerEvaluated(msgspec.Struct, tag=True, kw_only=True):
     index: int
     rel_error: float  # ||export - source|| / ||source|| over every position of every sample (float32)
     cosine: float  # mean over every position of cos(export, source)
-    boundary: Boundary  # the outputs of both models (the inputs of layer index + 1), durable
+    # the outputs of both models (the inputs of layer index + 1), durable; None while `pending`: one worker keeps them
+    # in RAM and makes their file durable while the next layer computes, and its next reply names it in `settled`
+    # (as a calibrated export's LayerWritten does: Boundary durability above)
+    boundary: Boundary | None = None
+    pending: bool = False
+    settled: Boundary | None = None  # the inputs of layer `index` the previous reply left pending, durable now
     seconds: float = 0.0
     peak_rss: int = 0
     peak_gpu: int = 0

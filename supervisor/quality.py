@@ -54,7 +54,7 @@ class Layer(msgspec.Struct, tag=True, kw_only=True):
     index: int
     rel_error: float
     cosine: float
-    boundary: Boundary
+    boundary: Boundary | None = None  # None: made durable beside the next layer (a later record for it names it)
     seconds: float = 0.0
     peak_rss: int = 0
     peak_gpu: int = 0
@@ -213,11 +213,13 @@ class _Appender:
 
 
 def _start_at(output: str, layers: dict[int, Layer], num_layers: int) -> tuple[int, Boundary | None]:
-    """Where a measurement continues: after the longest run of journaled layers 0..k-1, from the boundary layer
-    k-1 named, re-hashed (a damaged one is never trusted: from the samples again)."""
+    """Where a measurement continues: after the longest run of journaled layers 0..k-1, from the newest boundary
+    one of them names (a layer's boundary is journaled once durable, which can be beside the next layer: then that
+    layer is measured again), re-hashed (a damaged one is never trusted: from the samples again)."""
     k = 0
     while k < num_layers and k in layers:
         k += 1
+    k = next((j for j in range(k, 0, -1) if layers[j - 1].boundary is not None), 0)
     if k == 0:
         return 0, None
     b = layers[k - 1].boundary
@@ -227,11 +229,12 @@ def _start_at(output: str, layers: dict[int, Layer], num_layers: int) -> tuple[i
 
 
 def _prune(output: str, keep: Boundary | None) -> None:
+    """Delete the boundary files older than `keep` (every one when None); a newer one may be being written."""
     folder = layout.state_path(output, QUALITY)
     keep_name = os.path.basename(keep.file) if keep is not None else None
     for fn in os.listdir(folder) if os.path.isdir(folder) else []:
-        if fn.startswith("inputs-layer-") and fn != keep_name:
-            os.unlink(os.path.join(folder, fn))
+        if fn.startswith("inputs-layer-") and fn != keep_name and (keep is None or int(fn[13:18]) < keep.feeds):
+            durable.unlink_quietly(os.path.join(folder, fn))
 
 
 def measure(output: str, dataset: str, samples: int = DEFAULT_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, *,
@@ -284,12 +287,18 @@ def _measure(output, dataset, samples, seq_len, job, sha, st, on_event, cancelle
                     if isinstance(reply, Failed):
                         raise _Failure(reply)
                     if isinstance(reply, LayerEvaluated):
+                        if reply.settled is not None and reply.settled.feeds - 1 in layers:
+                            done = msgspec.structs.replace(layers[reply.settled.feeds - 1], boundary=reply.settled)
+                            journal.append(done)
+                            layers[done.index] = done
+                            _prune(output, reply.settled)
                         rec = Layer(index=reply.index, rel_error=reply.rel_error, cosine=reply.cosine,
                                     boundary=reply.boundary, seconds=reply.seconds, peak_rss=reply.peak_rss,
                                     peak_gpu=reply.peak_gpu)
                         journal.append(rec)
                         layers[rec.index] = rec
-                        _prune(output, rec.boundary)
+                        if rec.boundary is not None:
+                            _prune(output, rec.boundary)
                         on_event(ev.QualityLayer(index=rec.index, rel_error=rec.rel_error, cosine=rec.cosine,
                                                  total=num_layers))
                         k, boundary = k + 1, rec.boundary
