@@ -25,9 +25,9 @@ from child.process import Beat
 from shared import layout
 from shared.arithmetic import device_model
 from shared.framing import EndOfStream, Reader, Writer
-from shared.messages import (NON_LAYER, PROTOCOL_VERSION, CheckLoad, ConfigWritten, Describe, Described, ExportLayer,
-                             Failed, Hello, LayerWritten, LoadChecked, LoadReport, Ready, Settle, Settled, Stop,
-                             WriteConfig)
+from shared.messages import (NON_LAYER, PROTOCOL_VERSION, CheckLoad, ConfigWritten, Describe, Described, EvaluateLayer,
+                             ExportLayer, Failed, Hello, LayerWritten, LoadChecked, LoadReport, Ready, Settle, Settled,
+                             Stop, WriteConfig)
 
 # A layer read ahead onto the GPU sits there beside the one being quantized. Up to this size that is cheap and
 # hides the read; a bigger layer (a large MoE's: GBs of experts) is read ahead on the host only, so the GPU holds
@@ -351,7 +351,12 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
         from shared.job import warm_profile
 
         hide_unused(warm_profile(hello.job))  # a spawned worker imports its libraries now (a forked one has them)
-        exporter = Exporter(hello, beat)
+        if hello.evaluate is not None:  # `verify --quality`: the source and the export side by side
+            from child.backends.evaluate import Evaluator
+
+            exporter = Evaluator(hello, beat, beat.set)
+        else:
+            exporter = Exporter(hello, beat)
     except Exception as exc:  # noqa: BLE001 - every failure crosses the pipe as data
         writer.send(_failed(None, exc))
         return 1
@@ -361,7 +366,7 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
     import torch  # imported with the backend already
 
     writer.send(Ready(version=PROTOCOL_VERSION, pid=os.getpid(), device=hello.device,
-                      layer_prefix=exporter.prefix, num_layers=exporter.backend.num_layers,
+                      layer_prefix=exporter.prefix, num_layers=_num_layers(exporter),
                       versions=process.versions(), gpu_free=free, gpu_total=total, threads=torch.get_num_threads(),
                       device_model=device_model(hello.device)))
     beat.set(None, "idle")
@@ -385,6 +390,13 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
                 except Exception as exc:  # noqa: BLE001
                     reply = _failed(None, exc)
                 writer.send(reply)
+            case EvaluateLayer():
+                try:
+                    reply = exporter.evaluate(msg)
+                except Exception as exc:  # noqa: BLE001
+                    reply = _failed(msg.index, exc)
+                beat.set(None, "idle")
+                writer.send(reply)
             case Settle():
                 try:
                     reply = Settled(boundary=exporter.backend.settle())
@@ -400,3 +412,8 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
             case _:
                 writer.send(Failed(kind="ProtocolError", message=f"unexpected message {type(msg).__name__}"))
                 return 2
+
+
+def _num_layers(worker) -> int:
+    backend = getattr(worker, "backend", None)
+    return backend.num_layers if backend is not None else worker.num_layers

@@ -58,6 +58,14 @@ class Calibration(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     match_oneshot: bool = True
 
 
+class Evaluate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """[evaluate]: at the end of every export, `verify --quality` over these held-out samples (docs/quality.md)."""
+
+    dataset: str  # local JSONL, the calibration file's form
+    samples: int = 64
+    seq_len: int = 2048
+
+
 class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     max_attempts: int = 3  # attempts per layer before the export fails
@@ -94,6 +102,7 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     export: Export
     resources: Resources = msgspec.field(default_factory=Resources)
     calibration: Calibration | None = None
+    evaluate: Evaluate | None = None
 
 
 # lm_head: vLLM and transformers expect it dense unless asked. The rest are MoE routers and shared-expert

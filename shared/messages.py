@@ -21,6 +21,14 @@ Data flow (one worker)::
       ◀──────────── LoadChecked(load) | Failed(…)
       Stop() ─────────────────────────────────▶  exits 0
 
+    quality (`supervisor verify OUT --quality FILE`; a worker whose Hello carries `evaluate`, child/backends/evaluate.py)
+      EvaluateLayer(index, fence, boundary) ──▶  source layer i and export layer i over every held-out sample's
+                                                 two hidden states (boundary: the journaled inputs of layer i)
+      ◀──────────── LayerEvaluated(index, rel_error, cosine, boundary | pending, settled)   (the next layer's
+                                                 inputs: durable, or made durable beside the next layer)
+      EvaluateLayer(index = num_layers) ──────▶  final norm + head of each model over the last layer's outputs
+      ◀──────────── QualityMeasured(kl, top1, ppl_source, ppl_export, samples, tokens)
+
 Rules: Structs with `tag=True`, one Union per direction, one typed Decoder per direction made once; failures
 travel as data (`Failed.kind/message/traceback` text), never pickled; `Failed.retry` is False for a failure that
 would repeat (same input, same code), which the supervisor then does not retry. New fields get defaults. Bump
@@ -47,7 +55,10 @@ import msgspec
 
 from shared.job import Job
 
-PROTOCOL_VERSION = 8  # 8: PartPlan.rewritten (a calibrated non-layer part copied ahead unless it names one); 7: 7: a calibrated layer's next inputs made durable beside the next layer (pending, settled)
+# 9: `verify --quality` (Hello.evaluate, EvaluateLayer, LayerEvaluated, QualityMeasured); 8: PartPlan.rewritten (a
+# calibrated non-layer part copied ahead unless it names one); 7: a calibrated layer's next inputs made durable beside
+# the next layer (pending, settled)
+PROTOCOL_VERSION = 9
 
 NON_LAYER = -1  # the index used for the non-layer shard (embeddings, final norm, lm_head)
 
@@ -114,6 +125,15 @@ LISTEN_PORT_ENV = "SUPERVISOR_LISTEN_PORT"
 
 
 # ---- supervisor → child -------------------------------------------------------------------------------------
+class Evaluate(msgspec.Struct, kw_only=True):
+    """`verify --quality`: the held-out samples run through the export's source and the export, layer by layer."""
+
+    dataset: str  # local JSONL, the calibration file's form
+    samples: int = 64
+    seq_len: int = 2048
+    sha256: str = ""  # of the dataset lines the supervisor validated; the child checks it
+
+
 class Hello(msgspec.Struct, tag=True, kw_only=True):
     version: int
     job: Job
@@ -128,6 +148,7 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     # at once, so one quantizes while the other reads or writes; empty: no lock
     device_lock: str = ""
     group: Group | None = None  # set for the ranks of a calibrated group (W > 1); None: a worker of its own
+    evaluate: Evaluate | None = None  # set: a quality worker (child/backends/evaluate.py) for the finished export in `output`
 
 
 class ExportLayer(msgspec.Struct, tag=True, kw_only=True):
@@ -163,7 +184,15 @@ class Stop(msgspec.Struct, tag=True):
     pass
 
 
-ToChild = Union[Hello, ExportLayer, WriteConfig, Describe, CheckLoad, Settle, Stop]
+class EvaluateLayer(msgspec.Struct, tag=True, kw_only=True):
+    """Quality: run layer `index` of the source and of the export (index == num_layers: the final norm and head)."""
+
+    index: int
+    fence: str = ""  # this attempt's: the name of the boundary file it writes
+    boundary: Boundary | None = None  # the journaled inputs of layer `index` (both streams); None: from the samples
+
+
+ToChild = Union[Hello, ExportLayer, WriteConfig, Describe, CheckLoad, Settle, Stop, EvaluateLayer]
 
 
 # ---- child → supervisor -------------------------------------------------------------------------------------
@@ -276,4 +305,34 @@ class Settled(msgspec.Struct, tag=True, kw_only=True):
     boundary: Boundary | None = None  # the inputs the last reply left pending, durable now (None: nothing was pending)
 
 
-ToSupervisor = Union[Ready, Heartbeat, LayerWritten, ConfigWritten, Described, LoadChecked, Settled, Failed]
+class LayerEvaluated(msgspec.Struct, tag=True, kw_only=True):
+    """Quality: layer `index` of both models ran; the export's hidden states at its output against the source's."""
+
+    index: int
+    rel_error: float  # ||export - source|| / ||source|| over every position of every sample (float32)
+    cosine: float  # mean over every position of cos(export, source)
+    # the outputs of both models (the inputs of layer index + 1), durable; None while `pending`: one worker keeps them
+    # in RAM and makes their file durable while the next layer computes, and its next reply names it in `settled`
+    # (as a calibrated export's LayerWritten does: Boundary durability above)
+    boundary: Boundary | None = None
+    pending: bool = False
+    settled: Boundary | None = None  # the inputs of layer `index` the previous reply left pending, durable now
+    seconds: float = 0.0
+    peak_rss: int = 0
+    peak_gpu: int = 0
+
+
+class QualityMeasured(msgspec.Struct, tag=True, kw_only=True):
+    """Quality: the figures over the logits of both models (float32, natural log; docs/quality.md)."""
+
+    kl: float  # mean over positions of KL(softmax(source) || softmax(export))
+    top1: float  # fraction of positions whose argmaxes agree
+    ppl_source: float  # exp(mean NLL of token t+1 at positions t < n-1)
+    ppl_export: float
+    samples: int
+    tokens: int  # positions the kl and top1 are over (every token of every sample)
+    seconds: float = 0.0
+
+
+ToSupervisor = Union[Ready, Heartbeat, LayerWritten, ConfigWritten, Described, LoadChecked, Settled, Failed,
+                     LayerEvaluated, QualityMeasured]

@@ -63,6 +63,8 @@ def load_job(path: str | os.PathLike) -> Job:
     job.export.output = os.path.normpath(os.path.join(base, os.path.expanduser(job.export.output)))
     if job.calibration is not None:
         job.calibration.dataset = os.path.normpath(os.path.join(base, os.path.expanduser(job.calibration.dataset)))
+    if job.evaluate is not None:
+        job.evaluate.dataset = os.path.normpath(os.path.join(base, os.path.expanduser(job.evaluate.dataset)))
     return job
 
 
@@ -137,6 +139,10 @@ def _plan(job: Job, output: str, source: SourceInfo, extra: dict | None, saved, 
         devs = devices.resolve_devices(job.resources.device)
     world, world_note = calibration.group_size(job, devs) if is_calibrated(job) else (1, "")
     calib = calibration.check(job, source, devs[0], world) if is_calibrated(job) else None
+    if job.evaluate is not None:
+        from supervisor.run import quality
+
+        quality.check_job(job)  # [evaluate]: the held-out file refused now, before anything is written
     fp, parts = journal.fingerprint(job, source.stats, calib.fingerprint if calib else None, extra, devs[0])
     try:
         state = journal.check_owner(output, fp, parts)

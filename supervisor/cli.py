@@ -87,6 +87,11 @@ def cmd_verify(args) -> int:
         from supervisor.commands import vllm_check
 
         python = vllm_check.vllm_python(args.vllm or None)  # a missing venv is refused before the re-hash
+    quality_check = None
+    if args.quality is not None:
+        from supervisor.run import quality
+
+        quality_check = quality.check(args.output, args.quality, args.samples, args.seq_len)  # bad input: first
     problems = verify(args.output)
     vllm = None
     if python is not None and not problems:
@@ -96,9 +101,14 @@ def cmd_verify(args) -> int:
             vllm = vllm_check.generate(args.output, python)
             if "error" in vllm:
                 problems[VLLM] = f"vLLM refused or failed: {vllm['error']}"
+    measured = None
+    if quality_check is not None and not problems:
+        measured = quality.measure(args.output, args.quality, args.samples, args.seq_len,
+                                   on_event=(lambda e: None) if args.json else _quality_progress)
     if args.json:
         print(json.dumps({"output": args.output, "ok": not problems, "problems": problems,
-                          **({"vllm": vllm} if vllm is not None else {})}))
+                          **({"vllm": vllm} if vllm is not None else {}),
+                          **({"quality": measured} if measured is not None else {})}))
     elif problems:
         for fn, why in problems.items():
             print(f"BAD  {fn}: {why}")
@@ -110,7 +120,19 @@ def cmd_verify(args) -> int:
         if vllm is not None:
             print(f"ok: vLLM ({python}) loaded it and generated {vllm['ids']} from the token ids "
                   f"{vllm_check.prompt_for(args.output)}")
+        if measured is not None:
+            from supervisor.commands.report import quality_lines
+
+            print("\n".join(quality_lines(measured)))
     return 1 if problems else 0
+
+
+def _quality_progress(e) -> None:
+    from supervisor import events as ev
+
+    if isinstance(e, ev.QualityLayer):
+        print(f"quality: layer {e.index + 1}/{e.total}: rel. error {e.rel_error:.4g}, cosine {e.cosine:.6f}",
+              file=sys.stderr)
 
 
 VLLM = "vLLM"  # verify's problem key for `--vllm`
@@ -150,6 +172,9 @@ def cmd_report(args) -> int:
             console = Console(width=200)  # into a file or pipe: whole rows, not the 80-column default
         console.print(report.summary(rep), soft_wrap=True, highlight=False)
         console.print(report.table(rep))
+        if rep.quality is not None:
+            console.print("\n".join(report.quality_lines(rep.quality)), soft_wrap=True, highlight=False)
+            console.print(report.quality_table(rep.quality))
         if args.modules:
             console.print(report.modules_table(rep))
     if args.html:
@@ -244,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm", nargs="?", const="", metavar="PYTHON", help="also load the finished export in vLLM "
                    "and generate a few tokens, with PYTHON, a virtualenv's Python that has vLLM (default: "
                    "./.venv-vllm/bin/python, as .ci/setup.sh builds it)")
+    p.add_argument("--quality", metavar="FILE", help="also measure how much the export lost against its source "
+                   "over the held-out samples in FILE (JSONL, the calibration file's form): kl, top1, both "
+                   "perplexities and per-layer hidden-state error, one layer at a time (docs/quality.md)")
+    p.add_argument("--samples", type=int, default=64, help="--quality: the first N lines of FILE (default 64)")
+    p.add_argument("--seq-len", type=int, default=2048, help="--quality: each sample truncated to this many "
+                   "tokens (default 2048)")
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("report", parents=[common], help="per layer: time, bytes, peak memory, retries and "
                        "quantization error, from the journal (finished or not)")

@@ -171,13 +171,37 @@ class Failed(Event):
     exit_code: int = 1
 
 
+class QualityLayer(Event):
+    """`verify --quality` (or [evaluate]): decoder layer `index` of the source and the export ran over the held-out
+    samples; the export's hidden states at its output against the source's (docs/quality.md)."""
+
+    index: int
+    rel_error: float
+    cosine: float
+    total: int = 0  # decoder layers
+
+
+class QualityMeasured(Event):
+    """How much the export lost against its source, over the held-out samples (docs/quality.md)."""
+
+    kl: float
+    top1: float
+    ppl_source: float
+    ppl_export: float
+    samples: int
+    tokens: int
+    rel_error: list[float] = []  # per decoder layer
+    cosine: list[float] = []
+
+
 class Cancelled(Event):
     message: str = "cancelled; run the same job again to resume"
 
 
 AnyEvent = Union[Started, MemoryReleased, PoolStarted, ClusterJoined, ConnectionRefused, WorkerStarted, WorkerLeftOut,
                  CopyDeclined, LayerStarted,
-                 LayerWritten, Progress, Retrying, ModelRestored, LogLine, Finished, Failed, Cancelled]
+                 LayerWritten, Progress, Retrying, ModelRestored, LogLine, QualityLayer, QualityMeasured, Finished, Failed,
+                 Cancelled]
 TERMINAL = (Finished, Failed, Cancelled)
 
 _json = msgspec.json.Encoder()

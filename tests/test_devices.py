@@ -99,7 +99,7 @@ def test_child_env_defaults_to_os_environ(monkeypatch):
 def test_resolve_cpu_and_hidden_auto_do_not_import_torch():
     """"cpu", and "auto" with GPUs hidden, resolve without importing torch (the CLI starts fast)."""
     code = (
-        "import sys; from supervisor import devices\n"
+        "import sys; from supervisor.workers import devices\n"
         "assert devices.resolve_device('cpu') == 'cpu'\n"
         "assert devices.resolve_device('auto') == 'cpu'\n"
         "devices.child_env('cuda:1', {'CUDA_VISIBLE_DEVICES': '3,5'})\n"

@@ -108,6 +108,11 @@ class Display:
                 p.console.print(f"restored the live model in {e.seconds:.2f}s")
             case ev.Cancelled():
                 p.console.print(f"[yellow]{e.message}")
+            case ev.QualityLayer():
+                p.update(task, stage=f"quality: layer {e.index + 1}/{e.total}")
+            case ev.QualityMeasured():
+                p.console.print(f"quality ({e.samples} held-out samples, {e.tokens} tokens): kl {e.kl:.6g}, top-1 "
+                                f"{e.top1:.4f}, perplexity {e.ppl_source:.4f} -> {e.ppl_export:.4f} (docs/quality.md)")
             case ev.Finished():
                 p.update(task, completed=e.parts, stage="done")
 

@@ -66,6 +66,7 @@ class Report:
     output: str
     info: dict  # supervisor.commands.status.status(): scheme, source, done, left, finalized, running_pid
     parts: list[journal.Shard]  # journaled parts: layers in order, then the non-layer shard
+    quality: dict | None = None  # the latest finished `verify --quality` (supervisor.run.quality.figures), if any
 
 
 def load(output: str) -> Report:
@@ -73,7 +74,9 @@ def load(output: str) -> Report:
     st = status.read_state(output)  # read once: a running export's journal grows between two reads
     info = status.status(output, st)
     parts = sorted(st.shards.values(), key=lambda r: (r.index == NON_LAYER, r.index))
-    return Report(output=os.path.abspath(output), info=info, parts=parts)
+    from supervisor.run import quality
+
+    return Report(output=os.path.abspath(output), info=info, parts=parts, quality=quality.figures(output))
 
 
 def label(index: int) -> str:
@@ -157,7 +160,61 @@ def modules_table(report: Report) -> Table:
 def to_dict(report: Report) -> dict:
     import msgspec
 
-    return {**report.info, "parts": [msgspec.to_builtins(r) for r in report.parts]}
+    return {**report.info, "parts": [msgspec.to_builtins(r) for r in report.parts],
+            **({"quality": report.quality} if report.quality is not None else {})}
+
+
+# ---- quality (`verify --quality`, [evaluate]; docs/quality.md) ----------------------------------------------
+def quality_lines(q: dict) -> list[str]:
+    """The figures in words: what the CLI prints after `verify --quality` and above the report's table."""
+    worst = max(q["layers"], key=lambda r: r["rel_error"]) if q["layers"] else None
+    return [f"quality over {q['samples']} held-out samples ({q['tokens']} tokens): kl {q['kl']:.6g}, "
+            f"top-1 agreement {q['top1']:.4f}, perplexity {q['ppl_source']:.4f} (source) -> {q['ppl_export']:.4f} "
+            f"(export)" + (f"; largest hidden-state error {worst['rel_error']:.4g} at layer {worst['index']}"
+                           if worst else "")]
+
+
+def _quality_rows(q: dict) -> list[list[str]]:
+    return [[str(r["index"]), f"{r['rel_error']:.6f}", f"{r['cosine']:.6f}"] for r in q["layers"]]
+
+
+def quality_table(q: dict) -> Table:
+    t = Table(title="hidden state per decoder layer, export against source", title_justify="left",
+              box=box.SIMPLE_HEAD)
+    for name in ("layer", "rel. error", "cosine"):
+        t.add_column(name, justify="right")
+    for row in _quality_rows(q):
+        t.add_row(*row)
+    return t
+
+
+def _quality_png(q: dict) -> str:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 3.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    xs = [r["index"] for r in q["layers"]]
+    ax.plot(xs, [r["rel_error"] for r in q["layers"]], marker="o", color="#c44e52", label="rel. error")
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("||export - source|| / ||source||")
+    ax.grid(alpha=0.3)
+    cos = ax.twinx()
+    cos.plot(xs, [r["cosine"] for r in q["layers"]], marker=".", color="#4c72b0", label="cosine")
+    cos.set_ylabel("cosine")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _quality_html(q: dict | None) -> str:
+    if q is None:
+        return ""
+    return (f"<h2>Quality against the source</h2><p>{html.escape(quality_lines(q)[0])}</p>"
+            f'<figure><img alt="hidden-state error per layer" src="data:image/png;base64,{_quality_png(q)}">'
+            "<figcaption>the export's hidden state at each decoder layer's output against the source's</figcaption>"
+            f"</figure>{_html_table(['layer', 'rel. error', 'cosine'], _quality_rows(q))}")
 
 
 # ---- HTML ----------------------------------------------------------------------------------------------------
@@ -191,7 +248,8 @@ def write_html(report: Report, path: str) -> list[str]:
         table=_html_table(*_part_rows(report)),
         figures=figures or "<p>nothing journaled yet</p>",
         not_plotted=html.escape(", ".join(not_plotted) + " (all zero or not recorded)") if not_plotted else "",
-        modules=_html_table(["part", "module", "rel. error"], _module_rows(report)))
+        modules=_html_table(["part", "module", "rel. error"], _module_rows(report)),
+        quality=_quality_html(report.quality))
     durable.write_bytes(path, page.encode())
     return [c.title for c in columns]
 
@@ -266,6 +324,7 @@ img {{ max-width: 100%; }}
 <h2>Plots</h2>
 {figures}
 <p>{not_plotted}</p>
+{quality}
 <h2>Quantization error per module</h2>
 <p>Relative error of each module's dequantized weight against its source weight,
 ||dequantized - source|| / ||source||, measured by the worker while the layer was in memory.</p>

@@ -8,6 +8,8 @@
     verbatim.py    that copy: the non-layer tensors written as they are, when the export keeps them so
     boundaries.py  a calibrated export's boundaries (a layer's inputs on disk) and arithmetic
     feed.py        the events, the children's log lines, the progress clock
+    quality.py     `verify --quality` and `[evaluate]`: the finished export against its source, layer by layer in a
+                   quality worker, its own journal under .export/quality (resumable)
 
 Run builds each helper with what it needs (the plan, an emit function, the cancel token); none calls back into
 Run. Never validates a job (supervisor.checks, through api.prepare), never quantizes (the child does).

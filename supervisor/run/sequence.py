@@ -247,6 +247,7 @@ class Run:
                                         left_out=c.left_out))
         if not todo and st.finalized is not None and not redo and \
                 not journal.verify_files(out, journal.not_shards(st.finalized.files, done)):
+            self._evaluate()
             return ev.Finished(output=out, parts=len(parts), nbytes=sum(r.nbytes for r in done.values()),
                                seconds=0.0, already_complete=True)
         self._progress = Progress(total=len(parts), done=len(done), source_bytes=plan.source.nbytes)
@@ -256,9 +257,21 @@ class Run:
         self._preflight()
         self._scheduler.run(todo)
         self._finalize(done)
+        self._evaluate()
         total_bytes = sum(r.nbytes for r in done.values())
         return ev.Finished(output=out, parts=len(parts), nbytes=total_bytes,
                            seconds=round(time.monotonic() - self._feed.t0, 3))
+
+    def _evaluate(self) -> None:
+        """[evaluate]: the finished export's quality against its source (supervisor.run.quality), journaled under
+        .export/quality and reported as QualityLayer / QualityMeasured events; the lock is this run's."""
+        e = self.job.evaluate
+        if e is None:
+            return
+        from supervisor.run import quality
+
+        quality.measure(self.plan.output, e.dataset, e.samples, e.seq_len, on_event=self._emit, locked=True,
+                        cancelled=self._cancel.is_set)
 
     def _preflight(self) -> None:
         """Start the warm parent, and judge the export plan: a worker predicts every part's output on meta tensors

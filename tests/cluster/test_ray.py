@@ -270,7 +270,7 @@ def test_connections_without_the_secret_are_refused_and_the_run_goes_on(host, mo
         assert faultkit.wait_marker(marker, 180), r.stderr
         joined = r.of("ClusterJoined")[0]
         script = ("import os, socket, time\n"
-                  "from supervisor import channel\n"
+                  "from supervisor.cluster import channel\n"
                   f"a = socket.create_connection(({joined['host']!r}, {joined['port']}))\n"
                   "a.shutdown(socket.SHUT_WR); a.recv(1); a.close()\n"
                   "token = os.urandom(channel.TOKEN_BYTES)\n"

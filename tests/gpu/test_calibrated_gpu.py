@@ -63,5 +63,6 @@ def test_cuda_kill_and_rerun_is_byte_identical(tiny_models, tmp_path):
                                                   "once": str(tmp_path / "fired")})}
     assert cli.run("run", job("killed", max_attempts=1), "--json", env=fault, check=False).returncode == 1
     # layer 2's inputs were being made durable beside it: the newest journaled boundary feeds layer 1
-    assert cli.events(cli.run("run", job("killed", activation_ram_gb=1e-6), "--json"))[0]["resumed"] == 1
+    # layer 0 and the non-layer part (the supervisor's copy)
+    assert cli.events(cli.run("run", job("killed", activation_ram_gb=1e-6), "--json"))[0]["resumed"] == 2
     assert cli.output_bytes(tmp_path / "killed") == cli.output_bytes(tmp_path / "whole")

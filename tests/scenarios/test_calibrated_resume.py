@@ -85,7 +85,8 @@ def test_child_killed_while_calibrating_resumes_from_the_newest_durable_boundary
     assert first.returncode == 1 and "layer 2" in first.stderr, first.stderr
     assert _journaled(out)[0] == [0]  # layer 0's record names layer 1's inputs; layer 1's names none yet
     assert "inputs-layer-00001.bin" in _boundaries(out)  # (layer 2's may be on disk too: never named, pruned)
-    assert json.loads(cli.run("status", out, "--json").stdout)["left"] == [1, 2, 3, "non-layer"]
+    # the non-layer part is the supervisor's copy, journaled once the plan was judged (supervisor/run/verbatim.py)
+    assert json.loads(cli.run("status", out, "--json").stdout)["left"] == [1, 2, 3]
 
     corrupt = tmp_path / "corrupt"
     subprocess.run(["cp", "-a", str(out), str(corrupt)], check=True)
@@ -99,15 +100,15 @@ def test_child_killed_while_calibrating_resumes_from_the_newest_durable_boundary
     assert refused.returncode == 2 and "started with W = 1" in refused.stderr, refused.stderr
     second = cli.events(cli.run("run", _job(tmp_path, model, dataset, out, activation_ram_gb=1e-6, workers=1),
                                 "--json"))
-    assert second[0]["type"] == "Started" and second[0]["resumed"] == 1 and second[0]["todo"] == 4
-    assert [e["index"] for e in second if e["type"] == "LayerStarted"] == [1, 2, 3, -1]
+    assert second[0]["type"] == "Started" and second[0]["resumed"] == 2 and second[0]["todo"] == 3
+    assert [e["index"] for e in second if e["type"] == "LayerStarted"] == [1, 2, 3]
     assert {e["worker"] for e in second if e["type"] == "WorkerStarted"} == {0}
     assert cli.output_bytes(out) == reference[0]
 
     (tmp_path / "c").mkdir()
     third = cli.events(cli.run("run", _job(tmp_path / "c", model, dataset, corrupt), "--json"))
-    assert third[0]["resumed"] == 0 and third[0]["redo"] == [0, 1]
-    assert [e["index"] for e in third if e["type"] == "LayerStarted"] == [0, 1, 2, 3, -1]
+    assert third[0]["resumed"] == 1 and third[0]["redo"] == [0, 1]  # the non-layer part kept
+    assert [e["index"] for e in third if e["type"] == "LayerStarted"] == [0, 1, 2, 3]
     assert cli.output_bytes(corrupt) == reference[0]
 
 
@@ -123,13 +124,14 @@ def test_child_killed_before_the_next_inputs_are_durable_redoes_one_more_layer(m
                     env={"SUPERVISOR_TEST_FAULT": json.dumps(faults)}, check=False)
     assert first.returncode == 1 and "layer 2" in first.stderr, first.stderr
     events = cli.events(first)
-    assert [e["index"] for e in events if e["type"] == "LayerWritten"] == [0, 1]  # layer 1 journaled before the kill
+    # the non-layer part (the supervisor's copy), then layer 1 journaled before the kill
+    assert [e["index"] for e in events if e["type"] == "LayerWritten"] == [-1, 0, 1]
     named, files = _journaled(out)
     assert named == [0] and _boundaries(out) == ["inputs-layer-00001.bin"]  # layer 2's never reached its name
     assert sorted(os.listdir(os.path.join(out, layout.STATE_DIR, layout.BOUNDARY))) == files
     second = cli.events(cli.run("run", _job(tmp_path, model, dataset, out), "--json"))
-    assert second[0]["resumed"] == 1
-    assert [e["index"] for e in second if e["type"] == "LayerStarted"] == [1, 2, 3, -1]
+    assert second[0]["resumed"] == 2  # layer 0 and the non-layer part
+    assert [e["index"] for e in second if e["type"] == "LayerStarted"] == [1, 2, 3]
     assert cli.output_bytes(out) == reference[0]
 
 
@@ -140,7 +142,7 @@ def test_child_killed_is_retried_from_the_newest_durable_boundary_in_the_same_ru
     events = cli.events(cli.run("run", _job(tmp_path, model, dataset, out), "--json",
                                 env=_fault(tmp_path / "fired", point="calibrate", action="sigkill", index=2)))
     assert [e["index"] for e in events if e["type"] == "Retrying"] == [2]
-    assert [e["index"] for e in events if e["type"] == "LayerStarted"] == [0, 1, 2, 1, 2, 3, -1]
+    assert [e["index"] for e in events if e["type"] == "LayerStarted"] == [0, 1, 2, 1, 2, 3]  # non-layer: copied
     assert [(e["index"], e["retries"]) for e in events if e["type"] == "LayerWritten" and e["index"] >= 0] == \
         [(0, 0), (1, 0), (1, 0), (2, 1), (3, 0)]
     progress = [e for e in events if e["type"] == "Progress"]
@@ -154,7 +156,7 @@ def test_a_recycled_worker_settles_its_pending_inputs_and_no_layer_is_redone(mod
     bytes are the uninterrupted run's."""
     out = tmp_path / "out"
     events = cli.events(cli.run("run", _job(tmp_path, model, dataset, out, recycle_after_layers=1), "--json"))
-    assert [e["index"] for e in events if e["type"] == "LayerStarted"] == [*range(LAYERS), -1]
+    assert [e["index"] for e in events if e["type"] == "LayerStarted"] == [*range(LAYERS)]  # non-layer: copied
     assert len([e for e in events if e["type"] == "WorkerStarted"]) >= LAYERS
     assert not [e for e in events if e["type"] == "Retrying"]
     assert cli.output_bytes(out) == reference[0]
@@ -176,7 +178,7 @@ def test_supervisor_killed_during_propagation_resumes(model, dataset, reference,
         assert not alive, f"orphaned children still running: {alive}"
     assert _journaled(out)[0] == [0] and "inputs-layer-00001.bin" in _boundaries(out)
     second = cli.events(cli.run("run", _job(tmp_path, model, dataset, out), "--json"))
-    assert second[0]["resumed"] == 1
+    assert second[0]["resumed"] == 2  # layer 0 and the non-layer part
     assert cli.output_bytes(out) == reference[0]
 
 
@@ -202,7 +204,7 @@ def test_awq_on_cpu_equals_oneshot_resumes_identically_and_loads(tiny_models, tm
     first = cli.run("run", job(killed, max_attempts=1), "--json",
                     env=_fault(tmp_path / "fired", point="calibrate", action="sigkill", index=2), check=False)
     assert first.returncode == 1, first.stderr
-    assert cli.events(cli.run("run", job(killed), "--json"))[0]["resumed"] == 1
+    assert cli.events(cli.run("run", job(killed), "--json"))[0]["resumed"] == 2  # layer 0 and the non-layer part
     assert cli.output_bytes(killed) == cli.output_bytes(whole)
 
     ref = oneshot_calibrated(source, "W4A16", "awq", rows, AWQ_SEQ, str(tmp_path / "ref"))

@@ -1,0 +1,134 @@
+"""`verify --quality` against the floor: one forward of the source plus one of the export over the same samples.
+
+Builds a random bf16 Llama checkpoint (Llama-3-8B shape by default), exports it (`supervisor run`, not timed here),
+writes --samples random token-id rows of --seq-len tokens, warms the page cache and import caches, then times in
+processes of their own:
+
+  quality      `supervisor verify OUT --quality held.jsonl --json`: the whole command (start-up, the digests, the
+               loader check, the layerwise measurement) and the measurement alone (its journaled `seconds`)
+  forwards     transformers: from_pretrained(source, bf16) on the device, every sample through it (timed, synced);
+               then from_pretrained(OUT) the same way: the floor the issue compares with is the two forwards' sum
+
+It prints one table (seconds, and the measurement over the floor) and the figures of both (ours and the whole-model
+ones the forwards give, so a wrong fast answer shows).
+
+    python bench/quality_bench.py                                   # one H200: 32 layers, 64 x 2048, W4A16
+    python bench/quality_bench.py --layers 4 --hidden 512 --intermediate 1024 --vocab 2048 --samples 8 \\
+        --seq-len 256 --device cpu                                  # the CPU VM's small-model figure
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from export_bench import SUPERVISOR, add_shape_args, build, private_runtime, stop_warm, warm  # noqa: E402
+
+FORWARDS = r"""
+import json, math, sys, time
+import torch
+from transformers import AutoModelForCausalLM
+src, out, data, device = sys.argv[1:5]
+rows = [json.loads(l)["input_ids"] for l in open(data)]
+def sync():
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+res, logps = {}, {}
+for name, folder in (("source", src), ("export", out)):
+    t = time.perf_counter()
+    kw = {"dtype": torch.bfloat16} if name == "source" else {}
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map=device, attn_implementation="eager", **kw)
+    sync()
+    res[f"load_{name}"] = time.perf_counter() - t
+    t = time.perf_counter()
+    outs = []
+    with torch.no_grad():
+        for r in rows:
+            x = torch.tensor([r], device=device)
+            outs.append(torch.log_softmax(model(x).logits[0].float(), -1).cpu())
+    sync()
+    res[f"forward_{name}"] = time.perf_counter() - t
+    logps[name] = outs
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+kl = top1 = ns = ne = 0.0; n = p = 0
+for r, ls, le in zip(rows, logps["source"], logps["export"]):
+    kl += float((ls.exp() * (ls - le)).sum()); top1 += int((ls.argmax(-1) == le.argmax(-1)).sum()); n += len(r)
+    t = torch.tensor(r[1:])
+    ns -= float(ls[:-1].gather(-1, t[:, None]).sum()); ne -= float(le[:-1].gather(-1, t[:, None]).sum()); p += len(t)
+res["figures"] = {"kl": kl / n, "top1": top1 / n, "ppl_source": math.exp(ns / p), "ppl_export": math.exp(ne / p)}
+print(json.dumps(res))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(ap)
+    ap.add_argument("--scheme", default="W4A16")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--work", default=None, help="working folder (default: a temporary one, removed)")
+    ap.add_argument("--torch-device", default="auto", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    work = args.work or tempfile.mkdtemp(prefix="quality-bench-")
+    private_runtime(work)
+    src, out, data = os.path.join(work, "src"), os.path.join(work, "out"), os.path.join(work, "held.jsonl")
+    if not os.path.exists(os.path.join(src, "config.json")):
+        build(args, src)
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    with open(data, "w") as f:
+        for _ in range(args.samples):
+            f.write(json.dumps({"input_ids": torch.randint(0, args.vocab, (args.seq_len,), generator=g).tolist()}) + "\n")
+    job = os.path.join(work, "job.toml")
+    with open(job, "w") as f:
+        f.write(f'[source]\npath = "{src}"\n[export]\nscheme = "{args.scheme}"\noutput = "{out}"\n'
+                f'[resources]\ndevice = "{args.device}"\nkeep_warm = 0\n')
+    if not os.path.exists(os.path.join(out, ".export", "done.json")):
+        subprocess.run([SUPERVISOR, "run", job, "--json"], check=True, capture_output=True)
+    warm(src)
+    warm(out)
+    t = time.perf_counter()
+    proc = subprocess.run([SUPERVISOR, "verify", out, "--quality", data, "--samples", str(args.samples),
+                           "--seq-len", str(args.seq_len), "--json"], capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        sys.exit(f"verify --quality failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    ours = json.loads(proc.stdout.strip().splitlines()[-1])["quality"]
+    fw = subprocess.run([sys.executable, "-c", FORWARDS, src, out, data, args.device], capture_output=True, text=True)
+    if fw.returncode != 0:
+        sys.exit(f"the forwards failed: {fw.stderr[-2000:]}")
+    ref = json.loads(fw.stdout.strip().splitlines()[-1])
+    floor = ref["forward_source"] + ref["forward_export"]
+    print(f"quality bench: {args.layers} layers, hidden {args.hidden}, {args.scheme}, {args.samples} x "
+          f"{args.seq_len}, {args.device}")
+    print(f"{'what':<40}{'seconds':>10}")
+    for name, v in (("verify --quality (whole command)", wall), ("  of which the measurement", ours["seconds"]),
+                    ("transformers: load source (bf16)", ref["load_source"]),
+                    ("transformers: forward source", ref["forward_source"]),
+                    ("transformers: load export", ref["load_export"]),
+                    ("transformers: forward export", ref["forward_export"]),
+                    ("floor: forward source + forward export", floor)):
+        print(f"{name:<40}{v:>10.2f}")
+    print(f"measurement / floor: {ours['seconds'] / floor:.2f}x; whole command / (floor + loads): "
+          f"{wall / (floor + ref['load_source'] + ref['load_export']):.2f}x")
+    for k in ("kl", "top1", "ppl_source", "ppl_export"):
+        print(f"{k:<12} ours {ours[k]:.6g}   whole-model {ref['figures'][k]:.6g}")
+    stop_warm()
+    if args.work is None:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
