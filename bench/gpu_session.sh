@@ -108,6 +108,16 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+q36)  # issue 36 and 34: verify --quality on 8 layers of the 8B shape (64 x 2048, W4A16) against one bf16 forward of
+  # the source plus one of the export; its GPU tests; NVFP4's static scales on 4 layers (ours and oneshot)
+  rm -rf /tmp/calib-bench /tmp/cold-bench /tmp/cb-awq /tmp/cb-nvfp4
+  timeout 240 python3 bench/quality_bench.py --layers 8 --work /tmp/qb 2>&1 | quiet > "$OUT/quality_bench.txt"
+  tail -20 "$OUT/quality_bench.txt"; rm -rf /tmp/qb
+  CUDA_VISIBLE_DEVICES=0 t 150 quality_gpu tests/gpu/test_quality_gpu.py
+  timeout 170 python3 bench/calib_bench.py --layers 4 --method rtn --scheme NVFP4 --workdir /tmp/cb-nvfp4 \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_nvfp4.txt"
+  tail -24 "$OUT/floor_nvfp4.txt"
+  ;;
 floor3)  # issue 34, seventeenth session: GPTQ W4A16 on 8 layers of the 8B shape, 128 x 2048: ours by default (the
   # calibrated non-layer part copied ahead), ours with match_oneshot = false, and oneshot; then cold34
   timeout 300 python3 bench/calib_bench.py --layers 8 --fast --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"

@@ -81,8 +81,10 @@ def main() -> None:
     work = args.work or tempfile.mkdtemp(prefix="quality-bench-")
     private_runtime(work)
     src, out, data = os.path.join(work, "src"), os.path.join(work, "out"), os.path.join(work, "held.jsonl")
+    t0 = time.perf_counter()
     if not os.path.exists(os.path.join(src, "config.json")):
         build(args, src)
+    print(f"checkpoint built: {time.perf_counter() - t0:.1f} s", flush=True)  # a bench cut short shows where
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -95,6 +97,7 @@ def main() -> None:
                 f'[resources]\ndevice = "{args.device}"\nkeep_warm = 0\n')
     if not os.path.exists(os.path.join(out, ".export", "done.json")):
         subprocess.run([SUPERVISOR, "run", job, "--json"], check=True, capture_output=True)
+    print(f"exported: {time.perf_counter() - t0:.1f} s", flush=True)
     warm(src)
     warm(out)
     t = time.perf_counter()
@@ -104,6 +107,7 @@ def main() -> None:
     if proc.returncode != 0:
         sys.exit(f"verify --quality failed ({proc.returncode}): {proc.stderr[-2000:]}")
     ours = json.loads(proc.stdout.strip().splitlines()[-1])["quality"]
+    print(f"verify --quality: {wall:.1f} s (measurement {ours['seconds']:.1f} s)", flush=True)
     fw = subprocess.run([sys.executable, "-c", FORWARDS, src, out, data, args.device], capture_output=True, text=True)
     if fw.returncode != 0:
         sys.exit(f"the forwards failed: {fw.stderr[-2000:]}")
