@@ -38,6 +38,7 @@ from torch import nn
 from child import faults
 from child.backends.boundary import Activations, BoundaryWriter
 from child.errors import Refused
+from child.process import peak_rss
 from child.backends.naming import find_decoder_layers
 from shared import calibdata, layout
 from shared.messages import Boundary, EvaluateLayer, Hello, LayerEvaluated, QualityMeasured
@@ -215,7 +216,7 @@ def _checkpoint_files(folder: str) -> list[str]:
 
 def held_out_ids(spec, tokenizer_dir: str, vocab_size: int, max_positions: int | None) -> list[torch.Tensor]:
     """The held-out samples as token ids [1, L] (file order), as [calibration] reads and tokenizes them."""
-    from child.backends.samples import _tokenize  # the calibration path's tokenizer handling (truncation to seq_len)
+    from child.backends.samples import tokenize  # the calibration path's tokenizer handling (truncation to seq_len)
 
     try:
         rows = calibdata.read_rows(spec.dataset, spec.samples, vocab_size)
@@ -223,7 +224,7 @@ def held_out_ids(spec, tokenizer_dir: str, vocab_size: int, max_positions: int |
         raise Refused(str(exc).replace("calibration dataset", "held-out file")) from None
     if spec.sha256 and rows.sha256 != spec.sha256:
         raise Refused(f"held-out file {spec.dataset!r} changed since the run started; run again")
-    tokens = _tokenize(rows.samples, spec.seq_len, tokenizer_dir) if rows.has_text else rows.samples
+    tokens = tokenize(rows.samples, spec.seq_len, tokenizer_dir) if rows.has_text else rows.samples
     out = []
     for number, t in enumerate(tokens, start=1):
         t = list(t)[:spec.seq_len]
@@ -329,7 +330,7 @@ class Evaluator:
         return LayerEvaluated(index=index, rel_error=math.sqrt(diff2 / ref2) if ref2 else 0.0,
                               cosine=cos / max(positions, 1), boundary=boundary, pending=pending is not None,
                               settled=settled,
-                              seconds=round(time.monotonic() - t0, 3), peak_rss=_peak_rss(),
+                              seconds=round(time.monotonic() - t0, 3), peak_rss=peak_rss(),
                               peak_gpu=int(torch.cuda.max_memory_allocated(self.device)) if gpu else 0)
 
     def _settle(self) -> Boundary | None:
@@ -403,14 +404,3 @@ class Evaluator:
         if self._inputs is not None and self._pending is None:
             self._inputs.close()
             self._inputs = None
-
-
-def _peak_rss() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0

@@ -28,7 +28,7 @@ def calibration_ids(dataset: str, samples: int, seq_len: int, tokenizer_dir: str
     if expected_sha256 and rows.sha256 != expected_sha256:
         raise calibdata.CalibrationDataError(
             f"calibration dataset {dataset!r} changed since the run started; run again to start over")
-    tokens = _tokenize(rows.samples, seq_len, tokenizer_dir) if rows.has_text else rows.samples
+    tokens = tokenize(rows.samples, seq_len, tokenizer_dir) if rows.has_text else rows.samples
     if world > 1:
         start, end = partition(len(tokens), rank, world)
         tokens, samples = tokens[start:end], end - start
@@ -43,7 +43,7 @@ def partition(num_samples: int, rank: int, world: int) -> tuple[int, int]:
     return _get_partition_start_end(num_samples, rank, world)
 
 
-def _tokenize(samples: list, seq_len: int, tokenizer_dir: str) -> list[list[int]]:
+def tokenize(samples: list, seq_len: int, tokenizer_dir: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)

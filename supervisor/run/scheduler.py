@@ -137,11 +137,7 @@ class Scheduler:
         self._abort = threading.Event()
         self._error: BaseException | None = None
         self.planner = Slot(id=len(slots), device=slots[0].device, planner=True)
-        self._verdict: threading.Event | None = None  # set up by judge_beside; set once the plan is judged
-        self._refused = False
-        self._held_written: list[tuple[LayerWritten, Worker, int]] = []  # parts written, to journal after it
-        self._planning: threading.Thread | None = None
-        self._planner_up = threading.Event()  # the planner's child exists (or the plan ended)
+        self._beside: _JudgedBeside | None = None  # the export plan judged while the first parts run
         self._handed: set[int] = set()  # parts handed off to the caller (hand_off)
 
     # ---- the export plan, judged while the first parts run --------------------------------------------------
@@ -155,59 +151,23 @@ class Scheduler:
         refusal is always what the run reports. The parts' workers start once the planner's child exists (forked,
         its Hello sent) and while it finishes starting; a failure to start it is retried as the export plan's.
         run() returns after the verdict."""
-        self._verdict = threading.Event()
-        self._planning = threading.Thread(target=self._judge, args=(judge,), name="planner", daemon=True)
-        self._planning.start()
-        while not self._planner_up.wait(0.1):
+        self._beside = _JudgedBeside(self, judge)
+        self._beside.thread.start()
+        while not self._beside.up.wait(0.1):
             if self._stopping():
                 break
-
-    @property
-    def _judging(self) -> bool:
-        """Parts are running ahead of the export plan's verdict."""
-        return self._verdict is not None and not self._verdict.is_set()
-
-    def _judge(self, judge: Callable[[Slot], None]) -> None:
-        refusal = None
-        try:
-            judge(self.planner)
-        except BaseException as exc:  # noqa: BLE001 - the run's error, raised from run()
-            refusal = exc
-        try:
-            if refusal is not None:
-                self._fail(refusal)  # first: the run reports the refusal, not what it stops
-            with self._cond:
-                written, self._held_written = self._held_written, []
-                self._refused = refusal is not None
-                self._verdict.set()
-                self._cond.notify_all()
-            if refusal is None:
-                for reply, w, retries in written:
-                    with self._record:
-                        self.on_written(reply, w, retries)
-        except BaseException as exc:  # noqa: BLE001 - fatal, as from a slot
-            self._fail(exc)
-        finally:
-            self._planner_up.set()  # a planner that never came up: after _fail, so that no part starts
-            self._drop(self.planner, kill=refusal is not None)  # after the verdict: its exit is no one's wait
 
     def _hold(self, reply: LayerWritten, w: Worker, retries: int) -> bool:
         """Whether a written part is not to be journaled now: kept to be journaled after the verdict (judging), or
         never (the export was refused; its shard is removed with the rest)."""
         with self._cond:
-            if self._judging:
-                self._held_written.append((reply, w, retries))
-                return True
-            return self._refused
+            return self._beside is not None and self._beside.hold(reply, w, retries)
 
     def _await_verdict(self) -> None:
         """Before a part's failure ends the run: the plan's verdict, so that a refusal of the whole export is what
         the run reports. Returns at once when not judging or when the run is cancelled."""
-        if self._verdict is None:
-            return
-        while not self._verdict.wait(0.1):
-            if self.cancel.is_set():
-                return
+        if self._beside is not None:
+            self._beside.wait(self.cancel)
 
     # ---- a part the caller writes itself (supervisor.run.verbatim: the non-layer part, copied while workers start) --
     def hand_off(self, index: int) -> None:
@@ -257,8 +217,8 @@ class Scheduler:
             t.start()
         for t in threads:
             t.join()
-        if self._planning is not None:
-            self._planning.join()  # the verdict, and the parts written before it journaled
+        if self._beside is not None:
+            self._beside.thread.join()  # the verdict, and the parts written before it journaled
         if self._error is not None:
             raise self._error
         if self.cancel.is_set():
@@ -482,7 +442,7 @@ class Scheduler:
             if self._stopping():
                 raise CancelledWait()
             # the parts' workers start while the planner's finishes starting (its Ready: a CUDA context, ~0.4 s)
-            slot.worker = self.start_worker(slot, self._planner_up.set if slot.planner else lambda: None)
+            slot.worker = self.start_worker(slot, self._beside.up.set if slot.planner and self._beside else lambda: None)
         return slot.worker
 
     def _drop(self, slot: Slot, kill: bool) -> None:
@@ -522,10 +482,61 @@ class Scheduler:
 
     def close(self) -> None:
         """Stop every worker (idempotent): all are asked first, so they wind down side by side."""
-        if self._planning is not None:
-            self._planning.join()  # it stops its own worker; a cancelled run stops it within a poll
+        if self._beside is not None:
+            self._beside.thread.join()  # it stops its own worker; a cancelled run stops it within a poll
         for slot in self.slots:
             if slot.worker is not None:
                 slot.worker.ask_to_stop()
         for slot in self.slots:
             self._drop(slot, kill=False)
+
+
+class _JudgedBeside:
+    """The export plan judged on the planner slot's worker while the scheduler exports the first parts
+    (Scheduler.judge_beside): the parts written meanwhile are held, and journaled after a good verdict, in order,
+    under the scheduler's record lock; after a refusal never (the run fails with the refusal first)."""
+
+    def __init__(self, scheduler: Scheduler, judge: Callable[[Slot], None]):
+        self._s = scheduler
+        self.verdict = threading.Event()  # set once the plan is judged
+        self.up = threading.Event()  # the planner's child exists (or the plan ended)
+        self.refused = False
+        self._held: list[tuple[LayerWritten, Worker, int]] = []  # parts written, to journal after the verdict
+        self.thread = threading.Thread(target=self._run, args=(judge,), name="planner", daemon=True)
+
+    def hold(self, reply: LayerWritten, w: Worker, retries: int) -> bool:
+        """Under the scheduler's condition: held for after the verdict (True), or journaled now unless refused."""
+        if not self.verdict.is_set():
+            self._held.append((reply, w, retries))
+            return True
+        return self.refused
+
+    def wait(self, cancel: threading.Event) -> None:
+        while not self.verdict.wait(0.1):
+            if cancel.is_set():
+                return
+
+    def _run(self, judge: Callable[[Slot], None]) -> None:
+        s = self._s
+        refusal = None
+        try:
+            judge(s.planner)
+        except BaseException as exc:  # noqa: BLE001 - the run's error, raised from run()
+            refusal = exc
+        try:
+            if refusal is not None:
+                s._fail(refusal)  # first: the run reports the refusal, not what it stops
+            with s._cond:
+                written, self._held = self._held, []
+                self.refused = refusal is not None
+                self.verdict.set()
+                s._cond.notify_all()
+            if refusal is None:
+                for reply, w, retries in written:
+                    with s._record:
+                        s.on_written(reply, w, retries)
+        except BaseException as exc:  # noqa: BLE001 - fatal, as from a slot
+            s._fail(exc)
+        finally:
+            self.up.set()  # a planner that never came up: after _fail, so that no part starts
+            s._drop(s.planner, kill=refusal is not None)  # after the verdict: its exit is no one's wait
