@@ -36,19 +36,24 @@ def _fault(tmp_path, **spec):
     return {"SUPERVISOR_TEST_FAULT": json.dumps(spec)}
 
 
-# Per-layer peaks vary by a few percent with read-ahead timing (measured: 535-568 MiB on this model); a leak of
-# one layer's weights per layer adds ~18 MiB a layer, ~23% over 8 layers.
+# Each layer's own peak (the child resets VmHWM per layer) varies with read-ahead timing: measured 535-568 MiB on
+# this model, and once (2026-12-02, the whole suite on 2 busy cores) 362 MiB for layer 0 against 396 MiB for layer
+# 7, 9% apart. So the early peak is the highest of the first three layers and the late one the lowest of the last
+# three: one layer's timing moves neither, while a leak of 20 MiB a layer still puts the late one ~60 MiB (~14%)
+# above the early one.
 RSS_TOLERANCE = 1.08
 
 
 def _peaks(events):
-    written = [e for e in events if e["type"] == "LayerWritten" and e["index"] >= 0]
+    written = sorted((e for e in events if e["type"] == "LayerWritten" and e["index"] >= 0), key=lambda e: e["index"])
     assert len(written) == LAYERS
-    return written[0]["peak_rss"], written[-1]["peak_rss"]
+    peaks = [e["peak_rss"] for e in written]
+    return max(peaks[:3]), min(peaks[-3:])
 
 
 def test_child_peak_rss_does_not_grow_per_layer(reference):
-    """The child's peak RSS for the last layer is within 8% of the first layer's (8 layers, no leak)."""
+    """The child's peak RSS late in the export (the lowest of the last three layers' peaks) is within 8% of the
+    early one (the highest of the first three's): 8 layers on one worker, no leak."""
     first, last = _peaks(reference[1])
     assert first > 100 * 2**20
     assert last <= first * RSS_TOLERANCE, (first, last)
