@@ -334,7 +334,7 @@ def _failed(index: int | None, exc: BaseException) -> Failed:
 
 def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
     try:
-        hello = reader.recv()
+        hello = reader.recv()  # bounded: Hello comes first; a dead parent is EOF
     except EndOfStream:
         return 0
     if not isinstance(hello, Hello) or hello.version != PROTOCOL_VERSION:
@@ -372,7 +372,7 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
     beat.set(None, "idle")
     while True:
         try:
-            msg = reader.recv()
+            msg = reader.recv()  # bounded: the parent check ends an orphan
         except EndOfStream:
             return 0
         match msg:

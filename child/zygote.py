@@ -204,7 +204,7 @@ def _accept(listener: socket.socket, timeout: float) -> socket.socket | None:
         ready, _, _ = select.select([listener], [], [], left)
         if ready:
             try:
-                conn, _ = listener.accept()
+                conn, _ = listener.accept()  # cannot block: select() said it is ready
                 return conn
             except OSError:
                 continue
@@ -337,7 +337,7 @@ def _imports(fmt: str) -> tuple[float, bool]:
         with _capability_from_nvml(torch):
             preload(fmt)
         if hashing is not None:
-            hashing.join()  # no thread may be running at a fork
+            hashing.join()  # bounded: one hash of Triton's sources; no thread may run at a fork
     finally:
         # Move what the imports made out of the collector's reach before it runs again (enabled first, its next
         # collection would scan every one of them): a worker's per-layer gc.collect() then scans only what it made

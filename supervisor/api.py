@@ -255,7 +255,7 @@ class Supervisor:
     def __exit__(self, exc_type, exc, tb_) -> bool:
         if self._run.running:
             self._run.cancel()
-            self._run.join()
+            self._run.join()  # bounded: cancelled just now; the run stops within its deadlines
         self._run.cleanup()
         return False
 
@@ -285,7 +285,7 @@ class Supervisor:
 
     def wait(self) -> ev.Finished:
         """Block until the run ends; return Finished or raise the error that ended it."""
-        self._run.join()
+        self._run.join()  # bounded: the run ends on its own deadlines (docs/reliability.md)
         self._run.cleanup()
         if isinstance(self._run.terminal, ev.Finished):
             return self._run.terminal
@@ -310,7 +310,7 @@ def export(job: Job | str | os.PathLike, model=None, on_event=None, *, tokenizer
         for e in run.events():
             if on_event is not None:
                 on_event(e)
-        return run.wait()
+        return run.wait()  # bounded: events() returned, so the run has ended
 
 
 __all__ = ["Supervisor", "describe", "export", "load_job", "prepare", "InputError"]

@@ -54,7 +54,7 @@ def cmd_run(args) -> int:
                 display.show(e)
             raise
     try:
-        done = run.wait()
+        done = run.wait()  # bounded: the run ends on its own deadlines (docs/reliability.md)
     except SupervisorError as exc:
         if args.debug and getattr(exc, "traceback", ""):
             print(exc.traceback, file=sys.stderr)

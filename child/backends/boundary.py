@@ -7,7 +7,7 @@
         hashes them meanwhile
       commit(dest): fsync, rename, fsync the folder ─▶ Activations + (digest, size) for the journal
       commit_later(dest) (in RAM): Activations at once; a thread writes the buffer to the temp file, hashes, fsyncs
-        and renames it while the next layer computes ─▶ PendingWrite.wait() -> (digest, size) once durable
+        and renames it while the next layer computes ─▶ PendingWrite.wait -> (digest, size) once durable
 
 The file (state under OUT/.export/boundary/, never part of the output): b"LWBOUND1", the JSON header's length
 (u64 little-endian), the JSON header {"feeds", "dtype", "shapes"}, then every sample's bytes in sample order
@@ -213,7 +213,7 @@ class BoundaryWriter:
         self._complete()
         if self._thread is not None:
             self._queue.put(None)
-            self._thread.join()
+            self._thread.join()  # bounded: the writer drains a finite queue and exits on None
             self._thread = None
         self._raise_if_failed()
         if self._later and self._tmp is not None:  # the file is written now, from the buffer
@@ -264,7 +264,7 @@ class BoundaryWriter:
                     self._queue.put(None, timeout=0.1)
                 except queue.Full:
                     continue
-                self._thread.join()
+                self._thread.join()  # bounded: the thread exits on the None just queued
             self._thread = None
         if self._fd is not None:
             os.close(self._fd)
@@ -279,7 +279,7 @@ class BoundaryWriter:
     # ---- the writer thread: append and hash while the main thread computes the next sample ----------------
     def _drain(self) -> None:
         while True:
-            buf = self._queue.get()
+            buf = self._queue.get()  # bounded: commit/abort end it with None
             if buf is None:
                 return
             if self._error is not None:
@@ -336,7 +336,7 @@ class PendingWrite:
         """Block until the file is durable at its name; its (digest, size). Raises what the write raised. No deadline
         of its own, as for the synchronous fsync it replaces: the heartbeats go on, `resources.part_timeout` bounds
         the layer (and the write had the whole next layer's time to finish)."""
-        self._thread.join()
+        self._thread.join()  # bounded: one file's write and fsync (see the docstring)
         self._flat = None
         if self._error is not None:
             self._writer.abort()
@@ -345,7 +345,7 @@ class PendingWrite:
 
     def abort(self) -> None:
         """Wait for the thread, then remove what it wrote (a failed or dropped layer's next inputs)."""
-        self._thread.join()
+        self._thread.join()  # bounded: one file's write and fsync
         self._flat = None
         self._writer.abort()
         if self._result is not None:

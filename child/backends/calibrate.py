@@ -191,7 +191,7 @@ class Calibrator:
         if self._pending is None:
             return None
         (name, write), self._pending = self._pending, None
-        digest, size = write.wait()
+        digest, size = write.wait()  # bounded: PendingWrite.wait (one file's write)
         return Boundary(feeds=self._inputs.feeds, file=name, digest=digest, nbytes=size)
 
     def commit(self, index: int) -> Boundary | None:

@@ -338,7 +338,7 @@ class Evaluator:
         if self._pending is None:
             return None
         (b, write), self._pending = self._pending, None
-        digest, size = write.wait()
+        digest, size = write.wait()  # bounded: PendingWrite.wait (one file's write)
         return Boundary(feeds=b.feeds, file=b.file, digest=digest, nbytes=size)
 
     def _begin(self, index: int, boundary: Boundary | None) -> None:

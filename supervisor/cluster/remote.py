@@ -189,7 +189,7 @@ class Listener:
     def _accept_some(self) -> None:
         for _ in range(ACCEPT_BATCH):
             try:
-                conn, addr = self._sock.accept()
+                conn, addr = self._sock.accept()  # cannot block: a non-blocking socket
             except BlockingIOError:
                 return
             except OSError as exc:

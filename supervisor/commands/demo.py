@@ -97,7 +97,7 @@ def run_demo(folder: str, scheme: str = "FP8_DYNAMIC", json_lines: bool = False,
         with run, display:
             for e in run.events():
                 display.show(e)
-        done = run.wait()
+        done = run.wait()  # bounded: events() returned, so the run has ended
         print(f"exported {done.output}" + (" (already complete)" if done.already_complete else
                                              f" in {done.seconds:.1f}s"), file=sys.stderr)
         check_log = os.path.join(logs, "load-back.log")

@@ -33,7 +33,7 @@ def run_logged(module_args: list[str], log_path: str, *, env: dict[str, str] | N
         with os.fdopen(read_end, "rb") as result:
             read_end = -1
             data = result.read()  # EOF when the helper exits (it holds the only write end)
-        return proc.wait(), data
+        return proc.wait(), data  # bounded: its stdout reached EOF, the helper has exited
     finally:
         for fd in (read_end, write_end):
             if fd >= 0:
@@ -64,7 +64,7 @@ class Echo:
     def __exit__(self, *exc) -> None:
         if self._thread is not None:
             self._stop.set()
-            self._thread.join()
+            self._thread.join()  # bounded: the thread polls _stop
             self._drain(final=True)  # whatever was written after the last poll
 
     def _logs(self) -> list[str]:

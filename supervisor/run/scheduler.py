@@ -216,9 +216,9 @@ class Scheduler:
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            t.join()  # bounded: every slot's request has the part timeout
         if self._beside is not None:
-            self._beside.thread.join()  # the verdict, and the parts written before it journaled
+            self._beside.thread.join()  # bounded: the planner's request has the part timeout
         if self._error is not None:
             raise self._error
         if self.cancel.is_set():
@@ -483,7 +483,7 @@ class Scheduler:
     def close(self) -> None:
         """Stop every worker (idempotent): all are asked first, so they wind down side by side."""
         if self._beside is not None:
-            self._beside.thread.join()  # it stops its own worker; a cancelled run stops it within a poll
+            self._beside.thread.join()  # bounded: a stopping run ends it within a poll
         for slot in self.slots:
             if slot.worker is not None:
                 slot.worker.ask_to_stop()

@@ -118,7 +118,7 @@ class Run:
 
     def join(self) -> None:
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join()  # bounded: the run's own deadlines
 
     def cancel(self) -> None:
         self._cancel.set()

@@ -180,7 +180,7 @@ class Copy:
         self._thread.start()
 
     def join(self) -> None:
-        self._thread.join()
+        self._thread.join()  # bounded: one file's write; its verdict wait polls the run's end
 
     def _run(self) -> None:
         name = layout.shard_name(NON_LAYER)

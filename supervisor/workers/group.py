@@ -133,7 +133,7 @@ class Group:
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            t.join()  # bounded: each rank's start has the startup timeout
         if errors:
             for w in started:
                 w.kill()
@@ -211,7 +211,7 @@ class Group:
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            t.join()  # bounded: each rank's thread waits with the collective timeout
         if errors:
             if cancelled():
                 raise CancelledWait()

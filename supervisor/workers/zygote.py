@@ -436,7 +436,7 @@ class Zygote:
             code = self.proc.poll() if self.proc is not None else None
             self._lost = "closed its socket" if code is None else describe_exit(code)
         else:
-            self._lost = describe_exit(self.proc.wait() if self.proc is not None else -9)
+            self._lost = describe_exit(_reap(self.proc) if self.proc is not None else -9)
         with self._state:
             children, self._children = list(self._children.values()), {}
         for child in children:
@@ -494,7 +494,7 @@ class Zygote:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait()
+                self.proc.wait()  # bounded: after SIGKILL
         if self._reader is not None:
             self._reader.join(5)
         if self._pump is not None:
@@ -522,3 +522,12 @@ class Zygote:
         except OSError:
             return ""
 
+
+def _reap(proc: subprocess.Popen, grace: float = 10.0) -> int:
+    """The exit code of a warm parent whose socket closed: it is exiting; one that has not within `grace` seconds
+    is killed (a wedged process must not hold the reader thread)."""
+    try:
+        return proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()  # bounded: after SIGKILL

@@ -21,6 +21,7 @@ import ray
 
 from supervisor.cluster import remote
 from supervisor.cluster.node_agent import NodeHost
+from tests.cluster.rayhost import require_isolated_network
 
 WAITS = 100
 
@@ -86,6 +87,7 @@ def stop() -> dict:
 
 
 def main() -> int:
+    require_isolated_network()  # it joins the test cluster from inside its namespace (test_ray.py: host.prefix)
     ray.init(address=sys.argv[1], log_to_driver=False, include_dashboard=False, namespace="hostcheck")
     out = {**concurrency(), **stop()}
     print(json.dumps(out), flush=True)

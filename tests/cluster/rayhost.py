@@ -19,12 +19,24 @@ import subprocess
 import sys
 
 
+def require_isolated_network() -> None:
+    """Exit unless this process is in a network namespace where only loopback exists (unshare -n, or nsenter into
+    the cluster's): Ray listens on the machine's own address otherwise, and no test may send traffic beyond it."""
+    import psutil
+
+    others = sorted(name for name in psutil.net_if_addrs() if name != "lo")
+    if others:
+        sys.exit(f"refusing to start Ray outside a network namespace of its own (interfaces {others}); run it "
+                 "under `unshare -n` (RayHost.start does) or nsenter into the test cluster's namespace")
+
+
 def _reply(obj) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
 
 
 def main() -> int:
+    require_isolated_network()
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     from ray.cluster_utils import Cluster
 
