@@ -24,6 +24,7 @@ import shutil
 
 import torch
 
+from child.backends.data_free import DataFree
 from child.errors import Refused
 from child.staging import plain_to_host
 from shared import tensor_names
@@ -32,7 +33,7 @@ from shared.layout import SHARD_METADATA
 __all__ = ["NameOnlyQuantizer"]
 
 
-class NameOnlyQuantizer:
+class NameOnlyQuantizer(DataFree):
     """Backend over llm-compressor's model_free_ptq converter, one layer (or the non-layer part) at a time."""
 
     previews = True
@@ -68,19 +69,6 @@ class NameOnlyQuantizer:
 
     def serialize(self, tensors: dict) -> tuple[dict, dict[str, str]]:
         return tensors, dict(SHARD_METADATA)
-
-    def begin(self, index: int, boundary, fence: str = "") -> None:
-        """Data-free: no state crosses layers."""
-
-    pending = False  # data-free: no boundary, ever
-
-    def settle(self):
-        """Data-free: nothing is written in the background."""
-        return None
-
-    def commit(self, index: int):
-        """Data-free: nothing beyond the shard."""
-        return None
 
     def write_config(self, source_config_json: str, dest_dir: str) -> str:
         """The source config.json with model_free_ptq's quantization_config (its own update_config writes it)."""

@@ -65,6 +65,7 @@ from llmcompressor.utils.dev import skip_weights_initialize
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from child.backends.data_free import DataFree
 from child.backends import quant_error
 from child.errors import Refused
 from child.backends.naming import NameMap, find_decoder_layers
@@ -84,7 +85,7 @@ __all__ = [
 DEFAULT_IGNORE: list[str] = list(_JOB_DEFAULT_IGNORE)
 
 
-class LayerQuantizer:
+class LayerQuantizer(DataFree):
     """Quantizes one decoder layer (or the non-layer modules) at a time, exactly as `oneshot` would."""
 
     reads_to_device = True  # the read-ahead's page faults and copy overlap the previous layer's work
@@ -157,19 +158,6 @@ class LayerQuantizer:
                 self.tensor_names)
         return write_config(source_config_json, dest_dir, self.scheme, self.ignore, self._modifier,
                             self.trust_remote_code, self.tensor_names, self._compressed[source_config_json])
-
-    def begin(self, index: int, boundary, fence: str = "") -> None:
-        """Data-free: no state crosses layers."""
-
-    pending = False  # data-free: no boundary, ever
-
-    def settle(self):
-        """Data-free: nothing is written in the background."""
-        return None
-
-    def commit(self, index: int):
-        """Data-free: nothing beyond the shard."""
-        return None
 
     @property
     def non_layer_targets(self) -> list[str]:

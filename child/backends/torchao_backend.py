@@ -54,11 +54,12 @@ from torchao.quantization import quantize_
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, TorchAoConfig
 from transformers.quantizers.quantizers_utils import should_convert_module
 
+from child.backends.data_free import DataFree
 from child.backends.naming import find_decoder_layers
 from shared import torchao_schemes
 
 
-class TorchaoBackend:
+class TorchaoBackend(DataFree):
     """Quantizes one decoder layer (or the non-layer tensors) at a time, as transformers' torchao path would."""
 
     reads_to_device = True  # the read-ahead's page faults and copy overlap the previous layer's work
@@ -104,19 +105,6 @@ class TorchaoBackend:
         """Embeddings and norms pass through; a Linear outside the layers (lm_head) is quantized unless ignored.
         A tied lm_head has no tensor of its own, so it stays the (dense) embedding, as in transformers."""
         return self._quantize(tensors)
-
-    def begin(self, index: int, boundary, fence: str = "") -> None:
-        """Data-free: no state crosses layers."""
-
-    pending = False  # data-free: no boundary, ever
-
-    def settle(self):
-        """Data-free: nothing is written in the background."""
-        return None
-
-    def commit(self, index: int):
-        """Data-free: nothing beyond the shard."""
-        return None
 
     def serialize(self, tensors: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         flat, own = flatten_tensor_state_dict(tensors)
