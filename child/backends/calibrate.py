@@ -63,7 +63,7 @@ from child import faults
 from child.backends import group, quant_error
 from child.backends.hessians import SharedHessians
 from child.backends.boundary import Activations, BoundaryWriter, PendingWrite
-from child.backends.naming import find_decoder_layers
+from child.backends.naming import LayerStub, find_decoder_layers
 from child.backends.quantize import LayerQuantizer, linearize_meta_experts, load_config, materialise, rooted
 from child.backends.samples import calibration_ids
 from child.staging import plain_to_host
@@ -115,7 +115,7 @@ class Calibrator:
         self._sink: dict[int, tuple] = {}
         self._stop_at = [0]
         for i in range(self.num_layers):
-            layers[i] = _LayerStub(self._layers[i], i, self._sink, self._stop_at)
+            layers[i] = LayerStub(self._layers[i], i, self._record_layer_call)
         _buffers_to(self._trunk, self.device)  # rotary frequencies etc.; parameters stay on meta
         # the non-layer shard and config.json: the data-free quantizer, configured by the recipe's quantizer
         # (its name map also turns the checkpoint's tensor names into the model's for each layer)
@@ -331,6 +331,14 @@ class Calibrator:
             self._inputs = None
 
     # ---- what the model feeds its decoder layers -----------------------------------------------------------
+    def _record_layer_call(self, index: int, hidden_states, args, kwargs):
+        """A stub layer's call (child.backends.naming.LayerStub): what the model passes decoder layer `index` is
+        recorded, and the forward ends at the layer whose inputs were wanted."""
+        self._sink[index] = (hidden_states, args, kwargs)
+        if index >= self._stop_at[0]:
+            raise _Reached()
+        return hidden_states
+
     def _run_trunk(self, stop_at: int, **inputs) -> dict[int, tuple]:
         """Run the model's own forward up to decoder layer `stop_at` (stubs record their inputs); eager attention
         and no KV cache, as llm-compressor's calibration context forces."""
@@ -394,28 +402,6 @@ class Calibrator:
 
 class _Reached(Exception):
     """Raised by the stub of the layer whose inputs were wanted: the rest of the forward is not needed."""
-
-
-class _LayerStub(nn.Module):
-    """Stands in for decoder layer `index` in the model's own forward: records what the model passes it and hands
-    the hidden states on unchanged (the real layers run one at a time, in Calibrator._calibrate)."""
-
-    def __init__(self, layer: nn.Module, index: int, sink: dict, stop_at: list[int]):
-        super().__init__()
-        self.__dict__["_layer"] = layer  # not a submodule: its (meta) parameters are not the trunk's
-        self.index, self.sink, self.stop_at = index, sink, stop_at
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.__dict__["_layer"], name)  # e.g. attention_type, read by the model's forward
-
-    def forward(self, hidden_states, *args, **kwargs):
-        self.sink[self.index] = (hidden_states, args, kwargs)
-        if self.index >= self.stop_at[0]:
-            raise _Reached()
-        return hidden_states
 
 
 def _back_to_checkpoint_names(state: dict, mapped: dict) -> dict:

@@ -39,7 +39,7 @@ from child import faults
 from child.backends.boundary import Activations, BoundaryWriter
 from child.errors import Refused
 from child.process import peak_rss
-from child.backends.naming import find_decoder_layers
+from child.backends.naming import LayerStub, find_decoder_layers
 from shared import calibdata, layout
 from shared.messages import Boundary, EvaluateLayer, Hello, LayerEvaluated, QualityMeasured
 
@@ -54,28 +54,17 @@ class _Reached(Exception):
     pass
 
 
-class _Stub(nn.Module):
-    """Stands in for a decoder layer in the model's own forward: records what it is passed; the one at `stop_at`
-    ends the forward; `substitute` (layer 0's) replaces the hidden states it is handed."""
-
-    def __init__(self, layer: nn.Module, index: int, box: dict):
-        super().__init__()
-        self.__dict__["_layer"] = layer
-        self.index, self.box = index, box
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.__dict__["_layer"], name)  # e.g. attention_type, read by the model's forward
-
-    def forward(self, hidden_states, *args, **kwargs):
-        self.box[self.index] = (hidden_states, args, kwargs)
-        if self.index == self.box.get("stop_at"):
+def _stub_call(box: dict):
+    """What a stub layer (child.backends.naming.LayerStub) does here: records what it is passed; the one at
+    `stop_at` ends the forward; `substitute` (layer 0's) replaces the hidden states it is handed."""
+    def call(index: int, hidden_states, args, kwargs):
+        box[index] = (hidden_states, args, kwargs)
+        if index == box.get("stop_at"):
             raise _Reached()
-        if self.index == 0 and "substitute" in self.box:
-            return self.box["substitute"]
+        if index == 0 and "substitute" in box:
+            return box["substitute"]
         return hidden_states
+    return call
 
 
 class Stream:
@@ -158,9 +147,9 @@ class Stream:
 
     # ---- the model's own forward around the layers ----------------------------------------------------------
     def _forward_with_stubs(self, box: dict, fn: Callable):
-        real = list(self.layers)
+        real, call = list(self.layers), _stub_call(box)
         for k in range(len(real)):
-            self.layers[k] = _Stub(real[k], k, box)
+            self.layers[k] = LayerStub(real[k], k, call)
         try:
             with torch.no_grad():
                 return fn()

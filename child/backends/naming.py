@@ -135,3 +135,25 @@ def find_decoder_layers(model: nn.Module, config) -> tuple[str, nn.ModuleList]:
                                   "layers")
     name, layers = found[0]
     return name + ".", layers
+
+
+class LayerStub(nn.Module):
+    """Stands in for decoder layer `index` in the model's own forward, so that the forward runs without the layers'
+    weights: it hands (index, hidden_states, args, kwargs) to `call`, whose return value it returns (or which raises
+    to end the forward there). Attributes the model's forward reads off a layer (attention_type...) come from the
+    real (meta) layer, which is not a submodule (its parameters are not the trunk's)."""
+
+    def __init__(self, layer: nn.Module, index: int, call):
+        super().__init__()
+        self.__dict__["_layer"] = layer
+        self.__dict__["_call"] = call
+        self.index = index
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_layer"], name)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self.__dict__["_call"](self.index, hidden_states, args, kwargs)
