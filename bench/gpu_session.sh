@@ -108,6 +108,19 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+sym34)  # eighteenth session: GPTQ's Hessian term as mirrored upper-triangle stripes, bit for bit the library's?
+  # (bench/symmetric_probe.py); then issue 36's figure: verify --quality on 8 layers of the 8B shape, 64 x 2048
+  rm -rf /tmp/calib-bench /tmp/cold-bench /tmp/cb-awq /tmp/cb-nvfp4 /tmp/qb
+  timeout 120 python3 bench/symmetric_probe.py --device cuda --tokens 2048 --widths 4096,14336 --blocks 2,4,8 \
+    2>&1 | quiet | tee "$OUT/symmetric_probe.txt"
+  timeout 420 python3 bench/quality_bench.py --layers 8 --work /tmp/qb 2>&1 | quiet > "$OUT/quality_bench.txt"
+  tail -20 "$OUT/quality_bench.txt"
+  ;;
+q36b)  # sym34's quality bench again on the same machine (its checkpoint and export kept in /tmp/qb): the per-layer
+  # seconds, and the forwards (both models at once: the figures per sample)
+  timeout 400 python3 bench/quality_bench.py --layers 8 --work /tmp/qb 2>&1 | quiet > "$OUT/quality_bench.txt"
+  tail -20 "$OUT/quality_bench.txt"; df -h /tmp /dev/shm > "$OUT/df.txt"; cat "$OUT/df.txt"
+  ;;
 q36)  # issue 36 and 34: verify --quality on 8 layers of the 8B shape (64 x 2048, W4A16) against one bf16 forward of
   # the source plus one of the export; its GPU tests; NVFP4's static scales on 4 layers (ours and oneshot)
   rm -rf /tmp/calib-bench /tmp/cold-bench /tmp/cb-awq /tmp/cb-nvfp4

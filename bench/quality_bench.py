@@ -39,30 +39,29 @@ rows = [json.loads(l)["input_ids"] for l in open(data)]
 def sync():
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-res, logps = {}, {}
-for name, folder in (("source", src), ("export", out)):
-    t = time.perf_counter()
-    kw = {"dtype": torch.bfloat16} if name == "source" else {}
-    model = AutoModelForCausalLM.from_pretrained(folder, device_map=device, attn_implementation="eager", **kw)
+res, models = {}, {}
+for name, folder in (("source", src), ("export", out)):  # both on the device at once: the figures per sample,
+    t = time.perf_counter()                               # never every sample's logits on the host (64 x 2048 x
+    kw = {"dtype": torch.bfloat16} if name == "source" else {}  # 128256 floats are 67 GB per model)
+    models[name] = AutoModelForCausalLM.from_pretrained(folder, device_map=device, attn_implementation="eager", **kw)
     sync()
     res[f"load_{name}"] = time.perf_counter() - t
-    t = time.perf_counter()
-    outs = []
-    with torch.no_grad():
-        for r in rows:
-            x = torch.tensor([r], device=device)
-            outs.append(torch.log_softmax(model(x).logits[0].float(), -1).cpu())
-    sync()
-    res[f"forward_{name}"] = time.perf_counter() - t
-    logps[name] = outs
-    del model
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    res[f"forward_{name}"] = 0.0
 kl = top1 = ns = ne = 0.0; n = p = 0
-for r, ls, le in zip(rows, logps["source"], logps["export"]):
-    kl += float((ls.exp() * (ls - le)).sum()); top1 += int((ls.argmax(-1) == le.argmax(-1)).sum()); n += len(r)
-    t = torch.tensor(r[1:])
-    ns -= float(ls[:-1].gather(-1, t[:, None]).sum()); ne -= float(le[:-1].gather(-1, t[:, None]).sum()); p += len(t)
+with torch.no_grad():
+    for r in rows:
+        x = torch.tensor([r], device=device)
+        lp = {}
+        for name, model in models.items():
+            sync(); t = time.perf_counter()
+            logits = model(x).logits[0]
+            sync(); res[f"forward_{name}"] += time.perf_counter() - t
+            lp[name] = torch.log_softmax(logits.float(), -1)
+        ls, le = lp["source"], lp["export"]
+        kl += float((ls.exp() * (ls - le)).sum()); top1 += int((ls.argmax(-1) == le.argmax(-1)).sum()); n += len(r)
+        tt = torch.tensor(r[1:], device=device)
+        ns -= float(ls[:-1].gather(-1, tt[:, None]).sum()); ne -= float(le[:-1].gather(-1, tt[:, None]).sum())
+        p += len(tt)
 res["figures"] = {"kl": kl / n, "top1": top1 / n, "ppl_source": math.exp(ns / p), "ppl_export": math.exp(ne / p)}
 print(json.dumps(res))
 """
@@ -100,6 +99,9 @@ def main() -> None:
     print(f"exported: {time.perf_counter() - t0:.1f} s", flush=True)
     warm(src)
     warm(out)
+    import shutil
+
+    shutil.rmtree(os.path.join(out, ".export", "quality"), ignore_errors=True)  # an earlier run's figures
     t = time.perf_counter()
     proc = subprocess.run([SUPERVISOR, "verify", out, "--quality", data, "--samples", str(args.samples),
                            "--seq-len", str(args.seq_len), "--json"], capture_output=True, text=True)
@@ -108,9 +110,12 @@ def main() -> None:
         sys.exit(f"verify --quality failed ({proc.returncode}): {proc.stderr[-2000:]}")
     ours = json.loads(proc.stdout.strip().splitlines()[-1])["quality"]
     print(f"verify --quality: {wall:.1f} s (measurement {ours['seconds']:.1f} s)", flush=True)
+    recs = [json.loads(line) for line in open(os.path.join(out, ".export", "quality", "journal.jsonl"))]
+    print("per layer (the worker's seconds):", " ".join(f"{r['index']}:{r['seconds']:.2f}" for r in recs
+                                                         if "index" in r and "seconds" in r))
     fw = subprocess.run([sys.executable, "-c", FORWARDS, src, out, data, args.device], capture_output=True, text=True)
     if fw.returncode != 0:
-        sys.exit(f"the forwards failed: {fw.stderr[-2000:]}")
+        sys.exit(f"the forwards failed (exit {fw.returncode}): {fw.stderr[-2000:]}")
     ref = json.loads(fw.stdout.strip().splitlines()[-1])
     floor = ref["forward_source"] + ref["forward_export"]
     print(f"quality bench: {args.layers} layers, hidden {args.hidden}, {args.scheme}, {args.samples} x "
@@ -129,8 +134,6 @@ def main() -> None:
         print(f"{k:<12} ours {ours[k]:.6g}   whole-model {ref['figures'][k]:.6g}")
     stop_warm()
     if args.work is None:
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
 
 

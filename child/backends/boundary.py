@@ -5,7 +5,8 @@
         flat host buffer (pinned on a GPU: asynchronous DMA);     on disk: one sample read back at a time (pread)
         on disk: a thread appends the bytes to a temp file and  load(path, digest): refuses a file whose hash differs
         hashes them meanwhile
-      commit(dest): fsync, rename, fsync the folder ─▶ Activations + (digest, size) for the journal
+      commit(dest): fsync, rename, fsync the folder ─▶ Activations + (digest, size) for the journal (sync=False:
+        rename only: the quality measurement's boundaries, which a resume re-hashes and can remake)
       commit_later(dest) (in RAM): Activations at once; a thread writes the buffer to the temp file, hashes, fsyncs
         and renames it while the next layer computes ─▶ PendingWrite.wait -> (digest, size) once durable
 
@@ -142,11 +143,14 @@ class BoundaryWriter:
     """Builds one boundary, sample by sample in order; `commit` makes it durable and returns the Activations."""
 
     def __init__(self, feeds: int, shapes: list[tuple[int, ...]], dtype: torch.dtype, *, tmp_path: str | None,
-                 keep_in_ram: bool, buffer: torch.Tensor | None = None, pin: bool = False, later: bool = False):
+                 keep_in_ram: bool, buffer: torch.Tensor | None = None, pin: bool = False, later: bool = False,
+                 sync: bool = True):
         """`buffer`: a released RAM buffer to reuse (fresh host memory costs a page fault per 4 KiB on first
         touch, ~1.6 GB/s measured); `pin`: allocate page-locked memory for faster copies to and from a GPU.
         `later` (in RAM): the file is written after the samples, by commit_later, so the samples are copied into
-        pinned memory without waiting; otherwise a thread writes it while the samples come, as on disk."""
+        pinned memory without waiting; otherwise a thread writes it while the samples come, as on disk.
+        `sync` False: the file is written and renamed but never fsynced (it survives any process's death in the
+        page cache, not a machine's crash: the caller re-hashes it before trusting it after one)."""
         if tmp_path is None and not keep_in_ram:
             raise ValueError("a boundary needs a file or RAM")
         self.feeds, self.shapes, self.dtype = feeds, [tuple(s) for s in shapes], dtype
@@ -158,6 +162,7 @@ class BoundaryWriter:
         self._next = 0
         self._tmp = tmp_path
         self._hash = durable.hasher()
+        self._sync = sync
         self._size = 0
         self._synced = 0
         self._error: BaseException | None = None
@@ -221,11 +226,12 @@ class BoundaryWriter:
             self._write_flat(self._flat)
         path = self._tmp
         if self._fd is not None:
-            os.fsync(self._fd)
+            if self._sync:
+                os.fsync(self._fd)
             os.close(self._fd)
             self._fd = None
             if dest is not None:
-                durable.replace(self._tmp, dest)
+                self._place(dest)
                 path = dest
         if self._flat is not None:
             acts = Activations(self.feeds, self.shapes, self.dtype, flat=self._flat)
@@ -247,11 +253,18 @@ class BoundaryWriter:
         flat, self._flat = self._flat, None
         return Activations(self.feeds, self.shapes, self.dtype, flat=flat), PendingWrite(self, dest, flat, before_sync)
 
+    def _place(self, dest: str) -> None:
+        """The finished temp file at `dest`: durably (fsynced file and folder), or only renamed without `sync`."""
+        if self._sync:
+            durable.replace(self._tmp, dest)
+        else:
+            os.replace(self._tmp, dest)
+
     def _write_flat(self, buffer: torch.Tensor) -> None:
         flat = _bytes_of(buffer)
         for start in range(0, len(flat), SYNC_EVERY):
             self._write(memoryview(flat[start:start + SYNC_EVERY]))
-            if self._size - self._synced >= SYNC_EVERY:
+            if self._sync and self._size - self._synced >= SYNC_EVERY:
                 os.fdatasync(self._fd)  # the disk starts writing now, not all of it at the final fsync
                 self._synced = self._size
 
@@ -286,7 +299,7 @@ class BoundaryWriter:
                 continue  # keep draining so put() never blocks on a dead writer
             try:
                 self._write(memoryview(_bytes_of(buf)))
-                if self._size - self._synced >= SYNC_EVERY:
+                if self._sync and self._size - self._synced >= SYNC_EVERY:
                     # start the disk writing now, beside the computation, instead of all of it at commit's fsync
                     # (with much RAM the kernel would otherwise hold gigabytes of dirty pages until then)
                     os.fdatasync(self._fd)
@@ -322,12 +335,13 @@ class PendingWrite:
             w._open()
             w._write_flat(self._flat)
             self._before_sync()
-            os.fsync(w._fd)
-            if hasattr(os, "posix_fadvise"):  # read back only on a resume: leave no 2 GB of page cache behind
-                os.posix_fadvise(w._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if w._sync:
+                os.fsync(w._fd)
+                if hasattr(os, "posix_fadvise"):  # read back only on a resume: leave no 2 GB of page cache behind
+                    os.posix_fadvise(w._fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(w._fd)
             w._fd = None
-            durable.replace(w._tmp, self._dest)
+            w._place(self._dest)
             self._result = (f"{durable.ALGO}:{w._hash.hexdigest()}", w._size)
         except BaseException as exc:  # noqa: BLE001 - raised by wait() on the caller's thread
             self._error = exc

@@ -5,10 +5,12 @@
       than the model's positions (the worker's Refused), a source folder that is gone
       lock OUT ─▶ .export/quality/journal.jsonl: a Header (what the figures depend on: the export's files' digests,
       the held-out lines' sha256, samples, seq_len, library versions), one Layer record per decoder layer (its
-      hidden-state error and the boundary file feeding the next layer, durable before the record), then Result
+      hidden-state error and the boundary file feeding the next layer, written before the record), then Result
       ─▶ a quality worker (child/backends/evaluate.py; forked from the warm parent, heartbeats watched as an export's):
          EvaluateLayer(k) for k from the newest journaled boundary (0: from the samples) to num_layers (the head)
-      ─▶ a worker that dies or hangs costs the layer in progress: a fresh one resumes from the journal
+      ─▶ a worker that dies or hangs costs the layer in progress: a fresh one resumes from the journal (the
+         boundaries are not fsynced: a process's death keeps them in the page cache; after the machine's own crash
+         the newest one is re-hashed, and a damaged or missing one means measuring from the samples again)
       ─▶ Result journaled; every boundary file deleted; the figures returned (and as events to `on_event`)
 
 The quality journal is state under .export/, never part of the output: the export's files never change. A Header
@@ -54,7 +56,7 @@ class Layer(msgspec.Struct, tag=True, kw_only=True):
     index: int
     rel_error: float
     cosine: float
-    boundary: Boundary | None = None  # None: made durable beside the next layer (a later record for it names it)
+    boundary: Boundary | None = None  # None: written beside the next layer (a later record for it names it)
     seconds: float = 0.0
     peak_rss: int = 0
     peak_gpu: int = 0
@@ -208,7 +210,7 @@ class _Appender:
 
 def _start_at(output: str, layers: dict[int, Layer], num_layers: int) -> tuple[int, Boundary | None]:
     """Where a measurement continues: after the longest run of journaled layers 0..k-1, from the newest boundary
-    one of them names (a layer's boundary is journaled once durable, which can be beside the next layer: then that
+    one of them names (a layer's boundary is journaled once written, which can be beside the next layer: then that
     layer is measured again), re-hashed (a damaged one is never trusted: from the samples again)."""
     k = 0
     while k < num_layers and k in layers:
