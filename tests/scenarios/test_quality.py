@@ -143,8 +143,9 @@ def test_killed_quality_worker_resumes_to_the_same_figures(tmp_path, tiny_models
     """SIGKILL the quality worker as it reaches layer 2 (of 4); the run goes on in a fresh worker from the newest
     journaled boundary (layer 0 is not measured again; layer 1, whose outputs were being made durable beside layer
     2, is) and its figures equal an uninterrupted run's. Then the
-    supervisor itself is SIGKILLed (with its workers) while its worker waits at layer 2: the next run resumes from
-    the journal and ends with the same figures."""
+    supervisor itself is SIGKILLed (with its workers) while its worker waits at layer 2, and the journaled boundary
+    emptied as a machine's crash can leave an unsynced file: the next run measures from the samples and ends with the
+    same figures."""
     base = tiny_models("llama", layers=4, seed=2)
     out = _export(tmp_path, base, "W4A16")
     _, want = _verify(out, held_out)
@@ -176,9 +177,16 @@ def test_killed_quality_worker_resumes_to_the_same_figures(tmp_path, tiny_models
     # layer 0, layer 0 naming its durable boundary, layer 1 (its boundary not named): resumed at layer 1
     assert [(r["type"], r.get("index")) for r in map(json.loads, open(journal))] == \
         [("Header", None), ("Layer", 0), ("Layer", 0), ("Layer", 1)]
+    # the boundary files are not fsynced: after the machine's own crash the journaled one can be empty (its pages
+    # never reached the disk); the resume re-hashes it, measures from the samples, and the figures do not change
+    named = [r["boundary"]["file"] for r in map(json.loads, open(journal)) if r.get("boundary")]
+    assert len(named) == 1
+    open(os.path.join(out, named[0]), "wb").close()
     _, again = _verify(out, held_out)
     assert {k: v for k, v in again["quality"].items() if k not in timing} == \
         {k: v for k, v in want["quality"].items() if k not in timing}
+    measured = [r["index"] for r in map(json.loads, open(journal)) if r["type"] == "Layer" and r["boundary"] is None]
+    assert measured == [0, 1, 0, 1, 2, 3], measured  # layer 0 measured again: the damaged boundary not trusted
 
 
 def _one_line_refusal(args, root, expected):
