@@ -1,5 +1,7 @@
 """A NodeHost actor on the test cluster, driven directly: `python -m tests.cluster.hostcheck RAY_ADDRESS`
-(in the cluster's network namespace) prints one JSON line with what it measured.
+(in the cluster's network namespace) prints one JSON line with what it measured. It never starts Ray: it joins
+the test cluster that RayHost started under `unshare -n`, run through `nsenter` into that namespace (test_ray.py
+passes host.prefix), and exits before `ray.init` anywhere else (require_isolated_network: only loopback).
 
 - concurrency: WAITS wait_worker calls pending on a worker that never exits, then how long ping and
   signal_worker take to answer (they must not queue behind the waits);

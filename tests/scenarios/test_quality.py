@@ -141,7 +141,7 @@ def test_quality_of_a_calibrated_gptq_export(tmp_path, tiny_models, held_out):
 
 def test_killed_quality_worker_resumes_to_the_same_figures(tmp_path, tiny_models, held_out):
     """SIGKILL the quality worker as it reaches layer 2 (of 4); the run goes on in a fresh worker from the newest
-    journaled boundary (layer 0 is not measured again; layer 1, whose outputs were being made durable beside layer
+    journaled boundary (layer 0 is not measured again; layer 1, whose outputs were being written beside layer
     2, is) and its figures equal an uninterrupted run's. Then the
     supervisor itself is SIGKILLed (with its workers) while its worker waits at layer 2, and the journaled boundary
     emptied as a machine's crash can leave an unsynced file: the next run measures from the samples and ends with the
@@ -174,7 +174,7 @@ def test_killed_quality_worker_resumes_to_the_same_figures(tmp_path, tiny_models
                  env=env) as proc:
         assert faultkit.wait_marker(marker2)
         cli.end_group(proc)  # the supervisor and its workers, SIGKILLed at once
-    # layer 0, layer 0 naming its durable boundary, layer 1 (its boundary not named): resumed at layer 1
+    # layer 0, layer 0 naming its written boundary, layer 1 (its boundary not named): resumed at layer 1
     assert [(r["type"], r.get("index")) for r in map(json.loads, open(journal))] == \
         [("Header", None), ("Layer", 0), ("Layer", 0), ("Layer", 1)]
     # the boundary files are not fsynced: after the machine's own crash the journaled one can be empty (its pages
