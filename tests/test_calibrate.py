@@ -91,6 +91,23 @@ def test_calibrator_equals_oneshot(kind, scheme, method, tiny_models, moe_models
     assert torch.equal(_logits(str(ours)), _logits(ref))
 
 
+def test_gptq_with_every_hessian_as_stripes_equals_oneshot(tiny_models, ids_dataset, tmp_path, monkeypatch):
+    """With every Hessian term eligible for the verified stripes (MIN_WIDTH 0: the tiny model's widths too), each
+    layout checked once and computed as stripes where found equal, every tensor still equals oneshot's bit for bit."""
+    from child.backends import hessians
+
+    monkeypatch.setattr(hessians, "MIN_WIDTH", 0)
+    monkeypatch.setattr(hessians, "_verdicts", {})
+    source = tiny_models("llama")
+    rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
+    with threads(1):
+        ref = oneshot_calibrated(source, "W4A16", "gptq", rows, SEQ, str(tmp_path / "ref"))
+        ours = _export_in_process(source, "W4A16", "gptq", ids_dataset, tmp_path / "ours")
+    assert_same_tensors(load_tensors(ref), load_tensors(str(ours)))
+    widths = {layout[0][0] for layout, count in hessians._verdicts.items() if count}
+    assert len(widths) >= 2, hessians._verdicts  # the attention's and the MLP's inputs (and down_proj's) as stripes
+
+
 def test_sample_order_is_oneshots_dataloader_order(tmp_path, tiny_models):
     """calibration_ids yields the rows in exactly the order (and truncation) of oneshot's calibration dataloader."""
     from datasets import Dataset

@@ -125,3 +125,55 @@ def test_a_llama_layer_shares_qkv_and_gate_up_and_equals_the_library():
     ours, sharer = _ours(calls, linears)
     _same(lib, ours)
     assert sharer.computed == 4 * 3 and sharer.served == 3 * 3
+
+
+@pytest.fixture
+def fresh_verdicts(monkeypatch):
+    from child.backends import hessians
+
+    monkeypatch.setattr(hessians, "_verdicts", {})
+    return hessians
+
+
+@pytest.mark.parametrize("width,tokens", [(1024, 96), (1536, 77)])
+def test_wide_terms_as_verified_stripes_equal_accumulate_hessian(width, tokens, fresh_verdicts):
+    """A term of width >= MIN_WIDTH is computed as mirrored upper-triangle stripes once a check on random values of
+    its layout found them equal to the full matmul: the Hessian and count still equal accumulate_hessian's bit for bit."""
+    from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
+
+    lin = nn.Linear(width, 4)
+    xs = [torch.randn(1, tokens, width, dtype=torch.bfloat16) for _ in range(3)]
+    h, n = torch.zeros(width, width), torch.zeros(())
+    for x in xs:
+        h, n = accumulate_hessian(x, lin, h, n)
+    ours = torch.zeros(width, width)
+    for x in xs:
+        ours += term(x, torch.device("cpu"))[0]
+    assert torch.equal(h.view(torch.int32), ours.view(torch.int32))
+    (layout, count), = fresh_verdicts._verdicts.items()  # checked once for the three samples of one layout
+    assert layout[0] == (width, tokens) and count in fresh_verdicts.STRIPES  # this CPU's BLAS: equal (else 0)
+
+
+def test_stripes_that_differ_by_one_bit_are_never_used(fresh_verdicts, monkeypatch):
+    """A stripe count whose result differs from the full matmul in one element's last bit fails the check: the next
+    count is tried, and with none equal every term is the full matmul, bit for bit."""
+    import math
+
+    real, flawed = fresh_verdicts._stripes, set()
+
+    def stripes(inp, count):
+        out = real(inp, count)
+        if count in flawed:
+            out[0, -1] = torch.nextafter(out[0, -1], torch.tensor(float("inf")))
+        return out
+
+    monkeypatch.setattr(fresh_verdicts, "_stripes", stripes)
+    x = torch.randn(1, 64, 1024, dtype=torch.bfloat16)
+    inp = math.sqrt(2) * x[0].t().to(torch.float32)
+    flawed.add(fresh_verdicts.STRIPES[0])
+    assert fresh_verdicts.stripe_count(inp) == fresh_verdicts.STRIPES[1]
+    fresh_verdicts._verdicts.clear()
+    flawed.update(fresh_verdicts.STRIPES)
+    got, _ = term(x, torch.device("cpu"))
+    assert fresh_verdicts.stripe_count(inp) == 0
+    assert torch.equal(got.view(torch.int32), inp.matmul(inp.t()).view(torch.int32))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 
 import torch
 from compressed_tensors.utils import get_execution_device, patch_attr
@@ -53,7 +54,72 @@ def term(inp: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
         inp = inp.reshape((-1, inp.shape[-1]))
     inp = inp.t()
     inp = math.sqrt(2) * inp.to(dtype=GPTQ_PRECISION)
-    return inp.matmul(inp.t()), num_added
+    return _product(inp), num_added
+
+
+# ---- inp @ inpᵀ as upper-triangle stripes, where they are the full matmul's bits ------------------------------
+# inp @ inpᵀ is symmetric, so its upper triangle carries it all: s row stripes, each against the columns from its own
+# first row on, then mirrored, compute (s + 1) / 2s of the products (0.75 for 2 stripes, 0.625 for 4). Each element is
+# a dot product over the tokens; its bits depend on the order the kernel adds the products in, and that depends on
+# the kernel the BLAS library picks for the GEMM's shape, never on the values. Measured on an H200 (torch 2.11,
+# bench/symmetric_probe.py, docs/benchmarks.md): width 4096 x 2048 tokens equal the full matmul bit for bit with 2
+# stripes (0.79x its time), not with 4 or 8; width 14336 with 2 and 4 (0.66x), not with 8. So the stripes are used
+# only where a check made in this process found them equal: per layout of inp (shape, strides, dtype, device), the
+# first time it is seen, the full matmul and each stripe count in STRIPES (most first) on random values of that
+# very layout; the first count equal bit for bit is kept for that layout, none if none is (the full matmul then).
+STRIPES = (8, 6, 5, 4, 3, 2)
+MIN_WIDTH = 1024  # narrower products are a few milliseconds: the extra launches cost more than they save
+_verdicts: dict[tuple, int] = {}  # layout -> stripe count found equal (0: none), for this process's life
+
+
+def _product(inp: torch.Tensor) -> torch.Tensor:
+    """inp @ inpᵀ (inp: [width, tokens]) with the bits of `inp.matmul(inp.t())`, as stripes where verified."""
+    count = stripe_count(inp)
+    return _stripes(inp, count) if count else inp.matmul(inp.t())
+
+
+def stripe_count(inp: torch.Tensor) -> int:
+    """The stripe count verified equal to the full matmul for inp's layout (0: use the full matmul)."""
+    if inp.shape[0] < MIN_WIDTH:
+        return 0
+    key = (tuple(inp.shape), inp.stride(), inp.dtype, str(inp.device))
+    count = _verdicts.get(key)
+    if count is None:
+        count = _verdicts[key] = _verify(inp)
+        how = f"{count} stripes (equal to the full matmul bit for bit)" if count else "the full matmul (no stripe count equal)"
+        print(f"hessians: width {inp.shape[0]} x {inp.shape[1]} tokens on {inp.device}: {how}", file=sys.stderr,
+              flush=True)  # the worker's log
+    return count
+
+
+def _verify(inp: torch.Tensor) -> int:
+    # random values in inp's own layout: every element a true sum of `tokens` rounded products, so a kernel that adds
+    # them in another order shows (-0.0 and NaN compared as bits)
+    g = torch.Generator(device=inp.device).manual_seed(0)
+    probe = torch.empty_strided(inp.shape, inp.stride(), dtype=inp.dtype, device=inp.device)
+    probe.normal_(generator=g)
+    full = probe.matmul(probe.t()).view(torch.int32)
+    for count in STRIPES:
+        if _bits_equal(_stripes(probe, count).view(torch.int32), full):
+            return count
+    return 0
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # a row chunk at a time: a d x d comparison's bool tensor is 205 MB at width 14336
+    return all(torch.equal(x, y) for x, y in zip(a.split(1024), b.split(1024)))
+
+
+def _stripes(inp: torch.Tensor, count: int) -> torch.Tensor:
+    # inp: [d, t] -> [d, d]; stripe [a, b) computes rows a..b against columns a..d, the block left of it is mirrored
+    d = inp.shape[0]
+    out = torch.empty((d, d), dtype=inp.dtype, device=inp.device)
+    edges = [d * k // count // 8 * 8 for k in range(count)] + [d]
+    for a, b in zip(edges[:-1], edges[1:]):
+        torch.matmul(inp[a:b], inp[a:].t(), out=out[a:b, a:])
+        if b < d:
+            out[b:, a:b].copy_(out[a:b, b:].t())
+    return out
 
 
 def fast_term(inp: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:

@@ -66,3 +66,26 @@ def test_cuda_kill_and_rerun_is_byte_identical(tiny_models, tmp_path):
     # layer 0 and the non-layer part (the supervisor's copy)
     assert cli.events(cli.run("run", job("killed", activation_ram_gb=1e-6), "--json"))[0]["resumed"] == 2
     assert cli.output_bytes(tmp_path / "killed") == cli.output_bytes(tmp_path / "whole")
+
+
+def test_cuda_gptq_with_hessians_as_stripes_equals_oneshot(tmp_path):
+    """Widths of 1024 and more (here 1024 and down_proj's 2048) get their Hessian terms as the stripes a check on this
+    GPU found equal to the full matmul (the worker's log says which): every tensor still equals oneshot's on cuda."""
+    import glob
+
+    from tests.models import make_tiny_model
+
+    source = make_tiny_model("llama", str(tmp_path / "src"), hidden=1024)
+    rows = token_rows(N)
+    data = write_jsonl(tmp_path / "ids.jsonl", rows)
+    out = tmp_path / "out"
+    job = cli.write_job(tmp_path / "job.toml", source, out, "W4A16", device="cuda", method="gptq", torch_threads=1,
+                        calibration={"dataset": data, "samples": N, "seq_len": SEQ})
+    events = cli.events(cli.run("run", job, "--json"))
+    assert events[-1]["type"] == "Finished"
+    ref = oneshot_calibrated(source, "W4A16", "gptq", rows, SEQ, str(tmp_path / "ref"))
+    assert_same_tensors(load_tensors(ref), load_tensors(str(out)))
+    verdicts = [line for f in glob.glob(str(out / ".export" / "logs" / "worker-*.log")) for line in open(f)
+                if line.startswith("hessians: width")]
+    assert {line.split()[2] for line in verdicts} >= {"1024", "2048"}, verdicts  # both widths checked
+    print("\n".join(verdicts))
