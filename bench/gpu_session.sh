@@ -108,6 +108,25 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s19a)  # nineteenth session, call 1 (issue 34 part 1): which stripe counts equal the full matmul (more counts than
+  # sym34 tried); GPTQ W4A16 on 8 layers of the 8B shape, 128 x 2048: ours before (.whl/before: git archive of the
+  # commit before the verified stripes), ours after, oneshot, tensors compared; the GPU test of the stripes
+  rm -rf /tmp/calib-bench /tmp/cold-bench /tmp/cb-awq /tmp/cb-nvfp4 /tmp/qb
+  timeout 90 python3 bench/symmetric_probe.py --device cuda --tokens 2048 --widths 4096,14336 \
+    --blocks 8,6,5,4,3,2 --seeds 2 2>&1 | quiet | tee "$OUT/symmetric_probe.txt"
+  timeout 400 python3 bench/calib_bench.py --layers 8 --before .whl/before --skip kill,retry 2>&1 | quiet \
+    > "$OUT/floor_gptq.txt"
+  tail -40 "$OUT/floor_gptq.txt"
+  CUDA_VISIBLE_DEVICES=0 t 100 stripes_gpu tests/gpu/test_calibrated_gpu.py -k stripes -s
+  grep "hessians: width" "$OUT/stripes_gpu.txt"
+  ;;
+s19b)  # call 2 (issue 36): verify --quality on 8 layers of the 8B shape, 64 x 2048, W4A16 (the checkpoint of s19a
+  # where the machine kept it), the measurement's start-up apart; then the quality GPU tests
+  mkdir -p /tmp/qb; [ -e /tmp/qb/src ] || { [ -d /tmp/calib-bench/model ] && ln -s /tmp/calib-bench/model /tmp/qb/src; }
+  timeout 400 python3 bench/quality_bench.py --layers 8 --work /tmp/qb 2>&1 | quiet > "$OUT/quality_bench.txt"
+  tail -22 "$OUT/quality_bench.txt"; df -h /tmp > "$OUT/df.txt"
+  CUDA_VISIBLE_DEVICES=0 t 150 quality_gpu tests/gpu/test_quality_gpu.py
+  ;;
 sym34)  # eighteenth session: GPTQ's Hessian term as mirrored upper-triangle stripes, bit for bit the library's?
   # (bench/symmetric_probe.py); then issue 36's figure: verify --quality on 8 layers of the 8B shape, 64 x 2048
   rm -rf /tmp/calib-bench /tmp/cold-bench /tmp/cb-awq /tmp/cb-nvfp4 /tmp/qb

@@ -71,7 +71,8 @@ class Result(msgspec.Struct, tag=True, kw_only=True):
     tokens: int
     dataset: str = ""
     seq_len: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # this run's wall time, start-up included
+    startup: float = 0.0  # of which the start-up: until the first worker was ready (imports, both skeletons, heads)
 
 
 Record = Union[Header, Layer, Result]
@@ -118,7 +119,7 @@ def figures(output: str) -> dict | None:
 
 def _as_dict(result: Result, layers: dict[int, Layer]) -> dict:
     d = {k: getattr(result, k) for k in ("kl", "top1", "ppl_source", "ppl_export", "samples", "tokens",
-                                         "dataset", "seq_len", "seconds")}
+                                         "dataset", "seq_len", "seconds", "startup")}
     d["layers"] = [{"index": i, "rel_error": layers[i].rel_error, "cosine": layers[i].cosine}
                    for i in sorted(layers)]
     return d
@@ -269,6 +270,7 @@ def _measure(output, dataset, samples, seq_len, job, sha, st, on_event, cancelle
     spec = Evaluate(dataset=dataset, samples=samples, seq_len=seq_len, sha256=sha)
     attempts = 0
     worker = None
+    startup = None
     runner = _Workers(output, job, spec)
     try:
         while True:
@@ -277,6 +279,7 @@ def _measure(output, dataset, samples, seq_len, job, sha, st, on_event, cancelle
             try:
                 if worker is None:
                     worker = runner.start(cancelled)
+                    startup = round(time.monotonic() - t0, 3) if startup is None else startup
                 while k <= num_layers:
                     reply = worker.request(EvaluateLayer(index=k, fence=secrets.token_hex(8), boundary=boundary),
                                            cancelled, lambda hb: None, timeout=job.resources.part_timeout)
@@ -302,7 +305,8 @@ def _measure(output, dataset, samples, seq_len, job, sha, st, on_event, cancelle
                     elif isinstance(reply, QualityMeasured):
                         result = Result(kl=reply.kl, top1=reply.top1, ppl_source=reply.ppl_source,
                                         ppl_export=reply.ppl_export, samples=reply.samples, tokens=reply.tokens,
-                                        dataset=dataset, seq_len=seq_len, seconds=round(time.monotonic() - t0, 3))
+                                        dataset=dataset, seq_len=seq_len, seconds=round(time.monotonic() - t0, 3),
+                                        startup=startup or 0.0)
                         journal.append(result)
                         _prune(output, None)
                         on_event(ev.QualityMeasured(**_event_fields(result, layers)))
