@@ -23,7 +23,8 @@ Which modules share is found from the tensors, not from names: whatever the arch
 modules is computed once, and a module whose input differs (a routed expert, a fused projection) keeps its own.
 Classes form in a module's first sample: a class with no history yet adds its term at the end of the sample, so
 that the modules seen later in it can join. Only torch.nn.Linear modules are handled; any other module goes
-through the library's own hook. With `[calibration] match_oneshot = false` each term is fast_term's instead
+through the library's own hook. Each default term is `inp @ inpᵀ`, computed as mirrored upper-triangle stripes
+where a check in this process found that equal to the full matmul bit for bit for inp's layout (see _product). With `[calibration] match_oneshot = false` each term is fast_term's instead
 (bf16 products on tensor cores, fp32 accumulation): rounding only, and no longer oneshot's bits. Owns nothing but these accumulations during one layer's forward stage; it never
 solves, and it is used only inside child/backends/calibrate.py's session.
 """
