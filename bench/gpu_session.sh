@@ -110,11 +110,13 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 case "${1:-tests}" in
 s19a)  # nineteenth session, call 1 (issue 34 part 1): which stripe counts equal the full matmul (more counts than
   # sym34 tried); GPTQ W4A16 on 8 layers of the 8B shape, 128 x 2048: ours before (.whl/before: git archive of the
-  # commit before the verified stripes), ours after, oneshot, tensors compared; the GPU test of the stripes
+  # commit before the verified stripes), ours after, oneshot, tensors compared; the GPU test of the stripes; GPTQ's
+  # solve per batch and on a stream each (bench/solve_probe.py)
   rm -rf /tmp/calib-bench /tmp/cold-bench /tmp/cb-awq /tmp/cb-nvfp4 /tmp/qb
-  timeout 90 python3 bench/symmetric_probe.py --device cuda --tokens 2048 --widths 4096,14336 \
+  timeout 50 python3 bench/symmetric_probe.py --device cuda --tokens 2048 --widths 4096,14336 \
     --blocks 8,6,5,4,3,2 --seeds 2 2>&1 | quiet | tee "$OUT/symmetric_probe.txt"
-  timeout 400 python3 bench/calib_bench.py --layers 8 --before .whl/before --skip kill,retry 2>&1 | quiet \
+  timeout 60 python3 bench/solve_probe.py --device cuda 2>&1 | quiet | tee "$OUT/solve_probe.txt"
+  timeout 370 python3 bench/calib_bench.py --layers 8 --before .whl/before --skip kill,retry 2>&1 | quiet \
     > "$OUT/floor_gptq.txt"
   tail -40 "$OUT/floor_gptq.txt"
   CUDA_VISIBLE_DEVICES=0 t 100 stripes_gpu tests/gpu/test_calibrated_gpu.py -k stripes -s
