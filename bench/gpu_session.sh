@@ -109,9 +109,9 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 
 case "${1:-tests}" in
 s19a)  # nineteenth session, call 1 (issue 34 part 1): which stripe counts equal the full matmul (more counts than
-  # sym34 tried); GPTQ W4A16 on 8 layers of the 8B shape, 128 x 2048: ours before (.whl/before: git archive of the
-  # commit before the verified stripes), ours after, oneshot, tensors compared; the GPU test of the stripes; GPTQ's
-  # solve per batch and on a stream each (bench/solve_probe.py)
+  # sym34 tried); GPTQ W4A16 on 8 layers of the 8B shape, 128 x 2048: ours before (.whl/before: git archive of
+  # 72d1957, the verified stripes alone), ours after (the Hessians on a stream beside the forward too), oneshot,
+  # tensors compared; the GPU test of the stripes; GPTQ's solve per batch and on a stream each (bench/solve_probe.py)
   rm -rf /tmp/calib-bench /tmp/cold-bench /tmp/cb-awq /tmp/cb-nvfp4 /tmp/qb
   timeout 50 python3 bench/symmetric_probe.py --device cuda --tokens 2048 --widths 4096,14336 \
     --blocks 8,6,5,4,3,2 --seeds 2 2>&1 | quiet | tee "$OUT/symmetric_probe.txt"
