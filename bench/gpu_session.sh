@@ -123,11 +123,12 @@ s19a)  # nineteenth session, call 1 (issue 34 part 1): which stripe counts equal
   grep "hessians: width" "$OUT/stripes_gpu.txt"
   ;;
 s19b)  # call 2 (issue 36): verify --quality on 8 layers of the 8B shape, 64 x 2048, W4A16 (the checkpoint of s19a
-  # where the machine kept it), the measurement's start-up apart; then the quality GPU tests
+  # where the machine kept it), the measurement's start-up apart; then the calibrated GPU tests (the Hessians'
+  # stripes and side stream against oneshot on cuda, every case)
   mkdir -p /tmp/qb; [ -e /tmp/qb/src ] || { [ -d /tmp/calib-bench/model ] && ln -s /tmp/calib-bench/model /tmp/qb/src; }
   timeout 400 python3 bench/quality_bench.py --layers 8 --work /tmp/qb 2>&1 | quiet > "$OUT/quality_bench.txt"
   tail -22 "$OUT/quality_bench.txt"; df -h /tmp > "$OUT/df.txt"
-  CUDA_VISIBLE_DEVICES=0 t 150 quality_gpu tests/gpu/test_quality_gpu.py
+  CUDA_VISIBLE_DEVICES=0 t 190 calibrated_gpu tests/gpu/test_calibrated_gpu.py
   ;;
 sym34)  # eighteenth session: GPTQ's Hessian term as mirrored upper-triangle stripes, bit for bit the library's?
   # (bench/symmetric_probe.py); then issue 36's figure: verify --quality on 8 layers of the 8B shape, 64 x 2048
