@@ -202,48 +202,6 @@ class _Class:
         return other
 
 
-class _Beside:
-    """The Hessians' arithmetic on a CUDA stream of its own, beside the layer's forward on the current one: GPTQ's
-    fp32 products run on the GPU's fp32 units while the next operations of the forward (bf16 matmuls on the tensor
-    cores, attention, norms) proceed. The same kernels on the same bytes: no bit changes. Each hook's work waits
-    for the forward up to that hook (wait_stream); a module input the forward frees is kept from reuse until the
-    side's work on it is done (record_stream); the host runs at most one sample ahead of the side stream (memory
-    stays that of about two samples' terms); join() hands everything back to the current stream. On a CPU: nothing."""
-
-    def __init__(self):
-        self._side: dict[torch.device, tuple] = {}  # device -> (the side stream, the forward's stream)
-        self._last: list = []  # the side streams' events at the end of the previous sample
-
-    def on(self, device: torch.device, x: torch.Tensor):
-        if device.type != "cuda":
-            return contextlib.nullcontext()
-        if device not in self._side:
-            self._side[device] = (torch.cuda.Stream(device), torch.cuda.current_stream(device))
-        side, main = self._side[device]
-        side.wait_stream(main)
-        if x.is_cuda:
-            x.record_stream(side)
-        return torch.cuda.stream(side)
-
-    def end_sample(self) -> None:
-        events = []
-        for side, _ in self._side.values():
-            ev = torch.cuda.Event()
-            ev.record(side)
-            events.append(ev)
-        for ev in self._last:
-            ev.synchronize()  # bounded: the side stream's work for one sample, already queued
-        self._last = events
-
-    def join(self, tensors) -> None:
-        for side, main in self._side.values():
-            main.wait_stream(side)
-        for t in tensors:
-            if t.is_cuda:
-                t.record_stream(self._side[t.device][1] if t.device in self._side else torch.cuda.current_stream())
-        self._last = []
-
-
 class SharedHessians:
     """Stands in for GPTQModifier.calibrate_module during one layer's forward stage (see the module docstring)."""
 
@@ -255,7 +213,6 @@ class SharedHessians:
         self._of: dict = {}  # module -> its _Class
         self._classes: list[_Class] = []
         self._modifiers: dict = {}  # module -> the GPTQModifier whose hook it is
-        self._beside = _Beside()
         self.computed = 0  # terms computed, for the stage clock's curious (tests read it)
         self.served = 0  # module samples served by a term computed for another module
 
@@ -270,27 +227,17 @@ class SharedHessians:
                 return original(modifier, module, args, _output)
             sharer._hook(modifier, module, args[0])
 
-        try:
-            with patch_attr(GPTQModifier, "calibrate_module", calibrate_module):
-                yield self
-        finally:
-            self._beside.join([])  # an exception mid-forward: nothing left running beside the next stage
+        with patch_attr(GPTQModifier, "calibrate_module", calibrate_module):
+            yield self
 
     # ---- per sample ----------------------------------------------------------------------------------------
     def _hook(self, modifier, module, x: torch.Tensor) -> None:
         device = get_execution_device(module)
-        first = module not in modifier._num_samples
-        if first:  # calibrate_module's own bookkeeping, in its order (on the forward's stream)
+        if module not in modifier._num_samples:  # calibrate_module's own bookkeeping, in its order
             modifier._hessians[module] = None  # placeholder until finish(): keeps the library's module order
             modifier._num_samples[module] = torch.zeros(tuple(), device=device)
             self._modifiers[module] = modifier
-        modifier._num_samples[module] += self._count(x)
-        with self._beside.on(torch.device(device), x):
-            self._classify(module, x, torch.device(device), first)
-
-    def _classify(self, module, x: torch.Tensor, device: torch.device, first: bool) -> None:
-        if first:
-            c = self._join(module, x, module.weight.shape[1], device)
+            c = self._join(module, x, module.weight.shape[1], torch.device(device))
         else:
             c = self._of[module]
             if c.input is None:
@@ -309,6 +256,7 @@ class SharedHessians:
                 c.seen = [module]
                 if old.members:
                     self._settle(old)
+        modifier._num_samples[module] += self._count(x)
         self._settle(c)
 
     def _join(self, module, x: torch.Tensor, width: int, device: torch.device) -> _Class:
@@ -354,13 +302,6 @@ class SharedHessians:
 
     def end_sample(self) -> None:
         """After each sample's forward: members that did not get the class's input keep the history without it."""
-        with contextlib.ExitStack() as on:
-            for device in {c.device for c in self._classes if c.pending is not None}:
-                on.enter_context(self._beside.on(device, torch.empty(0)))
-            self._end_sample()
-        self._beside.end_sample()
-
-    def _end_sample(self) -> None:
         for c in list(self._classes):
             if c.pending is None:
                 continue
@@ -374,12 +315,8 @@ class SharedHessians:
     def finish(self) -> None:
         """Hand each module its Hessian, where the library's hook would have left it, before its solve."""
         self.end_sample()
-        handed = []
         for c in self._classes:
-            with self._beside.on(c.device, torch.empty(0)):
-                for k, m in enumerate(c.members):
-                    hessian = c.hessian.clone() if self._copies and k > 0 else c.hessian
-                    self._modifiers[m]._hessians[m] = hessian
-                    handed.append(hessian)
-        self._beside.join(handed)  # the solve (on the forward's stream) reads them once the side's work is done
+            for k, m in enumerate(c.members):
+                hessian = c.hessian.clone() if self._copies and k > 0 else c.hessian
+                self._modifiers[m]._hessians[m] = hessian
         self._of, self._classes, self._modifiers = {}, [], {}
