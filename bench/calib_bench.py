@@ -316,6 +316,8 @@ def main() -> None:
         print(f"supervisor before ({args.before}): wall {before['wall']:.1f} s, start-up {before['startup']:.1f} s, "
               f"{before['per_layer']:.2f} s per layer", flush=True)
         rows.insert(0, ("supervisor (before)", before))
+        if one is None:  # no oneshot this time: the two trees' outputs against each other
+            print(f"supervisor before / after: tensors: {compare(sup['out'], before['out'])}", flush=True)
     if args.world > 1 and "dist" not in skip:
         dist = run_dist_oneshot(args, src, data)
         rows.append((f"distributed oneshot W={args.world}", dist))

@@ -108,6 +108,19 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s19c)  # call 3: the boundaries' host memory registered instead of cudaHostAlloc'd (and reused by verify --quality,
+  # whose files are written by four threads): GPTQ 8 layers ours before (.whl/before: 72d1957, the stripes alone)
+  # and after, tensors compared; verify --quality on that checkpoint; the GPU tests of both paths
+  rm -rf /tmp/calib-bench /tmp/qb
+  timeout 200 python3 bench/calib_bench.py --layers 8 --before .whl/before --skip kill,retry,oneshot 2>&1 | quiet \
+    > "$OUT/floor_gptq.txt"
+  grep -A12 "^| layer" "$OUT/floor_gptq.txt" | head -12; tail -8 "$OUT/floor_gptq.txt"
+  mkdir -p /tmp/qb; ln -s /tmp/calib-bench/model /tmp/qb/src
+  timeout 170 python3 bench/quality_bench.py --layers 8 --work /tmp/qb 2>&1 | quiet > "$OUT/quality_bench.txt"
+  tail -32 "$OUT/quality_bench.txt"
+  CUDA_VISIBLE_DEVICES=0 t 140 gpu_tests tests/test_staging.py tests/gpu/test_quality_gpu.py \
+    "tests/gpu/test_calibrated_gpu.py::test_cuda_kill_and_rerun_is_byte_identical"
+  ;;
 s19a)  # nineteenth session, call 1 (issue 34 part 1): which stripe counts equal the full matmul (more counts than
   # sym34 tried); GPTQ W4A16 on 8 layers of the 8B shape, 128 x 2048: ours before (.whl/before: git archive of
   # 72d1957, the verified stripes alone), ours after (the Hessians on a stream beside the forward too), oneshot,

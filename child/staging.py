@@ -104,6 +104,36 @@ class HostStaging:
         self._held[:] = [mapping, buf, ptr]
 
 
+def pinned_host_buffer(nbytes: int) -> torch.Tensor:
+    """`nbytes` of page-locked host memory (a uint8 tensor) for asynchronous copies to and from the current GPU:
+    mapped, its pages faulted in by torch's threads, then registered (cudaHostRegister), instead of cudaHostAlloc,
+    which maps and locks every page on one thread (measured on an H200 host, DESIGN: 4 GiB cudaHostAlloc'd in 1.84 s,
+    allocated + touched in 0.21 s and registered in 0.19 s). Unregistered once its last view is gone, after the device
+    has finished every copy queued until then. Where registering fails, plain host memory: slower, never wrong."""
+    size = aligned(max(nbytes, 1), HUGE)
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping.madvise(_MADV_HUGEPAGE)
+    except (OSError, AttributeError, ValueError):
+        pass
+    buf = torch.frombuffer(mapping, dtype=torch.uint8)
+    buf.zero_()  # the page faults on torch's intra-op threads, not one by one inside cudaHostRegister
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(buf.data_ptr(), size, 0)
+    if err != cudart.cudaError.success:
+        print(f"staging: cudaHostRegister of {size} bytes failed ({err}); copying through unpinned memory",
+              file=sys.stderr, flush=True)
+        return buf[:nbytes]
+    # the mapping lives as long as any tensor over it (torch.frombuffer holds it); its finalizer runs before munmap
+    weakref.finalize(mapping, _unregister, buf.data_ptr(), torch.cuda.current_device()).atexit = False
+    return buf[:nbytes]
+
+
+def _unregister(ptr: int, device: int) -> None:
+    torch.cuda.synchronize(device)  # no asynchronous copy from or into it is still in flight
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
 def plain_to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every tensor copied to fresh host memory, contiguous: a backend's default way off the device."""
     return {k: v.to("cpu").contiguous() for k, v in tensors.items()}

@@ -190,6 +190,29 @@ def test_boundary_round_trip_in_ram_and_on_disk(tmp_path):
         Activations.load(str(dest), sha, 3, in_ram=False)
 
 
+@pytest.mark.parametrize("sizes", [[(1, 7, 16), (1, 5, 16), (1, 5, 16)], [(1, 1, 3)], [(1, 1031, 64)] * 5])
+def test_a_boundary_written_in_parts_is_the_file_one_writer_makes(sizes, tmp_path):
+    """commit_later without fsync (the quality measurement's) writes the file from several threads at once: the same
+    bytes and digest as the fsynced, one-thread write of the same samples, and it loads back equal."""
+    from child.backends.boundary import Activations, BoundaryWriter
+
+    samples = [torch.randn(s, dtype=torch.bfloat16) for s in sizes]
+    files = {}
+    for sync in (True, False):
+        w = BoundaryWriter(4, sizes, torch.bfloat16, tmp_path=str(tmp_path / f"{sync}.tmp"), keep_in_ram=True,
+                           later=True, sync=sync)
+        for j, x in enumerate(samples):
+            w.put(j, x)
+        acts, pending = w.commit_later(str(tmp_path / f"{sync}.bin"))
+        files[sync] = (pending.wait(), (tmp_path / f"{sync}.bin").read_bytes())
+        assert all(torch.equal(acts.get(j), x) for j, x in enumerate(samples))
+    assert files[True] == files[False]
+    (digest, size), data = files[False]
+    assert size == len(data)
+    loaded = Activations.load(str(tmp_path / "False.bin"), digest, 4, in_ram=True)
+    assert all(torch.equal(loaded.get(j), x) for j, x in enumerate(samples))
+
+
 def test_scheme_lists_match_the_libraries():
     """shared.schemes (no heavy imports) agrees with compressed-tensors' presets and llm-compressor's own rules."""
     from compressed_tensors.quantization import QuantizationStrategy, preset_name_to_scheme

@@ -120,3 +120,33 @@ def test_a_buffer_cuda_refuses_to_register_still_carries_every_value(monkeypatch
     del got
     staging.release()  # nothing registered: nothing to unregister
     assert staging.capacity == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_registered_boundary_buffer_is_pinned_copies_both_ways_and_is_unregistered_when_dropped(monkeypatch):
+    """pinned_host_buffer (a boundary's host memory on a GPU): page-locked, asynchronous copies device -> host -> device
+    carry every value, and it is unregistered once its last view is gone, not before."""
+    import gc
+
+    from child import staging
+    from child.backends.boundary import host_buffer
+
+    unregistered = []
+    real = staging._unregister
+    monkeypatch.setattr(staging, "_unregister", lambda ptr, device: (unregistered.append(ptr), real(ptr, device)))
+    x = torch.randn(3, 1000, 257, device="cuda", dtype=torch.bfloat16)
+    flat = host_buffer(x.numel(), torch.bfloat16, pin=True)
+    assert flat.is_pinned() and flat.numel() == x.numel() and flat.dtype == torch.bfloat16
+    view = flat.view(x.shape)
+    view.copy_(x, non_blocking=True)
+    ptr = flat.data_ptr()
+    del flat
+    gc.collect()
+    assert not unregistered  # a view still holds it
+    back = view.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, x)
+    del view
+    gc.collect()
+    assert unregistered == [ptr]

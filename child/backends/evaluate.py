@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import sys
 import time
 from typing import Callable
 
@@ -257,6 +258,7 @@ class Evaluator:
                                 getattr(text, "max_position_embeddings", None))
         self._inputs: Activations | None = None
         self._pending = None  # (the boundary being written, its PendingWrite)
+        self._spare: torch.Tensor | None = None  # the host memory of the last released inputs, for the next outputs
         self._pin = self.device.type == "cuda"
         r = job.resources
         self._ram_budget = int(r.activation_ram_gb * 2**30) if r.activation_ram_gb else \
@@ -276,6 +278,7 @@ class Evaluator:
         if index == self.num_layers:
             return self._figures(t0)
         self._stage(index, "read")
+        t_read = time.monotonic()
         for s in (self.source, self.export):
             s.load(s.reader.layer_names(s.prefix, index))
             unloaded = [n for n, p in s.layer(index).named_parameters() if p.is_meta]
@@ -284,14 +287,16 @@ class Evaluator:
                               f"{s.folder} (e.g. {unloaded[0]}); see `supervisor verify` without --quality")
         faults.hit("evaluate", index)
         self._stage(index, "forward")
+        t_forward = time.monotonic()
         inputs = self._inputs
         n = len(self.ids)
         dest = os.path.join(self.output, boundary_name(index + 1, msg.fence))
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         fits = 2 * inputs.nbytes <= self._ram_budget
         # in RAM: the file is written while the next layer computes (commit_later), named in the next reply
+        spare, self._spare = self._spare, None  # the host memory of the inputs released a layer ago
         writer = BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=dest + ".tmp", keep_in_ram=fits,
-                                pin=self._pin, later=True, sync=False)
+                                buffer=spare, pin=self._pin, later=True, sync=False)
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # squared error, squared source, cosines
         positions = 0
         try:
@@ -307,7 +312,11 @@ class Evaluator:
                 writer.put(2 * j + 1, he.to(inputs.dtype))
             diff2, ref2, cos = sums.tolist()
             self._stage(index, "write")
+            t_write = time.monotonic()  # the device's work is done (sums.tolist() waited for it)
             settled = self._settle()  # the inputs of this layer, written meanwhile
+            print(f"quality: layer {index}: inputs {t_read - t0:.2f} s, load {t_forward - t_read:.2f} s, forward "
+                  f"{t_write - t_forward:.2f} s, waited {time.monotonic() - t_write:.2f} s for its inputs' file",
+                  file=sys.stderr, flush=True)  # the worker's log (bench/quality_bench.py prints it)
             boundary, pending = None, None
             if writer.later:
                 acts, pending = writer.commit_later(dest)
@@ -400,5 +409,6 @@ class Evaluator:
             (_, write), self._pending = self._pending, None
             write.abort()
         if self._inputs is not None and self._pending is None:
-            self._inputs.close()
+            flat = self._inputs.close()
+            self._spare = None if abort else flat
             self._inputs = None
