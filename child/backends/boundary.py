@@ -8,7 +8,8 @@
       commit(dest): fsync, rename, fsync the folder ─▶ Activations + (digest, size) for the journal (sync=False:
         rename only: the quality measurement's boundaries, which a resume re-hashes and can remake)
       commit_later(dest) (in RAM): Activations at once; a thread writes the buffer to the temp file, hashes, fsyncs
-        and renames it while the next layer computes ─▶ PendingWrite.wait -> (digest, size) once durable
+        and renames it while the next layer computes ─▶ PendingWrite.wait -> (digest, size) once durable (sync=False:
+        WRITERS threads write its parts at once while that thread hashes it; no fsync)
 
 The file (state under OUT/.export/boundary/, never part of the output): b"LWBOUND1", the JSON header's length
 (u64 little-endian), the JSON header {"feeds", "dtype", "shapes"}, then every sample's bytes in sample order

@@ -28,7 +28,7 @@ Crash safety: a boundary file is written and renamed but not fsynced (BoundaryWr
 page cache survives the death of any process (a worker or the supervisor SIGKILLed costs at most the layer being
 measured); only the machine's own crash can lose it, and then the resume re-hashes it against its journaled digest
 (supervisor/run/quality.py `_start_at`) and measures from the samples again. Waiting for the disk instead would set
-the pace: the 8B shape's two streams are 2 GiB a layer, 1.5-2 s at the H200 machine's ~1.2 GB/s, against ~0.6 s of
+the pace: the 8B shape's two streams are 2 GiB a layer, 1.5-2 s at the H200 machine's ~1.2 GB/s, against ~0.7 s of
 compute (docs/benchmarks.md).
 """
 from __future__ import annotations
