@@ -109,8 +109,9 @@ def test_fault_is_noticed_retried_and_output_is_identical(cell, runs):
     assert r.rc == 0, r.stderr[-2000:]
     retry = res["retry"]
     assert retry is not None, "no Retrying event after the fault"
-    assert retry["index"] == res["plan"].expect[cell], retry
-    assert retry["what"] == ("config.json" if retry["index"] is None else
+    assert retry["index"] in faultkit.accepted(res["plan"].expect[cell]), retry
+    none = "config.json" if cell.point == "config" else "the export plan"  # a start fault may hit the plan's worker
+    assert retry["what"] == (none if retry["index"] is None else
                              "the non-layer shard" if retry["index"] == -1 else f"layer {retry['index']}"), retry
     assert REASON[cell.action] in retry["reason"], retry["reason"]
     assert res["notice_s"] <= faultkit.notice_bound(cell.action), res["notice_s"]
@@ -124,7 +125,8 @@ def test_each_fault_costs_exactly_one_retry(i, runs):
     retries = r.of("Retrying")
     assert r.rc == 0, r.stderr[-2000:]
     assert len(retries) == len(plan.expect), [e["reason"] for e in retries]
-    assert sorted(map(str, (e["index"] for e in retries))) == sorted(map(str, plan.expect.values()))
+    got = [e["index"] for e in retries]
+    assert faultkit.matches_expected(got, list(plan.expect.values())), (got, list(plan.expect.values()))
     assert len(r.of("WorkerStarted")) == 1 + sum(c.point != "start" for c in plan.expect)
 
 
