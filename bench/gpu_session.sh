@@ -108,6 +108,15 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s20a)  # next session (NOT RUN yet): verify --quality with the head's sums on the device and the inputs copied without
+  # a wait (5bfd920), against issue 36's 2x; then GPTQ 8 layers ours (stripes, registered boundary memory) against
+  # oneshot on the same machine for issue 34's 0.55x (~8 min on a fresh machine)
+  rm -rf /tmp/calib-bench /tmp/qb
+  timeout 200 python3 bench/quality_bench.py --layers 8 --work /tmp/qb 2>&1 | quiet > "$OUT/quality_bench.txt"
+  tail -32 "$OUT/quality_bench.txt"; rm -rf /tmp/qb
+  timeout 300 python3 bench/calib_bench.py --layers 8 --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"
+  tail -14 "$OUT/floor_gptq.txt"
+  ;;
 s19c)  # call 3: the boundaries' host memory registered instead of cudaHostAlloc'd (and reused by verify --quality,
   # whose files are written by four threads): GPTQ 8 layers ours before (.whl/before: 72d1957, the stripes alone)
   # and after, tensors compared; verify --quality on that checkpoint; the GPU tests of both paths
