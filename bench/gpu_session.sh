@@ -108,6 +108,23 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s21a)  # twentieth session, call 1 (issue 36): where the head's time goes (bench/head_probe.py); verify --quality on 8
+  # layers of the 8B shape, 64 x 2048, with the boundary files streamed while the samples come and layer 0's
+  # outputs' memory made meanwhile; the GPU tests of both (~6 min on a fresh machine)
+  rm -rf /tmp/qb
+  timeout 90 python3 bench/head_probe.py --device cuda 2>&1 | quiet | tee "$OUT/head_probe.txt"
+  timeout 260 python3 bench/quality_bench.py --layers 8 --work /tmp/qb 2>&1 | quiet > "$OUT/quality_bench.txt"
+  tail -34 "$OUT/quality_bench.txt"
+  CUDA_VISIBLE_DEVICES=0 t 150 gpu_tests tests/test_staging.py tests/gpu/test_quality_gpu.py
+  ;;
+s21b)  # call 2 (issue 34 part 1): GPTQ W4A16 on 8 layers of the 8B shape, 128 x 2048, ours (stripes, registered
+  # boundary memory, layer 0's outputs' memory made meanwhile) against oneshot on one machine, tensors compared;
+  # then the calibrated kill-and-rerun GPU test
+  rm -rf /tmp/calib-bench /tmp/qb
+  timeout 330 python3 bench/calib_bench.py --layers 8 --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"
+  tail -40 "$OUT/floor_gptq.txt"
+  CUDA_VISIBLE_DEVICES=0 t 120 calib_gpu "tests/gpu/test_calibrated_gpu.py::test_cuda_kill_and_rerun_is_byte_identical"
+  ;;
 s20a)  # next session (NOT RUN yet): verify --quality with the head's sums on the device and the inputs copied without
   # a wait (5bfd920), against issue 36's 2x; then GPTQ 8 layers ours (stripes, registered boundary memory) against
   # oneshot on the same machine for issue 34's 0.55x (~8 min on a fresh machine)

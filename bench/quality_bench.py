@@ -119,7 +119,8 @@ def main() -> None:
     print("per layer (the worker's seconds):", " ".join(f"{i}:{v:.2f}" for i, v in sorted(per_layer.items())))
     log = os.path.join(out, ".export", "logs", "quality-worker.log")
     if os.path.exists(log):  # where each layer's time went (child/backends/evaluate.py)
-        print("".join(line for line in open(log, errors="replace") if line.startswith("quality: layer")), end="")
+        print("".join(line for line in open(log, errors="replace")
+                      if line.startswith(("quality: layer", "quality: head"))), end="")
     fw = subprocess.run([sys.executable, "-c", FORWARDS, src, out, data, args.device], capture_output=True, text=True)
     if fw.returncode != 0:
         sys.exit(f"the forwards failed (exit {fw.returncode}): {fw.stderr[-2000:]}")

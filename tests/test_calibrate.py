@@ -192,25 +192,47 @@ def test_boundary_round_trip_in_ram_and_on_disk(tmp_path):
 
 @pytest.mark.parametrize("sizes", [[(1, 7, 16), (1, 5, 16), (1, 5, 16)], [(1, 1, 3)], [(1, 1031, 64)] * 5])
 def test_a_boundary_written_in_parts_is_the_file_one_writer_makes(sizes, tmp_path):
-    """commit_later without fsync (the quality measurement's) writes the file from several threads at once: the same
-    bytes and digest as the fsynced, one-thread write of the same samples, and it loads back equal."""
+    """commit_later without fsync (the quality measurement's) writes the file from several threads at once, after
+    the samples or (stream) while they come: the same bytes and digest as the fsynced, one-thread write of the same
+    samples, and it loads back equal."""
     from child.backends.boundary import Activations, BoundaryWriter
 
     samples = [torch.randn(s, dtype=torch.bfloat16) for s in sizes]
     files = {}
-    for sync in (True, False):
-        w = BoundaryWriter(4, sizes, torch.bfloat16, tmp_path=str(tmp_path / f"{sync}.tmp"), keep_in_ram=True,
-                           later=True, sync=sync)
+    for mode in ("sync", "parts", "stream"):
+        w = BoundaryWriter(4, sizes, torch.bfloat16, tmp_path=str(tmp_path / f"{mode}.tmp"), keep_in_ram=True,
+                           later=True, sync=mode == "sync", stream=mode == "stream")
         for j, x in enumerate(samples):
             w.put(j, x)
-        acts, pending = w.commit_later(str(tmp_path / f"{sync}.bin"))
-        files[sync] = (pending.wait(), (tmp_path / f"{sync}.bin").read_bytes())
+        acts, pending = w.commit_later(str(tmp_path / f"{mode}.bin"))
+        files[mode] = (pending.wait(), (tmp_path / f"{mode}.bin").read_bytes())
         assert all(torch.equal(acts.get(j), x) for j, x in enumerate(samples))
-    assert files[True] == files[False]
-    (digest, size), data = files[False]
+        assert not (tmp_path / f"{mode}.tmp").exists()
+    assert files["sync"] == files["parts"] == files["stream"]
+    (digest, size), data = files["stream"]
     assert size == len(data)
-    loaded = Activations.load(str(tmp_path / "False.bin"), digest, 4, in_ram=True)
+    loaded = Activations.load(str(tmp_path / "stream.bin"), digest, 4, in_ram=True)
     assert all(torch.equal(loaded.get(j), x) for j, x in enumerate(samples))
+
+
+@pytest.mark.parametrize("when", ["filling", "pending"])
+def test_a_dropped_streamed_boundary_leaves_no_file(when, tmp_path):
+    """A streamed boundary dropped while its samples come (the layer failed) or while its write finishes (the
+    measurement moved on to the head) leaves neither its temp file nor its name behind."""
+    from child.backends.boundary import BoundaryWriter
+
+    sizes = [(1, 257, 64)] * 6
+    w = BoundaryWriter(2, sizes, torch.bfloat16, tmp_path=str(tmp_path / "b.tmp"), keep_in_ram=True, later=True,
+                       sync=False, stream=True)
+    assert (tmp_path / "b.tmp").exists()  # the file is begun with the first sample, not after the last
+    for j, s in enumerate(sizes[:3] if when == "filling" else sizes):
+        w.put(j, torch.randn(s, dtype=torch.bfloat16))
+    if when == "filling":
+        w.abort()
+    else:
+        _, pending = w.commit_later(str(tmp_path / "b.bin"))
+        pending.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_scheme_lists_match_the_libraries():

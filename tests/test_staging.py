@@ -150,3 +150,33 @@ def test_a_registered_boundary_buffer_is_pinned_copies_both_ways_and_is_unregist
     del view
     gc.collect()
     assert unregistered == [ptr]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_boundary_streamed_from_the_gpu_into_memory_made_meanwhile_is_the_samples(tmp_path):
+    """Layer 0's outputs on a GPU: host memory made on another thread (host_buffer_meanwhile) is pinned, and a
+    streamed boundary (each sample written once its asynchronous copy has landed) holds every sample's bytes: the
+    file loads back equal to the samples, with the digest a one-thread fsynced write of them gives."""
+    from child.backends.boundary import Activations, BoundaryWriter, host_buffer_meanwhile
+
+    shapes = [(1, 513, 256)] * 6 + [(1, 77, 256)]
+    samples = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
+    numel = sum(x.numel() for x in samples)
+    flat = host_buffer_meanwhile(numel, torch.bfloat16, torch.device("cuda")).result(timeout=120)
+    assert flat.is_pinned() and flat.numel() == numel
+    w = BoundaryWriter(1, shapes, torch.bfloat16, tmp_path=str(tmp_path / "s.tmp"), keep_in_ram=True, buffer=flat,
+                       pin=True, later=True, sync=False, stream=True)
+    for j, x in enumerate(samples):
+        w.put(j, x * 1)  # queued behind the multiplication: the writer must wait for each copy to land
+    acts, pending = w.commit_later(str(tmp_path / "s.bin"))
+    digest, _ = pending.wait()
+    ref = BoundaryWriter(1, shapes, torch.bfloat16, tmp_path=str(tmp_path / "r.tmp"), keep_in_ram=False)
+    for j, x in enumerate(samples):
+        ref.put(j, x)
+    _, ref_digest, _ = ref.commit(str(tmp_path / "r.bin"))
+    assert digest == ref_digest
+    assert (tmp_path / "s.bin").read_bytes() == (tmp_path / "r.bin").read_bytes()
+    loaded = Activations.load(str(tmp_path / "s.bin"), digest, 1, in_ram=True)
+    assert all(torch.equal(loaded.get(j), x.cpu()) for j, x in enumerate(samples))
+    assert all(torch.equal(acts.get(j), x.cpu()) for j, x in enumerate(samples))

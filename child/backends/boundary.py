@@ -10,6 +10,9 @@
       commit_later(dest) (in RAM): Activations at once; a thread writes the buffer to the temp file, hashes, fsyncs
         and renames it while the next layer computes ─▶ PendingWrite.wait -> (digest, size) once durable (sync=False:
         WRITERS threads write its parts at once while that thread hashes it; no fsync)
+      stream=True (with later, sync=False): the file is written while the samples come, each sample as soon as its
+        (asynchronous) copy into the host buffer has landed, and commit_later only finishes it: the write has the
+        layer that makes the samples and the next one to run beside, not the next one alone
 
 The file (state under OUT/.export/boundary/, never part of the output): b"LWBOUND1", the JSON header's length
 (u64 little-endian), the JSON header {"feeds", "dtype", "shapes"}, then every sample's bytes in sample order
@@ -147,13 +150,15 @@ class BoundaryWriter:
 
     def __init__(self, feeds: int, shapes: list[tuple[int, ...]], dtype: torch.dtype, *, tmp_path: str | None,
                  keep_in_ram: bool, buffer: torch.Tensor | None = None, pin: bool = False, later: bool = False,
-                 sync: bool = True):
+                 sync: bool = True, stream: bool = False):
         """`buffer`: a released RAM buffer to reuse (fresh host memory costs a page fault per 4 KiB on first
         touch, ~1.6 GB/s measured); `pin`: allocate page-locked memory for faster copies to and from a GPU.
         `later` (in RAM): the file is written after the samples, by commit_later, so the samples are copied into
         pinned memory without waiting; otherwise a thread writes it while the samples come, as on disk.
         `sync` False: the file is written and renamed but never fsynced (it survives any process's death in the
-        page cache, not a machine's crash: the caller re-hashes it before trusting it after one)."""
+        page cache, not a machine's crash: the caller re-hashes it before trusting it after one).
+        `stream` (with `later` and without `sync`): each sample is written as soon as it is in the host buffer (see
+        the module docstring); commit_later then waits only for what is left."""
         if tmp_path is None and not keep_in_ram:
             raise ValueError("a boundary needs a file or RAM")
         self.feeds, self.shapes, self.dtype = feeds, [tuple(s) for s in shapes], dtype
@@ -176,7 +181,14 @@ class BoundaryWriter:
         self._async = self._later and self._flat.is_pinned()  # device -> pinned host: DMA, no wait per sample
         self._head = _header(feeds, self.shapes, dtype)
         self._data_offset = len(self._head)
-        if tmp_path is not None and not self._later:  # written while the layer propagates
+        self._stream = stream and self._later and not sync and tmp_path is not None
+        if self._stream:  # written while the layer makes the samples, each one once its copy has landed
+            self._flat_ref = self._flat  # the writer's hold on the buffer until the file is complete
+            self._queue = queue.Queue()  # (sample, CUDA event or None): never blocks put()
+            self._open()
+            self._thread = threading.Thread(target=self._drain_streamed, name="boundary-stream", daemon=True)
+            self._thread.start()
+        elif tmp_path is not None and not self._later:  # written while the layer propagates
             self._open()
             self._thread = threading.Thread(target=self._drain, name="boundary-writer", daemon=True)
             self._thread.start()
@@ -205,7 +217,13 @@ class BoundaryWriter:
             buf = dest
         else:
             buf = hidden.reshape(-1).to("cpu").contiguous()
-        if self._thread is not None:
+        if self._stream:
+            landed = None
+            if self._async and hidden.is_cuda:  # the writer waits for this copy, not for the whole stream
+                landed = torch.cuda.Event()
+                landed.record()
+            self._queue.put((j, landed))
+        elif self._thread is not None:
             self._queue.put(buf)
 
     def _complete(self) -> None:
@@ -219,12 +237,9 @@ class BoundaryWriter:
         if self._next != len(self.shapes):
             raise ValueError(f"boundary has {self._next} of {len(self.shapes)} samples")
         self._complete()
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()  # bounded: the writer drains a finite queue and exits on None
-            self._thread = None
+        self._finish_thread()
         self._raise_if_failed()
-        if self._later and self._tmp is not None:  # the file is written now, from the buffer
+        if self._later and self._tmp is not None and not self._stream:  # the file is written now, from the buffer
             self._open()
             self._write_flat(self._flat)
         path = self._tmp
@@ -255,6 +270,12 @@ class BoundaryWriter:
         self._complete()
         flat, self._flat = self._flat, None
         return Activations(self.feeds, self.shapes, self.dtype, flat=flat), PendingWrite(self, dest, flat, before_sync)
+
+    def _finish_thread(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()  # bounded: the writer drains a finite queue (and its writes) and exits on None
+            self._thread = None
 
     def _place(self, dest: str) -> None:
         """The finished temp file at `dest`: durably (fsynced file and folder), or only renamed without `sync`."""
@@ -326,6 +347,38 @@ class BoundaryWriter:
             except BaseException as exc:  # noqa: BLE001 - reported by put()/commit() on the main thread
                 self._error = exc
 
+    def _drain_streamed(self) -> None:
+        # stream=True: each sample, once its copy into the host buffer has landed, is hashed here (in sample order:
+        # the digest is the one _write would make) and written at its offset by one of WRITERS threads
+        pool = concurrent.futures.ThreadPoolExecutor(WRITERS, thread_name_prefix="boundary-part")
+        parts = []
+        try:
+            while True:
+                item = self._queue.get()  # bounded: commit_later's PendingWrite or abort end it with None
+                if item is None:
+                    break
+                if self._error is not None:
+                    continue  # keep draining: the boundary is being dropped
+                j, landed = item
+                try:
+                    if landed is not None:
+                        landed.synchronize()
+                    lo, hi = self._layout._start[j], self._layout._start[j + 1]
+                    data = memoryview(_bytes_of(self._flat_ref[lo:hi]))
+                    parts.append(pool.submit(_pwrite_all, self._fd, data, self._data_offset + lo * self.dtype.itemsize))
+                    self._hash.update(data)
+                    self._size += len(data)
+                except BaseException as exc:  # noqa: BLE001 - reported by commit_later's PendingWrite or put()
+                    self._error = exc
+            for part in parts:
+                try:
+                    part.result()  # bounded: one sample's write into the page cache
+                except BaseException as exc:  # noqa: BLE001
+                    self._error = self._error or exc
+        finally:
+            pool.shutdown(wait=True)
+            self._flat_ref = None
+
     def _write(self, data: memoryview) -> None:
         self._hash.update(data)
         while len(data):
@@ -351,8 +404,12 @@ class PendingWrite:
     def _run(self) -> None:
         w = self._writer
         try:
-            w._open()
-            w._write_flat(self._flat)
+            if w._stream:  # the samples are being written already: what is left of them
+                w._finish_thread()
+                w._raise_if_failed()
+            else:
+                w._open()
+                w._write_flat(self._flat)
             self._before_sync()
             if w._sync:
                 os.fsync(w._fd)
@@ -377,7 +434,10 @@ class PendingWrite:
         return self._result
 
     def abort(self) -> None:
-        """Wait for the thread, then remove what it wrote (a failed or dropped layer's next inputs)."""
+        """Wait for the thread, then remove what it wrote (a failed or dropped layer's next inputs). A streamed
+        write still under way skips the samples it has not started."""
+        if self._writer._stream:
+            self._writer._error = self._writer._error or RuntimeError("aborted")
         self._thread.join()  # bounded: one file's write and fsync
         self._flat = None
         self._writer.abort()
@@ -400,6 +460,21 @@ def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     from child.staging import pinned_host_buffer
 
     return pinned_host_buffer(numel * dtype.itemsize).view(dtype)
+
+
+def host_buffer_meanwhile(numel: int, dtype: torch.dtype, device: torch.device) -> concurrent.futures.Future:
+    """A pinned host_buffer made on a thread of its own (`device` current there) while the caller goes on: the
+    first layer's outputs need one as large as its inputs, and making it (page faults, registration: ~0.2 s per
+    GB) need not wait for the layer. A Future of the buffer."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="boundary-alloc")
+
+    def make():
+        with torch.cuda.device(device):
+            return host_buffer(numel, dtype, True)
+
+    future = pool.submit(make)
+    pool.shutdown(wait=False)  # the thread ends with its one task
+    return future
 
 
 def _pread_into(fd: int, buf, offset: int) -> None:

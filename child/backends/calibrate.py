@@ -62,7 +62,7 @@ from child import faults
 
 from child.backends import group, quant_error
 from child.backends.hessians import SharedHessians
-from child.backends.boundary import Activations, BoundaryWriter, PendingWrite
+from child.backends.boundary import Activations, BoundaryWriter, PendingWrite, host_buffer_meanwhile
 from child.backends.naming import LayerStub, find_decoder_layers
 from child.backends.quantize import LayerQuantizer, linearize_meta_experts, load_config, materialise, rooted
 from child.backends.samples import calibration_ids
@@ -128,6 +128,7 @@ class Calibrator:
         self._pending: tuple[str, PendingWrite] | None = None
         self.pending = False  # the last commit left the next layer's inputs to be made durable (see commit)
         self._spare: torch.Tensor | None = None  # the RAM of the last released inputs, reused by the next outputs
+        self._prepared = None  # a Future of layer 0's outputs' pinned memory, made while layer 0 calibrates
         self._pin = self.device.type == "cuda"
         self._args_key = None
         self._args = None
@@ -313,11 +314,14 @@ class Calibrator:
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
         # the inputs are still held while the outputs are built: both count against the budget
         spare, self._spare = self._spare, None
+        prepared, self._prepared = self._prepared, None
+        fits = 2 * inputs.nbytes <= self._ram_budget
+        if spare is None and prepared is not None and fits:
+            spare = prepared.result()  # bounded: one host buffer's allocation, begun with layer 0's inputs
         # one worker writes the file after the layer (commit_later), beside the next one; a group's ranks commit
         # in step with each other, each as it propagates
         return BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=tmp,
-                              keep_in_ram=2 * inputs.nbytes <= self._ram_budget, buffer=spare, pin=self._pin,
-                              later=self.world == 1)
+                              keep_in_ram=fits, buffer=spare, pin=self._pin, later=self.world == 1)
 
     def _boundary_name(self, feeds: int) -> str:
         return layout.boundary_name(feeds, self.rank if self.world > 1 else None, self._fence)
@@ -391,6 +395,9 @@ class Calibrator:
                     tmp = None if fits else layout.state_path(
                         self.output, layout.TMP, os.path.basename(self._boundary_name(0)) + ".tmp")
                     writer = BoundaryWriter(0, shapes, hidden.dtype, tmp_path=tmp, keep_in_ram=fits, pin=self._pin)
+                    if fits and self._pin and self.num_layers > 1:  # layer 0's outputs: as much pinned memory
+                        self._prepared = host_buffer_meanwhile(size // hidden.dtype.itemsize, hidden.dtype,
+                                                               self.device)
                 writer.put(j, hidden)
             acts, _, _ = writer.commit(None)
             return acts

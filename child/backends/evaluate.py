@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from child import faults
-from child.backends.boundary import Activations, BoundaryWriter
+from child.backends.boundary import Activations, BoundaryWriter, host_buffer_meanwhile
 from child.errors import Refused
 from child.process import peak_rss
 from child.backends.naming import LayerStub, find_decoder_layers
@@ -259,6 +259,7 @@ class Evaluator:
         self._inputs: Activations | None = None
         self._pending = None  # (the boundary being written, its PendingWrite)
         self._spare: torch.Tensor | None = None  # the host memory of the last released inputs, for the next outputs
+        self._prepared = None  # a Future of layer 0's outputs' host memory, made while the embeddings are computed
         self._pin = self.device.type == "cuda"
         r = job.resources
         self._ram_budget = int(r.activation_ram_gb * 2**30) if r.activation_ram_gb else \
@@ -295,8 +296,13 @@ class Evaluator:
         fits = 2 * inputs.nbytes <= self._ram_budget
         # in RAM: the file is written while the next layer computes (commit_later), named in the next reply
         spare, self._spare = self._spare, None  # the host memory of the inputs released a layer ago
+        if spare is None and self._prepared is not None and fits:
+            spare = self._prepared.result()  # bounded: one host buffer's allocation, begun with the embeddings
+        self._prepared = None
+        # each sample's states go to the file as soon as they are in host memory (stream): the write runs beside
+        # this layer and the next, and the next reply waits for it (_settle) only where the disk is slower than both
         writer = BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=dest + ".tmp", keep_in_ram=fits,
-                                buffer=spare, pin=self._pin, later=True, sync=False)
+                                buffer=spare, pin=self._pin, later=True, sync=False, stream=True)
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # squared error, squared source, cosines
         positions = 0
         try:
@@ -376,6 +382,8 @@ class Evaluator:
                 if tmp:
                     os.makedirs(os.path.dirname(tmp), exist_ok=True)
                 writer = BoundaryWriter(0, shapes, hs.dtype, tmp_path=tmp, keep_in_ram=fits, pin=self._pin)
+                if fits and self._pin:  # layer 0's outputs need as much page-locked memory: made meanwhile
+                    self._prepared = host_buffer_meanwhile(sum(map(math.prod, shapes)), hs.dtype, self.device)
             writer.put(2 * j, hs)
             writer.put(2 * j + 1, he.to(hs.dtype))
         acts, _, _ = writer.commit(None)
@@ -403,7 +411,10 @@ class Evaluator:
                 predicted += nxt.numel()
         kl, nll_s, nll_e = sums.tolist()
         top1 = int(agree)
-        self._drop_inputs(abort=True)
+        t_done = time.monotonic()
+        self._drop_inputs(abort=True)  # the last layer's file, never to be named: its write ends where it is
+        print(f"quality: head: logits and figures {t_done - t0:.2f} s, {time.monotonic() - t_done:.2f} s to drop the "
+              "last layer's file", file=sys.stderr, flush=True)  # the worker's log (bench/quality_bench.py)
         return QualityMeasured(kl=kl / positions, top1=top1 / positions,
                                ppl_source=math.exp(nll_s / predicted) if predicted else float("nan"),
                                ppl_export=math.exp(nll_e / predicted) if predicted else float("nan"),
