@@ -125,6 +125,16 @@ s21b)  # call 2 (issue 34 part 1): GPTQ W4A16 on 8 layers of the 8B shape, 128 x
   tail -40 "$OUT/floor_gptq.txt"
   CUDA_VISIBLE_DEVICES=0 t 120 calib_gpu "tests/gpu/test_calibrated_gpu.py::test_cuda_kill_and_rerun_is_byte_identical"
   ;;
+s21c)  # call 3 (issue 34 part 1): the samples' copies beside the compute (Activations.to_device ahead, the boundary's
+  # device -> host copies on a stream of their own): GPTQ 8 layers ours against oneshot, tensors compared; the GPU
+  # tests of both copy paths, the calibrated equality cases they touch, verify --quality's
+  rm -rf /tmp/calib-bench /tmp/qb
+  timeout 300 python3 bench/calib_bench.py --layers 8 --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"
+  grep -A12 "^| layer" "$OUT/floor_gptq.txt" | head -12; tail -9 "$OUT/floor_gptq.txt"
+  rm -rf /tmp/calib-bench
+  CUDA_VISIBLE_DEVICES=0 t 260 gpu_tests tests/test_staging.py tests/gpu/test_quality_gpu.py \
+    tests/gpu/test_calibrated_gpu.py -k "staging or quality or llama-W4A16-gptq or llama-W4A16-awq or qwen3moe"
+  ;;
 s20a)  # next session (NOT RUN yet): verify --quality with the head's sums on the device and the inputs copied without
   # a wait (5bfd920), against issue 36's 2x; then GPTQ 8 layers ours (stripes, registered boundary memory) against
   # oneshot on the same machine for issue 34's 0.55x (~8 min on a fresh machine)

@@ -180,3 +180,28 @@ def test_a_boundary_streamed_from_the_gpu_into_memory_made_meanwhile_is_the_samp
     loaded = Activations.load(str(tmp_path / "s.bin"), digest, 1, in_ram=True)
     assert all(torch.equal(loaded.get(j), x.cpu()) for j, x in enumerate(samples))
     assert all(torch.equal(acts.get(j), x.cpu()) for j, x in enumerate(samples))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_samples_sent_ahead_to_the_gpu_are_the_samples():
+    """Activations.to_device from pinned memory (the next sample's copy on a stream of its own beside the caller's
+    work): every sample arrives with its values, also when the caller computes with it on its own stream and keeps
+    none of them; the outputs copied back on the writer's stream are the ones computed."""
+    from child.backends.boundary import Activations, BoundaryWriter, host_buffer
+
+    shapes = [(1, 1000 + 37 * j, 256) for j in range(9)]
+    samples = [torch.randn(s, dtype=torch.bfloat16) for s in shapes]
+    flat = host_buffer(sum(x.numel() for x in samples), torch.bfloat16, pin=True)
+    acts = Activations(1, shapes, torch.bfloat16, flat=flat)
+    for j, x in enumerate(samples):
+        acts.get(j).copy_(x)
+    out = BoundaryWriter(2, shapes, torch.bfloat16, tmp_path=None, keep_in_ram=True, pin=True, later=True)
+    w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    for j, hidden in enumerate(acts.to_device(torch.device("cuda"))):
+        assert hidden.is_cuda
+        out.put(j, (hidden @ w) @ w.T)  # the sample is read by kernels queued after its copy, then dropped
+    got, _, _ = out.commit(None)
+    for j, x in enumerate(samples):
+        ref = (x.cuda() @ w) @ w.T
+        assert torch.equal(got.get(j), ref.cpu()), j

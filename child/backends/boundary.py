@@ -103,6 +103,32 @@ class Activations:
     def numel(self) -> int:
         return self._start[-1]
 
+    def to_device(self, device: torch.device):
+        """Every sample on `device`, in order (a generator). From pinned host memory to a GPU, the next sample's
+        copy runs on a stream of its own while the caller computes with this one (the caller's stream waits for
+        each copy, and the allocator keeps each sample until that stream is done with it); otherwise each is
+        copied when asked for. The same values either way."""
+        n = len(self)
+        if device.type != "cuda" or self._flat is None or not self._flat.is_pinned():
+            for j in range(n):
+                yield self.get(j).to(device, non_blocking=True)
+            return
+        copies, compute = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+
+        def send(j: int):
+            with torch.cuda.stream(copies):
+                t = self.get(j).to(device, non_blocking=True)
+            return t, copies.record_event()
+
+        ahead = send(0) if n else None
+        for j in range(n):
+            t, ready = ahead
+            compute.wait_event(ready)
+            t.record_stream(compute)
+            if j + 1 < n:
+                ahead = send(j + 1)
+            yield t
+
     def close(self) -> torch.Tensor | None:
         """Release the file or the memory; returns the RAM buffer, which the next boundary may reuse."""
         flat, self._flat = self._flat, None
@@ -179,6 +205,7 @@ class BoundaryWriter:
         self._thread = None
         self._later = later and self._flat is not None
         self._async = self._later and self._flat.is_pinned()  # device -> pinned host: DMA, no wait per sample
+        self._copies = None  # the CUDA stream of those copies: beside the layer's kernels, not between them
         self._head = _header(feeds, self.shapes, dtype)
         self._data_offset = len(self._head)
         self._stream = stream and self._later and not sync and tmp_path is not None
@@ -211,25 +238,34 @@ class BoundaryWriter:
         self._next += 1
         if self._flat is not None:
             dest = self._flat[self._layout._start[j]:self._layout._start[j + 1]]
-            # device -> host straight into place; into pinned memory asynchronously when the file comes later (the
-            # stream orders it after the layer's forward; _complete() waits for it before anything reads the buffer)
-            dest.copy_(hidden.reshape(-1), non_blocking=self._async and hidden.is_cuda)
+            # device -> host straight into place; into pinned memory asynchronously when the file comes later
+            # (_complete() waits for it before anything reads the buffer)
+            if self._async and hidden.is_cuda:
+                # on a stream of its own, after everything queued so far (the sample's forward): the copy engine
+                # moves sample j while the next sample computes; the allocator keeps `hidden` until it is done
+                if self._copies is None:
+                    self._copies = torch.cuda.Stream(hidden.device)
+                self._copies.wait_stream(torch.cuda.current_stream(hidden.device))
+                with torch.cuda.stream(self._copies):
+                    dest.copy_(hidden.reshape(-1), non_blocking=True)
+                hidden.record_stream(self._copies)
+            else:
+                dest.copy_(hidden.reshape(-1))
             buf = dest
         else:
             buf = hidden.reshape(-1).to("cpu").contiguous()
         if self._stream:
             landed = None
             if self._async and hidden.is_cuda:  # the writer waits for this copy, not for the whole stream
-                landed = torch.cuda.Event()
-                landed.record()
+                landed = self._copies.record_event()
             self._queue.put((j, landed))
         elif self._thread is not None:
             self._queue.put(buf)
 
     def _complete(self) -> None:
         """Every sample of this boundary is in the host buffer (the asynchronous copies have landed)."""
-        if self._async and torch.cuda.is_initialized():
-            torch.cuda.current_stream().synchronize()
+        if self._copies is not None:
+            self._copies.synchronize()
 
     def commit(self, dest: str | None) -> tuple[Activations, str, int]:
         """Finish: dest None keeps the data where it is (RAM, or the temp file), else the temp file is fsynced and

@@ -282,9 +282,10 @@ class Calibrator:
                 # the sequential pipeline: calibration_forward_context + DisableQuantization around every pass
                 with torch.no_grad(), eval_context(root), DisableQuantization(root):
                     self._stage("forward")
-                    for j in range(len(inputs)):
+                    # the next sample's copy to the device runs beside this one's forward (Activations.to_device)
+                    for j, hidden in enumerate(inputs.to_device(self.device)):
                         session.state.current_batch_idx = j
-                        self._forward(layer, index, inputs.get(j))
+                        self._forward(layer, index, hidden)
                         if hessians is not None:
                             hessians.end_sample()
                     if hessians is not None:
@@ -294,8 +295,8 @@ class Calibrator:
                     self._stage("propagate")
                     self._writer = self._next_writer(index, inputs)
                     with HooksMixin.disable_hooks():
-                        for j in range(len(inputs)):
-                            out = self._forward(layer, index, inputs.get(j))
+                        for j, hidden in enumerate(inputs.to_device(self.device)):
+                            out = self._forward(layer, index, hidden)
                             if self._writer is not None:
                                 self._writer.put(j, out)
                     LifecycleCallbacks.calibration_end()
@@ -303,7 +304,7 @@ class Calibrator:
 
     def _forward(self, layer: nn.Module, index: int, hidden: torch.Tensor) -> torch.Tensor:
         args, kwargs = self._layer_args(index, hidden.shape[1], hidden.dtype)
-        # pinned host memory (GPU runs) copies asynchronously; the layer runs after it on the same stream
+        # on the device already (Activations.to_device: its copy ran beside the previous sample)
         out = layer(hidden.to(self.device, non_blocking=True), *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
