@@ -135,6 +135,14 @@ s21c)  # call 3 (issue 34 part 1): the samples' copies beside the compute (Activ
   CUDA_VISIBLE_DEVICES=0 t 260 gpu_tests tests/test_staging.py tests/gpu/test_quality_gpu.py \
     tests/gpu/test_calibrated_gpu.py -k "staging or quality or llama-W4A16-gptq or llama-W4A16-awq or qwen3moe"
   ;;
+s21d)  # call 4: the copies' memory from the compute stream's own pool (s21c's side-stream pools grew the tree's
+  # GPU memory 6.15 -> 10.97 GiB): GPTQ 8 layers ours only, then the GPU tests of the copy paths and one equality case
+  rm -rf /tmp/calib-bench
+  timeout 150 python3 bench/calib_bench.py --layers 8 --skip kill,retry,oneshot 2>&1 | quiet > "$OUT/floor_gptq.txt"
+  grep -A12 "^| layer" "$OUT/floor_gptq.txt" | head -12; tail -5 "$OUT/floor_gptq.txt"
+  rm -rf /tmp/calib-bench
+  CUDA_VISIBLE_DEVICES=0 t 100 gpu_tests tests/test_staging.py tests/gpu/test_calibrated_gpu.py -k "staging or llama-W4A16-gptq"
+  ;;
 s20a)  # next session (NOT RUN yet): verify --quality with the head's sums on the device and the inputs copied without
   # a wait (5bfd920), against issue 36's 2x; then GPTQ 8 layers ours (stripes, registered boundary memory) against
   # oneshot on the same machine for issue 34's 0.55x (~8 min on a fresh machine)

@@ -113,20 +113,24 @@ class Activations:
             for j in range(n):
                 yield self.get(j).to(device, non_blocking=True)
             return
-        copies, compute = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+        copies, compute = side_stream(device, "to-device"), torch.cuda.current_stream(device)
 
         def send(j: int):
+            src = self.get(j)
+            # allocated from the caller's stream's memory (no pool of another stream grows); the copy starts once
+            # what that stream has queued so far is done (whatever used this memory before), beside what follows
+            t = torch.empty(src.shape, dtype=src.dtype, device=device)
+            copies.wait_stream(compute)
             with torch.cuda.stream(copies):
-                t = self.get(j).to(device, non_blocking=True)
+                t.copy_(src, non_blocking=True)
             return t, copies.record_event()
 
         ahead = send(0) if n else None
         for j in range(n):
             t, ready = ahead
             compute.wait_event(ready)
-            t.record_stream(compute)
             if j + 1 < n:
-                ahead = send(j + 1)
+                ahead = send(j + 1)  # queued before the caller's work on sample j: it runs beside that work
             yield t
 
     def close(self) -> torch.Tensor | None:
@@ -206,6 +210,7 @@ class BoundaryWriter:
         self._later = later and self._flat is not None
         self._async = self._later and self._flat.is_pinned()  # device -> pinned host: DMA, no wait per sample
         self._copies = None  # the CUDA stream of those copies: beside the layer's kernels, not between them
+        self._held: list = []  # (device tensor, its copy's event): the last sample's, until the caller's stream waits
         self._head = _header(feeds, self.shapes, dtype)
         self._data_offset = len(self._head)
         self._stream = stream and self._later and not sync and tmp_path is not None
@@ -242,23 +247,25 @@ class BoundaryWriter:
             # (_complete() waits for it before anything reads the buffer)
             if self._async and hidden.is_cuda:
                 # on a stream of its own, after everything queued so far (the sample's forward): the copy engine
-                # moves sample j while the next sample computes; the allocator keeps `hidden` until it is done
-                if self._copies is None:
-                    self._copies = torch.cuda.Stream(hidden.device)
-                self._copies.wait_stream(torch.cuda.current_stream(hidden.device))
+                # moves sample j while the next sample computes. `hidden` is held until the caller's stream has
+                # waited for its copy (queued after the next sample's work), and only then given back to that
+                # stream's memory: no block waits on another stream's event, no pool grows
+                compute = torch.cuda.current_stream(hidden.device)
+                self._copies = side_stream(hidden.device, "to-host")
+                self._copies.wait_stream(compute)
                 with torch.cuda.stream(self._copies):
                     dest.copy_(hidden.reshape(-1), non_blocking=True)
-                hidden.record_stream(self._copies)
+                landed = self._copies.record_event()
+                self._held.append((hidden, landed))
+                if len(self._held) > 1:
+                    compute.wait_event(self._held.pop(0)[1])
             else:
                 dest.copy_(hidden.reshape(-1))
             buf = dest
         else:
             buf = hidden.reshape(-1).to("cpu").contiguous()
-        if self._stream:
-            landed = None
-            if self._async and hidden.is_cuda:  # the writer waits for this copy, not for the whole stream
-                landed = self._copies.record_event()
-            self._queue.put((j, landed))
+        if self._stream:  # the writer waits for this copy (landed), not for the whole stream
+            self._queue.put((j, self._held[-1][1] if self._async and hidden.is_cuda else None))
         elif self._thread is not None:
             self._queue.put(buf)
 
@@ -266,6 +273,7 @@ class BoundaryWriter:
         """Every sample of this boundary is in the host buffer (the asynchronous copies have landed)."""
         if self._copies is not None:
             self._copies.synchronize()
+        self._held.clear()
 
     def commit(self, dest: str | None) -> tuple[Activations, str, int]:
         """Finish: dest None keeps the data where it is (RAM, or the temp file), else the temp file is fsynced and
@@ -346,6 +354,9 @@ class BoundaryWriter:
 
     def abort(self) -> None:
         """Drop a boundary that will not be committed (the layer failed); removes the temp file."""
+        if self._copies is not None:  # no copy still writes into the buffer, or reads a sample, once dropped
+            self._copies.synchronize()
+        self._held.clear()
         if self._thread is not None:
             self._error = self._error or RuntimeError("aborted")
             while self._thread.is_alive():
@@ -511,6 +522,18 @@ def host_buffer_meanwhile(numel: int, dtype: torch.dtype, device: torch.device) 
     future = pool.submit(make)
     pool.shutdown(wait=False)  # the thread ends with its one task
     return future
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def side_stream(device: torch.device, purpose: str) -> "torch.cuda.Stream":
+    """One CUDA stream per device and purpose for the process's life (copies beside the compute)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, purpose)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(index)
+    return _SIDE_STREAMS[key]
 
 
 def _pread_into(fd: int, buf, offset: int) -> None:
