@@ -215,6 +215,28 @@ def test_a_boundary_written_in_parts_is_the_file_one_writer_makes(sizes, tmp_pat
     assert all(torch.equal(loaded.get(j), x) for j, x in enumerate(samples))
 
 
+def test_a_boundary_takes_the_host_memory_being_made_for_it(tmp_path):
+    """A Future of host memory (host_buffer_meanwhile's, made while layer 0 computes) is waited for and filled when
+    it fits, and left alone when it does not."""
+    import concurrent.futures
+
+    from child.backends.boundary import BoundaryWriter
+
+    sizes = [(1, 9, 16), (1, 4, 16)]
+    samples = [torch.randn(s, dtype=torch.bfloat16) for s in sizes]
+    for numel, used in ((9 * 16 + 4 * 16, True), (7, False)):
+        memory = torch.zeros(numel, dtype=torch.bfloat16)
+        future = concurrent.futures.Future()
+        future.set_result(memory)
+        w = BoundaryWriter(1, sizes, torch.bfloat16, tmp_path=None, keep_in_ram=True, buffer=future)
+        for j, x in enumerate(samples):
+            w.put(j, x)
+        acts, _, _ = w.commit(None)
+        assert all(torch.equal(acts.get(j), x) for j, x in enumerate(samples))
+        assert (acts.get(0).data_ptr() == memory.data_ptr()) == used
+        assert bool(memory.any()) == used
+
+
 @pytest.mark.parametrize("when", ["filling", "pending"])
 def test_a_dropped_streamed_boundary_leaves_no_file(when, tmp_path):
     """A streamed boundary dropped while its samples come (the layer failed) or while its write finishes (the

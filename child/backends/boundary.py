@@ -179,10 +179,11 @@ class BoundaryWriter:
     """Builds one boundary, sample by sample in order; `commit` makes it durable and returns the Activations."""
 
     def __init__(self, feeds: int, shapes: list[tuple[int, ...]], dtype: torch.dtype, *, tmp_path: str | None,
-                 keep_in_ram: bool, buffer: torch.Tensor | None = None, pin: bool = False, later: bool = False,
+                 keep_in_ram: bool, buffer: torch.Tensor | concurrent.futures.Future | None = None,
+                 pin: bool = False, later: bool = False,
                  sync: bool = True, stream: bool = False):
         """`buffer`: a released RAM buffer to reuse (fresh host memory costs a page fault per 4 KiB on first
-        touch, ~1.6 GB/s measured); `pin`: allocate page-locked memory for faster copies to and from a GPU.
+        touch, ~1.6 GB/s measured), or a Future of one being made (host_buffer_meanwhile); `pin`: allocate page-locked memory for faster copies to and from a GPU.
         `later` (in RAM): the file is written after the samples, by commit_later, so the samples are copied into
         pinned memory without waiting; otherwise a thread writes it while the samples come, as on disk.
         `sync` False: the file is written and renamed but never fsynced (it survives any process's death in the
@@ -195,6 +196,8 @@ class BoundaryWriter:
         self._layout = Activations(feeds, shapes, dtype)  # offsets only
         self._flat = None
         if keep_in_ram:
+            if isinstance(buffer, concurrent.futures.Future):
+                buffer = buffer.result()  # bounded: one host buffer's allocation (host_buffer_meanwhile)
             fits = buffer is not None and buffer.dtype == dtype and buffer.numel() == self._layout.numel
             self._flat = buffer if fits else host_buffer(self._layout.numel, dtype, pin)
         self._next = 0
@@ -241,6 +244,7 @@ class BoundaryWriter:
                              f"got {tuple(hidden.shape)} {hidden.dtype}")
         self._raise_if_failed()
         self._next += 1
+        landed = None  # the event of an asynchronous copy into the host buffer
         if self._flat is not None:
             dest = self._flat[self._layout._start[j]:self._layout._start[j + 1]]
             # device -> host straight into place; into pinned memory asynchronously when the file comes later
@@ -265,7 +269,7 @@ class BoundaryWriter:
         else:
             buf = hidden.reshape(-1).to("cpu").contiguous()
         if self._stream:  # the writer waits for this copy (landed), not for the whole stream
-            self._queue.put((j, self._held[-1][1] if self._async and hidden.is_cuda else None))
+            self._queue.put((j, landed))
         elif self._thread is not None:
             self._queue.put(buf)
 

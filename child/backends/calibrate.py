@@ -313,16 +313,15 @@ class Calibrator:
             return None
         tmp = layout.state_path(self.output, layout.TMP, os.path.basename(self._boundary_name(index + 1)) + ".tmp")
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
-        # the inputs are still held while the outputs are built: both count against the budget
-        spare, self._spare = self._spare, None
-        prepared, self._prepared = self._prepared, None
-        fits = 2 * inputs.nbytes <= self._ram_budget
-        if spare is None and prepared is not None and fits:
-            spare = prepared.result()  # bounded: one host buffer's allocation, begun with layer 0's inputs
-        # one worker writes the file after the layer (commit_later), beside the next one; a group's ranks commit
-        # in step with each other, each as it propagates
+        # the host memory of the inputs released a layer ago, or (layer 0) the one made meanwhile
+        spare = self._spare if self._spare is not None else self._prepared
+        self._spare = self._prepared = None
+        # the inputs are still held while the outputs are built: both count against the budget. One worker writes
+        # the file after the layer (commit_later), beside the next one; a group's ranks commit in step with each
+        # other, each as it propagates
         return BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=tmp,
-                              keep_in_ram=fits, buffer=spare, pin=self._pin, later=self.world == 1)
+                              keep_in_ram=2 * inputs.nbytes <= self._ram_budget, buffer=spare, pin=self._pin,
+                              later=self.world == 1)
 
     def _boundary_name(self, feeds: int) -> str:
         return layout.boundary_name(feeds, self.rank if self.world > 1 else None, self._fence)

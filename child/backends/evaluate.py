@@ -295,10 +295,9 @@ class Evaluator:
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         fits = 2 * inputs.nbytes <= self._ram_budget
         # in RAM: the file is written while the next layer computes (commit_later), named in the next reply
-        spare, self._spare = self._spare, None  # the host memory of the inputs released a layer ago
-        if spare is None and self._prepared is not None and fits:
-            spare = self._prepared.result()  # bounded: one host buffer's allocation, begun with the embeddings
-        self._prepared = None
+        # the host memory of the inputs released a layer ago, or (layer 0) the one made meanwhile
+        spare = self._spare if self._spare is not None else self._prepared
+        self._spare = self._prepared = None
         # each sample's states go to the file as soon as they are in host memory (stream): the write runs beside
         # this layer and the next, and the next reply waits for it (_settle) only where the disk is slower than both
         writer = BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=dest + ".tmp", keep_in_ram=fits,
