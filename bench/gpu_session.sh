@@ -108,6 +108,15 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s22a)  # twenty-first session, call 1: how fast one boundary-sized file becomes durable on this disk, by method
+  # (bench/disk_probe.py: the buffered one-thread path of today against parallel and O_DIRECT writes); where the warm
+  # parent's imports go on this machine; the GPU tests of c8699ef's writer (the Future buffer) and the equality case
+  timeout 150 python3 bench/disk_probe.py --dir /tmp --gb 2.1 --rounds 2 2>&1 | tee "$OUT/disk_probe.txt"
+  df -hT /tmp >> "$OUT/disk_probe.txt"; tail -1 "$OUT/disk_probe.txt"
+  preload_profile
+  CUDA_VISIBLE_DEVICES=0 t 260 gpu_tests tests/test_staging.py tests/gpu/test_quality_gpu.py \
+    tests/gpu/test_calibrated_gpu.py -k "staging or quality or llama-W4A16-gptq"
+  ;;
 s21a)  # twentieth session, call 1 (issue 36): where the head's time goes (bench/head_probe.py); verify --quality on 8
   # layers of the 8B shape, 64 x 2048, with the boundary files streamed while the samples come and layer 0's
   # outputs' memory made meanwhile; the GPU tests of both (~6 min on a fresh machine)
