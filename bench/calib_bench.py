@@ -244,7 +244,8 @@ def main() -> None:
     ap.add_argument("--fast", action="store_true",
                     help="also run ours with [calibration] match_oneshot = false (GPTQ's Hessians on tensor cores)")
     ap.add_argument("--before", default=None, metavar="TREE",
-                    help="also run ours from another checkout (the code before a change), as the first row")
+                    help="also run ours from another checkout (the code before a change), as the first row (with "
+                         "--fast, its match_oneshot = false as well)")
     ap.add_argument("--device", default="cuda:0", help="the job's resources.device")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both tools")
     ap.add_argument("--kill-at", type=int, default=20, help="the layer whose calibration the kill interrupts")
@@ -308,6 +309,7 @@ def main() -> None:
               + (f"; / oneshot {fast['wall'] / one['wall']:.3f}; tensors: {compare(fast['out'], one['out'])}"
                  if one else ""), flush=True)
         rows.append(("supervisor match_oneshot = false", fast))
+        print("stage clock, match_oneshot = false:\n" + "\n".join(stage_clock(fast)), flush=True)
         losses = fidelity(sup, fast)
         if losses:
             print(losses, flush=True)
@@ -318,6 +320,13 @@ def main() -> None:
         rows.insert(0, ("supervisor (before)", before))
         if one is None:  # no oneshot this time: the two trees' outputs against each other
             print(f"supervisor before / after: tensors: {compare(sup['out'], before['out'])}", flush=True)
+        if args.fast:  # and its match_oneshot = false, against this tree's
+            bfast = run_supervisor(args, src, data, "sup-before-fast", keep_warm=0, code=args.before,
+                                   calibration={"match_oneshot": False})
+            print(f"supervisor before, match_oneshot = false: wall {bfast['wall']:.1f} s, "
+                  f"{bfast['per_layer']:.2f} s per layer; tensors against this tree's: "
+                  f"{compare(fast['out'], bfast['out'])}", flush=True)
+            rows.insert(1, ("supervisor (before) match_oneshot = false", bfast))
     if args.world > 1 and "dist" not in skip:
         dist = run_dist_oneshot(args, src, data)
         rows.append((f"distributed oneshot W={args.world}", dist))

@@ -108,6 +108,16 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s22b)  # call 2 (issue 34 parts 1 and 2): the boundaries written past the page cache (O_DIRECT, durable.write_direct):
+  # GPTQ W4A16 on 8 layers of the 8B shape, 128 x 2048: ours default and match_oneshot = false, before (.whl/before:
+  # c8699ef) and after, oneshot, tensors compared; then the calibrated kill-and-rerun GPU test (boundaries resumed)
+  rm -rf /tmp/calib-bench /tmp/qb
+  timeout 420 python3 bench/calib_bench.py --layers 8 --fast --before .whl/before --skip kill,retry 2>&1 | quiet \
+    > "$OUT/floor_gptq.txt"
+  grep -A12 "^| layer" "$OUT/floor_gptq.txt" | head -26; tail -16 "$OUT/floor_gptq.txt"
+  rm -rf /tmp/calib-bench
+  CUDA_VISIBLE_DEVICES=0 t 150 calib_gpu "tests/gpu/test_calibrated_gpu.py::test_cuda_kill_and_rerun_is_byte_identical"
+  ;;
 s22a)  # twenty-first session, call 1: how fast one boundary-sized file becomes durable on this disk, by method
   # (bench/disk_probe.py: the buffered one-thread path of today against parallel and O_DIRECT writes); where the warm
   # parent's imports go on this machine; the GPU tests of c8699ef's writer (the Future buffer) and the equality case

@@ -12,6 +12,8 @@ nothing beside the write. Bare hex digests (journals of earlier versions) are sh
 """
 from __future__ import annotations
 
+import concurrent.futures
+import errno
 import hashlib
 import os
 from typing import Callable
@@ -22,6 +24,9 @@ from shared import checkpoint
 
 _CHUNK = 8 * 1024 * 1024
 ALGO = "xxh3-128"
+DIRECT_ALIGN = 4096  # O_DIRECT's offsets, lengths and addresses: a multiple of any disk's logical block size
+_DIRECT_PIECE = 32 << 20
+DIRECT_THREADS = 4
 
 
 def fsync_dir(path: str) -> None:
@@ -72,6 +77,69 @@ def write_bytes(dest: str, data: bytes, tmp_dir: str | None = None) -> None:
         unlink_quietly(tmp)
         raise
     fsync_dir(os.path.dirname(os.path.abspath(dest)))
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """All of `data` at `offset` of `fd` (pwrite may write less than asked)."""
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _address(view: memoryview) -> int:
+    import numpy
+
+    return numpy.frombuffer(view, dtype=numpy.uint8).__array_interface__["data"][0] if len(view) else 0
+
+
+def write_direct(fd: int, path: str, data, offset: int, update: Callable[[memoryview], None] | None = None,
+                 threads: int = DIRECT_THREADS) -> bool:
+    """Write `data` (a bytes-like object) at `offset` of the open file `fd`, whose name is `path`, bypassing the page
+    cache where it can: the whole 4 KiB blocks through a second descriptor opened with O_DIRECT, `threads` writing
+    32 MiB pieces in turn, the rest through `fd`. Measured on the H200 machine's disk (bench/disk_probe.py, 2.1 GB,
+    each ending with fsync): 2.1 GB/s against 1.2-1.4 for writes into the page cache (one thread or several), which
+    the fsync then waits for; on the CPU VM 2.3 against 0.26-1.0. The caller still fsyncs `fd` (the disk's cache
+    and the file's size). Where the filesystem refuses O_DIRECT (tmpfs), or `data`'s memory or `offset` is not
+    4 KiB-aligned, the whole of it goes through `fd` instead: the same bytes either way. `update(view)` (a hash's)
+    gets `data` once, in order, while the threads write. Returns whether O_DIRECT wrote the blocks."""
+    view = memoryview(data).cast("B")
+    body = len(view) // DIRECT_ALIGN * DIRECT_ALIGN
+    dfd = None
+    if body and offset % DIRECT_ALIGN == 0 and _address(view) % DIRECT_ALIGN == 0 and hasattr(os, "O_DIRECT"):
+        try:
+            dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    hashed = False
+    if dfd is not None:
+        starts = list(range(0, body, _DIRECT_PIECE))
+
+        def run(k: int) -> None:
+            for a in starts[k::threads]:
+                pwrite_all(dfd, view[a:min(a + _DIRECT_PIECE, body)], offset + a)
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="direct-write") as pool:
+                parts = [pool.submit(run, k) for k in range(min(threads, len(starts)))]
+                if update is not None:
+                    update(view)
+                    hashed = True
+                for part in parts:
+                    part.result()  # bounded: its pieces' writes
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # a block size above 4 KiB: the page cache after all, below
+                raise
+            body = 0
+        finally:
+            os.close(dfd)
+    else:
+        body = 0
+    pwrite_all(fd, view[body:], offset + body)
+    if update is not None and not hashed:
+        update(view)
+    return body > 0
 
 
 def hasher(algo: str = ALGO):

@@ -192,9 +192,10 @@ def test_boundary_round_trip_in_ram_and_on_disk(tmp_path):
 
 @pytest.mark.parametrize("sizes", [[(1, 7, 16), (1, 5, 16), (1, 5, 16)], [(1, 1, 3)], [(1, 1031, 64)] * 5])
 def test_a_boundary_written_in_parts_is_the_file_one_writer_makes(sizes, tmp_path):
-    """commit_later without fsync (the quality measurement's) writes the file from several threads at once, after
-    the samples or (stream) while they come: the same bytes and digest as the fsynced, one-thread write of the same
-    samples, and it loads back equal."""
+    """Every way a boundary file is made holds the same bytes and digest: fsynced after the samples (past the page
+    cache where the filesystem allows), without fsync from several threads after the samples or (stream) while they
+    come (the quality measurement's), and appended sample by sample on disk; it is the layout read by hand and loads
+    back equal."""
     from child.backends.boundary import Activations, BoundaryWriter
 
     samples = [torch.randn(s, dtype=torch.bfloat16) for s in sizes]
@@ -208,9 +209,29 @@ def test_a_boundary_written_in_parts_is_the_file_one_writer_makes(sizes, tmp_pat
         files[mode] = (pending.wait(), (tmp_path / f"{mode}.bin").read_bytes())
         assert all(torch.equal(acts.get(j), x) for j, x in enumerate(samples))
         assert not (tmp_path / f"{mode}.tmp").exists()
-    assert files["sync"] == files["parts"] == files["stream"]
+    # on disk (samples appended by one thread as they come, then fsynced): the same file again
+    w = BoundaryWriter(4, sizes, torch.bfloat16, tmp_path=str(tmp_path / "disk.tmp"), keep_in_ram=False)
+    for j, x in enumerate(samples):
+        w.put(j, x)
+    acts, digest, size = w.commit(str(tmp_path / "disk.bin"))
+    files["disk"] = ((digest, size), (tmp_path / "disk.bin").read_bytes())
+    acts.close()
+    assert files["sync"] == files["parts"] == files["stream"] == files["disk"]
     (digest, size), data = files["stream"]
     assert size == len(data)
+    # the layout, read here by hand: magic, the header's length, a JSON header ending on a 4 KiB block (so the
+    # samples can go past the page cache), then the samples' raw bytes; the digest is the file's
+    import json
+    import struct
+
+    from shared import durable
+
+    assert data[:8] == b"LWBOUND1"
+    (n,) = struct.unpack("<Q", data[8:16])
+    assert json.loads(data[16:16 + n]) == {"feeds": 4, "dtype": "bfloat16", "shapes": [list(s) for s in sizes]}
+    assert (16 + n) % 4096 == 0
+    assert data[16 + n:] == b"".join(x.reshape(-1).view(torch.uint8).numpy().tobytes() for x in samples)
+    assert durable.hash_file(str(tmp_path / "stream.bin")) == digest
     loaded = Activations.load(str(tmp_path / "stream.bin"), digest, 4, in_ram=True)
     assert all(torch.equal(loaded.get(j), x) for j, x in enumerate(samples))
 

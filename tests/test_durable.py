@@ -1,7 +1,9 @@
-"""shared/durable.py's digest of a safetensors file hashed from memory: equal to hashing the file, and the file hashed
-instead whenever the bytes at hand do not fit its header."""
+"""shared/durable.py: the digest of a safetensors file hashed from memory (equal to hashing the file, and the file hashed
+instead whenever the bytes at hand do not fit its header); writes past the page cache (write_direct) leave the bytes a
+plain write does."""
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -34,3 +36,124 @@ def test_bytes_that_do_not_fit_the_header_fall_back_to_the_file(tmp_path):
     # the same sizes but other values: the digest is of those values (the caller vouches for them), so it differs
     other = {k: torch.zeros_like(v) for k, v in tensors.items()}
     assert durable.digest_safetensors(path, lambda name: _bytes(other[name])) != whole
+
+
+def _direct_works(folder) -> bool:
+    """Whether this filesystem takes O_DIRECT at all (tmpfs does not): asked here, not through the code under test."""
+    import os
+
+    path = os.path.join(folder, "probe")
+    open(path, "wb").close()
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.unlink(path)
+
+
+def _aligned(nbytes: int, shift: int = 0) -> memoryview:
+    import mmap
+
+    mapping = mmap.mmap(-1, nbytes + shift + 1)
+    view = memoryview(mapping)[shift:shift + nbytes]
+    view[:] = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy().tobytes()
+    return view
+
+
+@pytest.mark.parametrize("nbytes,shift,offset", [
+    (3 * (32 << 20) + 4096 * 3 + 17, 0, 4096),  # several 32 MiB pieces, whole blocks, a tail of 17 bytes
+    (4096 * 5, 0, 0),                           # whole blocks only
+    (100, 0, 4096),                             # under a block: the page cache alone
+    (4096 * 3 + 5, 1, 4096),                    # memory not aligned: the page cache
+    (4096 * 3 + 5, 0, 4100),                    # offset not aligned: the page cache
+])
+def test_a_direct_write_leaves_the_bytes_a_plain_write_does(nbytes, shift, offset, tmp_path):
+    """write_direct's file holds what sits before `offset` untouched and then exactly `data`, whichever way each
+    block went; the update callback sees `data` once, in order; O_DIRECT wrote the blocks exactly when everything
+    was aligned and the filesystem takes it."""
+    import os
+
+    data = _aligned(nbytes, shift)
+    path = str(tmp_path / "f.bin")
+    head = b"h" * offset
+    with open(path, "wb") as f:
+        f.write(head)
+    seen = []
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        direct = durable.write_direct(fd, path, data, offset, lambda v: seen.append(bytes(v)), threads=3)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    with open(path, "rb") as f:
+        assert f.read() == head + bytes(data)
+    assert b"".join(seen) == bytes(data)
+    expect = shift == 0 and offset % 4096 == 0 and nbytes >= 4096 and _direct_works(str(tmp_path))
+    assert direct == expect
+
+
+def test_a_filesystem_that_refuses_direct_writes_gets_the_same_bytes(tmp_path, monkeypatch):
+    """O_DIRECT refused at open (tmpfs: EINVAL) or at the first write (a block size over 4 KiB): the whole of the
+    data through the page cache, hashed once."""
+    import errno
+    import os
+
+    data = _aligned(4096 * 20 + 9)
+    real_open, real_pwrite = os.open, os.pwrite
+    for where in ("open", "write"):
+        def fake_open(p, flags, *a):
+            if where == "open" and flags & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_open(p, flags, *a)
+
+        direct_fds = set()
+
+        def tracking_open(p, flags, *a):
+            fd = fake_open(p, flags, *a)
+            if flags & os.O_DIRECT:
+                direct_fds.add(fd)
+            return fd
+
+        def fake_pwrite(fd, view, off):
+            if fd in direct_fds:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_pwrite(fd, view, off)
+
+        monkeypatch.setattr(os, "open", tracking_open)
+        monkeypatch.setattr(os, "pwrite", fake_pwrite)
+        path = str(tmp_path / f"{where}.bin")
+        fd = real_open(path, os.O_WRONLY | os.O_CREAT)
+        seen = []
+        try:
+            assert durable.write_direct(fd, path, data, 0, lambda v: seen.append(bytes(v))) is False
+        finally:
+            os.close(fd)
+        monkeypatch.undo()
+        with open(path, "rb") as f:
+            assert f.read() == bytes(data)
+        assert b"".join(seen) == bytes(data)
+
+
+def test_a_direct_write_that_fails_otherwise_raises(tmp_path, monkeypatch):
+    """A disk error other than the alignment one (a full disk) is raised, not hidden by the fallback."""
+    import errno
+    import os
+
+    if not _direct_works(str(tmp_path)):
+        pytest.skip("this filesystem takes no O_DIRECT")
+    data = _aligned(4096 * 8)
+
+    def full(fd, view, off):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    path = str(tmp_path / "f.bin")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(OSError) as info:
+            durable.write_direct(fd, path, data, 0)
+        assert info.value.errno == errno.ENOSPC
+    finally:
+        os.close(fd)

@@ -7,16 +7,18 @@
         hashes them meanwhile
       commit(dest): fsync, rename, fsync the folder ─▶ Activations + (digest, size) for the journal (sync=False:
         rename only: the quality measurement's boundaries, which a resume re-hashes and can remake)
-      commit_later(dest) (in RAM): Activations at once; a thread writes the buffer to the temp file, hashes, fsyncs
-        and renames it while the next layer computes ─▶ PendingWrite.wait -> (digest, size) once durable (sync=False:
-        WRITERS threads write its parts at once while that thread hashes it; no fsync)
+      commit_later(dest) (in RAM): Activations at once; a thread writes the buffer to the temp file (past the page
+        cache where it can: durable.write_direct), hashes, fsyncs and renames it while the next layer computes
+        ─▶ PendingWrite.wait -> (digest, size) once durable (sync=False: WRITERS threads write its parts at once
+        into the page cache while that thread hashes it; no fsync)
       stream=True (with later, sync=False): the file is written while the samples come, each sample as soon as its
         (asynchronous) copy into the host buffer has landed, and commit_later only finishes it: the write has the
         layer that makes the samples and the next one to run beside, not the next one alone
 
 The file (state under OUT/.export/boundary/, never part of the output): b"LWBOUND1", the JSON header's length
-(u64 little-endian), the JSON header {"feeds", "dtype", "shapes"}, then every sample's bytes in sample order
-(C order, no padding). Why not safetensors: its writer needs every tensor in memory at once, and a boundary may
+(u64 little-endian), the JSON header {"feeds", "dtype", "shapes"} padded with spaces to end on a 4 KiB block (so
+the samples can be written with O_DIRECT; files of earlier versions, unpadded, read the same), then every sample's
+bytes in sample order (C order, no padding between them). Why not safetensors: its writer needs every tensor in memory at once, and a boundary may
 exceed the RAM budget (`resources.activation_ram_gb`); this layout is written and read one sample at a time.
 
 Owns the files' format and I/O only: it never decides which layer a boundary feeds or when one is deleted (the
@@ -28,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
+import mmap
 import os
 import queue
 import struct
@@ -58,6 +61,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _header(feeds: int, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> bytes:
     body = json.dumps({"feeds": feeds, "dtype": _dtype_name(dtype), "shapes": [list(s) for s in shapes]},
                       sort_keys=True, separators=(",", ":")).encode()
+    # padded with spaces (still the same JSON) so the samples start on a 4 KiB block: written with O_DIRECT
+    body += b" " * (-(len(MAGIC) + 8 + len(body)) % durable.DIRECT_ALIGN)
     return MAGIC + struct.pack("<Q", len(body)) + body
 
 
@@ -337,11 +342,10 @@ class BoundaryWriter:
         if not self._sync:  # no disk to wait for: the copies into the page cache are the cost, in parallel
             self._write_parallel(flat)
             return
-        for start in range(0, len(flat), SYNC_EVERY):
-            self._write(memoryview(flat[start:start + SYNC_EVERY]))
-            if self._sync and self._size - self._synced >= SYNC_EVERY:
-                os.fdatasync(self._fd)  # the disk starts writing now, not all of it at the final fsync
-                self._synced = self._size
+        # to be fsynced: past the page cache where the filesystem allows (O_DIRECT, several threads; the buffer and
+        # the samples' offset are 4 KiB-aligned), hashed meanwhile
+        durable.write_direct(self._fd, self._tmp, flat, self._size, self._hash.update)
+        self._size += len(flat)
 
     def _write_parallel(self, flat) -> None:
         # WRITERS threads each write (pwrite) a contiguous part at its offset while this thread hashes the whole
@@ -349,7 +353,7 @@ class BoundaryWriter:
         base, n = self._size, len(flat)
         step = -(-n // WRITERS) if n else 1
         with concurrent.futures.ThreadPoolExecutor(WRITERS, thread_name_prefix="boundary-part") as pool:
-            parts = [pool.submit(_pwrite_all, self._fd, memoryview(flat[a:a + step]), base + a)
+            parts = [pool.submit(durable.pwrite_all, self._fd, memoryview(flat[a:a + step]), base + a)
                      for a in range(0, n, step)]
             self._hash.update(memoryview(flat))
             for part in parts:
@@ -416,7 +420,7 @@ class BoundaryWriter:
                         landed.synchronize()
                     lo, hi = self._layout._start[j], self._layout._start[j + 1]
                     data = memoryview(_bytes_of(self._flat_ref[lo:hi]))
-                    parts.append(pool.submit(_pwrite_all, self._fd, data, self._data_offset + lo * self.dtype.itemsize))
+                    parts.append(pool.submit(durable.pwrite_all, self._fd, data, self._data_offset + lo * self.dtype.itemsize))
                     self._hash.update(data)
                     self._size += len(data)
                 except BaseException as exc:  # noqa: BLE001 - reported by commit_later's PendingWrite or put()
@@ -496,18 +500,14 @@ class PendingWrite:
             durable.unlink_quietly(self._dest)
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
-
-
 def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """Host memory for one boundary; page-locked when `pin` (copies to and from a GPU at full speed), registered
     rather than cudaHostAlloc'd (child.staging.pinned_host_buffer: about 4x faster to make, 2.1 GB per boundary at
     the 8B shape); the caller reuses a released one where it can (BoundaryWriter's `buffer`)."""
-    if not pin:
-        return torch.empty(numel, dtype=dtype)
+    if not pin:  # mapped: page-aligned, so its file is written with O_DIRECT (durable.write_direct)
+        nbytes = numel * dtype.itemsize
+        mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes].view(dtype)
     from child.staging import pinned_host_buffer
 
     return pinned_host_buffer(numel * dtype.itemsize).view(dtype)
