@@ -108,6 +108,17 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s22c)  # call 3 (issue 34 parts 3 and 1): shards written past the page cache too (child/writer.py, durable.write_direct):
+  # the data-free 8B FP8_DYNAMIC cold and warm start, before (.whl/before: c8699ef) and after, alternating, oneshot
+  # once; then NVFP4 static scales on 4 layers (its boundaries were disk-bound), ours against oneshot, tensors compared
+  rm -rf /tmp/calib-bench /tmp/cold-bench /tmp/cb-nvfp4
+  timeout 290 python3 bench/cold_start.py --tree before=.whl/before --tree after=. --rounds 2 --oneshot-rounds 1 \
+    --skip imports --device cuda:0 2>&1 | quiet > "$OUT/cold_start.txt"
+  tail -18 "$OUT/cold_start.txt"; rm -rf /tmp/cold-bench
+  timeout 180 python3 bench/calib_bench.py --layers 4 --method rtn --scheme NVFP4 --workdir /tmp/cb-nvfp4 \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_nvfp4.txt"
+  grep -A7 "^| layer" "$OUT/floor_nvfp4.txt" | head -7; tail -12 "$OUT/floor_nvfp4.txt"
+  ;;
 s22b)  # call 2 (issue 34 parts 1 and 2): the boundaries written past the page cache (O_DIRECT, durable.write_direct):
   # GPTQ W4A16 on 8 layers of the 8B shape, 128 x 2048: ours default and match_oneshot = false, before (.whl/before:
   # c8699ef) and after, oneshot, tensors compared; then the calibrated kill-and-rerun GPU test (boundaries resumed)
