@@ -1,5 +1,4 @@
-"""Durable shard writes: safetensors into the attempt's own temp file under OUT/.export/tmp (past the page cache where
-it can: _save), then fsync.
+"""Durable shard writes: safetensors into the attempt's own temp file under OUT/.export/tmp, then fsync.
 
 The worker stages a shard and never gives it its final name: the supervisor moves it there (rename, fsync the
 folder) once it has taken the attempt's reply, and only for the attempt it is waiting on (shared/messages.py,
@@ -21,7 +20,7 @@ from typing import Callable
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import save, save_file
+from safetensors.torch import save_file
 
 from shared import durable
 from shared.layout import SHARD_METADATA
@@ -39,72 +38,33 @@ class Written:
     mtime_ns: int
 
 
-DIRECT_MAX = 2 << 30  # shards up to this size are made in memory and written past the page cache (see _serialize)
-
-
-def _sorted_header(head: bytes) -> bytes | None:
-    """The header of a safetensors file (its first 8 + n bytes) with `__metadata__` in sorted key order, or None
-    where there is nothing to sort.
-
-    safetensors 0.8 keeps the metadata in a Rust HashMap, so its key order differs in each process (measured: three
-    runs, three orders). A shard with more than one metadata key (torchao: one per tensor) would then differ
-    byte-wise between an uninterrupted run and a resumed one. Only the order changes: the header keeps its length
-    (safetensors pads it with spaces to 8 bytes), so the tensor data is not touched.
-    """
-    (n,) = struct.unpack("<Q", head[:8])
-    header = json.loads(head[8:8 + n])
-    meta = header.get("__metadata__")
-    if not meta or len(meta) < 2:
-        return None
-    header["__metadata__"] = dict(sorted(meta.items()))
-    # serde_json's compact form: no spaces, non-ASCII as UTF-8, so the same content has the same length
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    if len(raw) > n:
-        raise RuntimeError(f"re-encoded safetensors header is longer than the original ({len(raw)} > {n})")
-    return head[:8] + raw.ljust(n, b" ")
-
-
 def _sort_metadata(path: str) -> None:
-    """_sorted_header applied in place to the safetensors file at `path`."""
+    """Rewrite the header of the safetensors file at `path` in place with `__metadata__` in sorted key order.
+
+    safetensors 0.8's save_file keeps the metadata in a Rust HashMap, so its key order differs in each process
+    (measured: three runs, three orders). A shard with more than one metadata key (torchao: one per tensor) would
+    then differ byte-wise between an uninterrupted run and a resumed one. Only the order changes: the header
+    keeps its length (safetensors pads it with spaces to 8 bytes), so the tensor data is not touched.
+    """
     with open(path, "r+b") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        f.seek(0)
-        head = _sorted_header(f.read(8 + n))
-        if head is not None:
-            f.seek(0)
-            f.write(head)
+        header = json.loads(f.read(n))
+        meta = header.get("__metadata__")
+        if not meta or len(meta) < 2:
+            return
+        header["__metadata__"] = dict(sorted(meta.items()))
+        # serde_json's compact form: no spaces, non-ASCII as UTF-8, so the same content has the same length
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(raw) > n:
+            raise RuntimeError(f"{path}: re-encoded safetensors header is longer than the original ({len(raw)} > {n})")
+        f.seek(8)
+        f.write(raw.ljust(n, b" "))
 
 
-def _serialize(tensors: dict, metadata: dict[str, str]) -> bytes | bytearray:
-    """The shard's bytes as safetensors' save_file would write them (its own serializer), metadata sorted."""
-    data = save(tensors, metadata=metadata)
-    (n,) = struct.unpack("<Q", data[:8])
-    head = _sorted_header(data[:8 + n])
-    if head is not None:  # several metadata keys (torchao's): a second copy, to put them in order
-        data = bytearray(data)
-        data[:8 + n] = head
-    return data
-
-
-def _save(tensors: dict, path: str, metadata: dict[str, str], digest: Callable[[], str]) -> str:
-    """Write the shard to `path` (not yet fsynced) and return its digest. A shard of up to DIRECT_MAX bytes is made
-    in memory by safetensors (one copy of its tensors) and written past the page cache (durable.write_direct,
-    hashed meanwhile): the fsync then has no gigabyte of dirty pages to wait for (2.1 against 1.2-1.4 GB/s on the
-    H200 machine's disk). A larger one is written by save_file from the tensors' own memory (no copy) and hashed
-    from it (`digest()`)."""
+def _save(tensors: dict, path: str, metadata: dict[str, str]) -> None:
     try:
-        if sum(t.numel() * t.element_size() for t in tensors.values()) <= DIRECT_MAX:
-            data = _serialize(tensors, metadata)
-            h = durable.hasher()
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                durable.write_direct(fd, path, data, 0, h.update)
-            finally:
-                os.close(fd)
-            return f"{durable.ALGO}:{h.hexdigest()}"
         save_file(tensors, path, metadata=metadata)
         _sort_metadata(path)
-        return digest()
     except SafetensorError as exc:
         # Make it the OSError it is, so a full disk (ENOSPC) reaches the supervisor as such and is not retried.
         m = _OS_ERROR.search(str(exc))
@@ -135,14 +95,14 @@ def stage_shard(tensors: dict, path: str, checkpoint: Callable[[str], None] = la
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     try:
         t0 = time.perf_counter()
-        digest = _save(tensors, path, SHARD_METADATA if metadata is None else metadata,
-                       lambda: digest_written(path, tensors))
-        os.chmod(path, 0o644)  # shards are meant to be shared like any checkpoint (safetensors makes 0600 files)
+        _save(tensors, path, SHARD_METADATA if metadata is None else metadata)
+        os.chmod(path, 0o644)  # safetensors creates 0600 files; shards are meant to be shared like any checkpoint
         t1 = time.perf_counter()
+        digest = digest_written(path, tensors)
+        t2 = time.perf_counter()
         checkpoint("write_tmp")
         durable.fsync_file(path, drop_cache=True)  # measured: the next shard's save 0.09 -> 0.015 s (docs)
-        # "save": made and written (hashed meanwhile); "sync": what the fsync still waited for
-        timings.update(save=t1 - t0, hash=0.0, sync=time.perf_counter() - t1)
+        timings.update(save=t1 - t0, hash=t2 - t1, sync=time.perf_counter() - t2)
     except BaseException:
         try:
             os.unlink(path)

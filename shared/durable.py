@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import hashlib
-import mmap
 import os
 from typing import Callable
 
@@ -98,18 +97,16 @@ def write_direct(fd: int, path: str, data, offset: int, update: Callable[[memory
                  threads: int = DIRECT_THREADS) -> bool:
     """Write `data` (a bytes-like object) at `offset` of the open file `fd`, whose name is `path`, bypassing the page
     cache where it can: the whole 4 KiB blocks through a second descriptor opened with O_DIRECT, `threads` writing
-    32 MiB pieces in turn (each copied first into a page-aligned piece of the thread's own where `data`'s memory is
-    not 4 KiB-aligned), the rest through `fd`. Measured on the H200 machine's disk (bench/disk_probe.py, 2.1 GB,
+    32 MiB pieces in turn, the rest through `fd`. Measured on the H200 machine's disk (bench/disk_probe.py, 2.1 GB,
     each ending with fsync): 2.1 GB/s against 1.2-1.4 for writes into the page cache (one thread or several), which
     the fsync then waits for; on the CPU VM 2.3 against 0.26-1.0. The caller still fsyncs `fd` (the disk's cache
-    and the file's size). Where the filesystem refuses O_DIRECT (tmpfs), or `offset` is not 4 KiB-aligned, the
-    whole of it goes through `fd` instead: the same bytes either way. `update(view)` (a hash's)
+    and the file's size). Where the filesystem refuses O_DIRECT (tmpfs), or `data`'s memory or `offset` is not
+    4 KiB-aligned, the whole of it goes through `fd` instead: the same bytes either way. `update(view)` (a hash's)
     gets `data` once, in order, while the threads write. Returns whether O_DIRECT wrote the blocks."""
     view = memoryview(data).cast("B")
     body = len(view) // DIRECT_ALIGN * DIRECT_ALIGN
     dfd = None
-    bounce = _address(view) % DIRECT_ALIGN != 0  # memory not aligned (a bytes object): through aligned pieces
-    if body and offset % DIRECT_ALIGN == 0 and hasattr(os, "O_DIRECT"):
+    if body and offset % DIRECT_ALIGN == 0 and _address(view) % DIRECT_ALIGN == 0 and hasattr(os, "O_DIRECT"):
         try:
             dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
         except OSError as exc:
@@ -120,13 +117,8 @@ def write_direct(fd: int, path: str, data, offset: int, update: Callable[[memory
         starts = list(range(0, body, _DIRECT_PIECE))
 
         def run(k: int) -> None:
-            spare = memoryview(mmap.mmap(-1, _DIRECT_PIECE)) if bounce else None  # page-aligned
             for a in starts[k::threads]:
-                piece = view[a:min(a + _DIRECT_PIECE, body)]
-                if spare is not None:
-                    spare[:len(piece)] = piece
-                    piece = spare[:len(piece)]
-                pwrite_all(dfd, piece, offset + a)
+                pwrite_all(dfd, view[a:min(a + _DIRECT_PIECE, body)], offset + a)
 
         try:
             with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="direct-write") as pool:
