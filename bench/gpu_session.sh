@@ -108,6 +108,13 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s22d)  # call 4: NVFP4 static scales on 4 layers again, the shards back to the page cache (s22c's were written past
+  # it, slower), the boundaries past it: ours against oneshot, tensors compared
+  rm -rf /tmp/calib-bench /tmp/cold-bench /tmp/cb-nvfp4
+  timeout 200 python3 bench/calib_bench.py --layers 4 --method rtn --scheme NVFP4 --workdir /tmp/cb-nvfp4 \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_nvfp4.txt"
+  grep -A7 "^| layer" "$OUT/floor_nvfp4.txt" | head -7; tail -12 "$OUT/floor_nvfp4.txt"
+  ;;
 s22c)  # call 3 (issue 34 parts 3 and 1): shards written past the page cache too (child/writer.py, durable.write_direct):
   # the data-free 8B FP8_DYNAMIC cold and warm start, before (.whl/before: c8699ef) and after, alternating, oneshot
   # once; then NVFP4 static scales on 4 layers (its boundaries were disk-bound), ours against oneshot, tensors compared
