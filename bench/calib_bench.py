@@ -163,7 +163,7 @@ def fidelity(default: dict, fast: dict) -> str:
 
 
 CLOCK = ["forward", "calibrate", "solve", "propagate", "quantize"]  # the calibrated stages (LayerWritten.ranks)
-PART = ["read", "inputs", "save", "hash", "sync", "boundary", "cleanup"]  # the worker's own (LayerWritten.stages)
+PART = ["read", "inputs", "error", "save", "hash", "sync", "boundary", "cleanup"]  # the worker's own (LayerWritten.stages)
 
 
 def stage_clock(sup: dict) -> list[str]:

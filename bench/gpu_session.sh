@@ -108,6 +108,15 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s22e)  # call 5 (the last seconds of the session's device time): the quantization error summed on the device, one wait
+  # per module (child/backends/quant_error.py): NVFP4 static scales on 4 layers, before (.whl/before: the boundaries
+  # past the page cache, the error as before) and after, no oneshot, the two outputs compared; the error's GPU test
+  rm -rf /tmp/calib-bench /tmp/cold-bench /tmp/cb-nvfp4
+  timeout 105 python3 bench/calib_bench.py --layers 4 --method rtn --scheme NVFP4 --workdir /tmp/cb-nvfp4 \
+    --before .whl/before --skip kill,retry,oneshot 2>&1 | quiet > "$OUT/floor_nvfp4.txt"
+  grep "^| [0-9] \|^| mean\|^| supervisor\|before / after" "$OUT/floor_nvfp4.txt"
+  CUDA_VISIBLE_DEVICES=0 t 25 quant_error_gpu tests/test_quant_error.py -k device
+  ;;
 s22d)  # call 4: NVFP4 static scales on 4 layers again, the shards back to the page cache (s22c's were written past
   # it, slower), the boundaries past it: ours against oneshot, tensors compared
   rm -rf /tmp/calib-bench /tmp/cold-bench /tmp/cb-nvfp4

@@ -6,6 +6,7 @@ qparams. Cases cover a block scheme with partial blocks (FP8_BLOCK), a global sc
 (NVFP4A16), asymmetric packed int4 on MoE experts (W4A16_ASYM), and a quantized lm_head in the non-layer part.
 """
 import pytest
+import torch
 
 from tests.models import load_tensors
 from tests.ref_quant_error import oneshot_errors
@@ -65,3 +66,29 @@ def test_worker_sends_the_errors_unless_the_job_turns_them_off(tiny_models, tmp_
     names = {f"model.layers.1.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                              "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
     assert set(reply.quant_error) == (names if measure else set())  # None on "cpu": off
+
+
+def _by_hand(got: torch.Tensor, ref: torch.Tensor) -> float | None:
+    """The figure as a Python float sum: each 1024-row block's float32 norms, squared and added one block at a time."""
+    diff = total = 0.0
+    for g, r in zip(got.split(1024), ref.split(1024)):
+        r = r.to(g.device).float()
+        diff += torch.linalg.vector_norm(g.float() - r).item() ** 2
+        total += torch.linalg.vector_norm(r).item() ** 2
+    return (diff / total) ** 0.5 if total else None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("shape", [(5000, 300), (1024, 64), (3, 7), (0, 5)])
+def test_the_error_summed_on_the_device_is_the_python_sum(shape, device):
+    """relative_error adds the blocks' squared norms where they are (one wait for the device per module, not two per
+    block): the very float the per-block Python sum gives, the source on the host as a calibrated export's is."""
+    from child.backends.quant_error import relative_error
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator().manual_seed(sum(shape))
+    ref = torch.randn(shape, generator=g).to(torch.bfloat16)
+    got = (ref.float() + 0.01 * torch.randn(shape, generator=g)).to(torch.bfloat16).to(device)
+    assert relative_error(got, ref) == _by_hand(got, ref)
+    assert (relative_error(got, ref) is None) == (ref.numel() == 0)
