@@ -18,8 +18,9 @@
 The file (state under OUT/.export/boundary/, never part of the output): b"LWBOUND1", the JSON header's length
 (u64 little-endian), the JSON header {"feeds", "dtype", "shapes"} padded with spaces to end on a 4 KiB block (so
 the samples can be written with O_DIRECT; files of earlier versions, unpadded, read the same), then every sample's
-bytes in sample order (C order, no padding between them). Why not safetensors: its writer needs every tensor in memory at once, and a boundary may
-exceed the RAM budget (`resources.activation_ram_gb`); this layout is written and read one sample at a time.
+bytes in sample order (C order, no padding between them). Why not safetensors: its writer needs every tensor in
+memory at once, and a boundary may exceed the RAM budget (`resources.activation_ram_gb`); this layout is written and
+read one sample at a time.
 
 Owns the files' format and I/O only: it never decides which layer a boundary feeds or when one is deleted (the
 supervisor, which owns the journal, does), and never keeps a sample it was handed after `commit`. A buffer handed
@@ -420,7 +421,8 @@ class BoundaryWriter:
                         landed.synchronize()
                     lo, hi = self._layout._start[j], self._layout._start[j + 1]
                     data = memoryview(_bytes_of(self._flat_ref[lo:hi]))
-                    parts.append(pool.submit(durable.pwrite_all, self._fd, data, self._data_offset + lo * self.dtype.itemsize))
+                    parts.append(pool.submit(durable.pwrite_all, self._fd, data,
+                                             self._data_offset + lo * self.dtype.itemsize))
                     self._hash.update(data)
                     self._size += len(data)
                 except BaseException as exc:  # noqa: BLE001 - reported by commit_later's PendingWrite or put()
