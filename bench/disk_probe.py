@@ -15,17 +15,15 @@ import argparse
 import concurrent.futures
 import mmap
 import os
+import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from shared.durable import pwrite_all as _pwrite_all  # noqa: E402
+
 MiB = 1 << 20
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
 
 
 def buffered_one(path: str, buf: memoryview) -> None:
