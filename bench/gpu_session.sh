@@ -108,10 +108,12 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
-s22e)  # call 5 (the last seconds of the session's device time): the quantization error summed on the device, one wait
-  # per module (child/backends/quant_error.py): NVFP4 static scales on 4 layers, before (.whl/before: the boundaries
-  # past the page cache, the error as before) and after, no oneshot, the two outputs compared; the error's GPU test
+s22e)  # NOT RUN yet (refused: the twenty-first session's device time was spent): the quantization error summed on the
+  # device, one wait per module (child/backends/quant_error.py): NVFP4 static scales on 4 layers, before (.whl/before
+  # = `git archive 0f5b55d~1 child shared supervisor`: the error as before) and after, no oneshot, the two outputs compared; the error's GPU test; eager attention against SDPA for one 8B layer
+  # (bench/attention_probe.py: what `match_oneshot = false` could save with SDPA)
   rm -rf /tmp/calib-bench /tmp/cold-bench /tmp/cb-nvfp4
+  timeout 60 python3 bench/attention_probe.py --device cuda --samples 128 2>&1 | quiet | tee "$OUT/attention_probe.txt"
   timeout 105 python3 bench/calib_bench.py --layers 4 --method rtn --scheme NVFP4 --workdir /tmp/cb-nvfp4 \
     --before .whl/before --skip kill,retry,oneshot 2>&1 | quiet > "$OUT/floor_nvfp4.txt"
   grep "^| [0-9] \|^| mean\|^| supervisor\|before / after" "$OUT/floor_nvfp4.txt"
