@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from concurrent.futures import Future
 from typing import Callable
 
 import psutil
@@ -127,8 +128,9 @@ class Calibrator:
         # the file of self._inputs being written while they are used (commit_later): its name and its write
         self._pending: tuple[str, PendingWrite] | None = None
         self.pending = False  # the last commit left the next layer's inputs to be made durable (see commit)
-        self._spare: torch.Tensor | None = None  # the RAM of the last released inputs, reused by the next outputs
-        self._prepared = None  # a Future of layer 0's outputs' pinned memory, made while layer 0 calibrates
+        # the RAM of the last released inputs, reused by the next outputs; before layer 0's outputs, a Future of
+        # their pinned memory, made while layer 0 calibrates (BoundaryWriter takes either)
+        self._spare: torch.Tensor | Future | None = None
         self._pin = self.device.type == "cuda"
         self._args_key = None
         self._args = None
@@ -305,7 +307,7 @@ class Calibrator:
     def _forward(self, layer: nn.Module, index: int, hidden: torch.Tensor) -> torch.Tensor:
         args, kwargs = self._layer_args(index, hidden.shape[1], hidden.dtype)
         # on the device already (Activations.to_device: its copy ran beside the previous sample)
-        out = layer(hidden.to(self.device, non_blocking=True), *args, **kwargs)
+        out = layer(hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     def _next_writer(self, index: int, inputs: Activations) -> BoundaryWriter | None:
@@ -314,8 +316,7 @@ class Calibrator:
         tmp = layout.state_path(self.output, layout.TMP, os.path.basename(self._boundary_name(index + 1)) + ".tmp")
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
         # the host memory of the inputs released a layer ago, or (layer 0) the one made meanwhile
-        spare = self._spare if self._spare is not None else self._prepared
-        self._spare = self._prepared = None
+        spare, self._spare = self._spare, None
         # the inputs are still held while the outputs are built: both count against the budget. One worker writes
         # the file after the layer (commit_later), beside the next one; a group's ranks commit in step with each
         # other, each as it propagates
@@ -395,9 +396,9 @@ class Calibrator:
                     tmp = None if fits else layout.state_path(
                         self.output, layout.TMP, os.path.basename(self._boundary_name(0)) + ".tmp")
                     writer = BoundaryWriter(0, shapes, hidden.dtype, tmp_path=tmp, keep_in_ram=fits, pin=self._pin)
-                    if fits and self._pin and self.num_layers > 1:  # layer 0's outputs: as much pinned memory
-                        self._prepared = host_buffer_meanwhile(size // hidden.dtype.itemsize, hidden.dtype,
-                                                               self.device)
+                    if fits and self._pin and self.num_layers > 1 and self._spare is None:
+                        # layer 0's outputs: as much pinned memory, made meanwhile
+                        self._spare = host_buffer_meanwhile(size // hidden.dtype.itemsize, hidden.dtype, self.device)
                 writer.put(j, hidden)
             acts, _, _ = writer.commit(None)
             return acts

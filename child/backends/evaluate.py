@@ -38,6 +38,7 @@ import math
 import os
 import sys
 import time
+from concurrent.futures import Future
 from typing import Callable
 
 import psutil
@@ -258,8 +259,9 @@ class Evaluator:
                                 getattr(text, "max_position_embeddings", None))
         self._inputs: Activations | None = None
         self._pending = None  # (the boundary being written, its PendingWrite)
-        self._spare: torch.Tensor | None = None  # the host memory of the last released inputs, for the next outputs
-        self._prepared = None  # a Future of layer 0's outputs' host memory, made while the embeddings are computed
+        # the host memory of the last released inputs, for the next outputs; before layer 0's outputs, a Future of
+        # theirs, made while the embeddings are computed (BoundaryWriter takes either)
+        self._spare: torch.Tensor | Future | None = None
         self._pin = self.device.type == "cuda"
         r = job.resources
         self._ram_budget = int(r.activation_ram_gb * 2**30) if r.activation_ram_gb else \
@@ -296,8 +298,7 @@ class Evaluator:
         fits = 2 * inputs.nbytes <= self._ram_budget
         # in RAM: the file is written while the next layer computes (commit_later), named in the next reply
         # the host memory of the inputs released a layer ago, or (layer 0) the one made meanwhile
-        spare = self._spare if self._spare is not None else self._prepared
-        self._spare = self._prepared = None
+        spare, self._spare = self._spare, None
         # each sample's states go to the file as soon as they are in host memory (stream): the write runs beside
         # this layer and the next, and the next reply waits for it (_settle) only where the disk is slower than both
         writer = BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=dest + ".tmp", keep_in_ram=fits,
@@ -381,8 +382,9 @@ class Evaluator:
                 if tmp:
                     os.makedirs(os.path.dirname(tmp), exist_ok=True)
                 writer = BoundaryWriter(0, shapes, hs.dtype, tmp_path=tmp, keep_in_ram=fits, pin=self._pin)
-                if fits and self._pin:  # layer 0's outputs need as much page-locked memory: made meanwhile
-                    self._prepared = host_buffer_meanwhile(sum(map(math.prod, shapes)), hs.dtype, self.device)
+                if fits and self._pin and self._spare is None:
+                    # layer 0's outputs need as much page-locked memory: made meanwhile
+                    self._spare = host_buffer_meanwhile(sum(map(math.prod, shapes)), hs.dtype, self.device)
             writer.put(2 * j, hs)
             writer.put(2 * j + 1, he.to(hs.dtype))
         acts, _, _ = writer.commit(None)
