@@ -189,7 +189,8 @@ class BoundaryWriter:
                  pin: bool = False, later: bool = False,
                  sync: bool = True, stream: bool = False):
         """`buffer`: a released RAM buffer to reuse (fresh host memory costs a page fault per 4 KiB on first
-        touch, ~1.6 GB/s measured), or a Future of one being made (host_buffer_meanwhile); `pin`: allocate page-locked memory for faster copies to and from a GPU.
+        touch, ~1.6 GB/s measured), or a Future of one being made (host_buffer_meanwhile), waited for only when the
+        boundary is kept in RAM; `pin`: allocate page-locked memory for faster copies to and from a GPU.
         `later` (in RAM): the file is written after the samples, by commit_later, so the samples are copied into
         pinned memory without waiting; otherwise a thread writes it while the samples come, as on disk.
         `sync` False: the file is written and renamed but never fsynced (it survives any process's death in the
@@ -470,7 +471,9 @@ class PendingWrite:
             self._before_sync()
             if w._sync:
                 os.fsync(w._fd)
-                if hasattr(os, "posix_fadvise"):  # read back only on a resume: leave no 2 GB of page cache behind
+                # read back only on a resume: leave no 2 GB of page cache behind (where the file went through it:
+                # a filesystem without O_DIRECT)
+                if hasattr(os, "posix_fadvise"):
                     os.posix_fadvise(w._fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(w._fd)
             w._fd = None
