@@ -98,6 +98,54 @@ def test_shared_diverging_repeated_and_missing_inputs_equal_the_library():
     assert sharer.served > 0 and sharer.computed + sharer.served == calls
 
 
+def _fast(calls, modules):
+    ours = types.SimpleNamespace(_hessians={}, _num_samples={})
+    sharer = SharedHessians(fast=True)
+    _replay(calls, modules, lambda m, x: sharer._hook(ours, m, x), sharer.end_sample)
+    sharer.finish()
+    return ours, sharer
+
+
+def test_fast_terms_follow_the_librarys_classes_and_values():
+    """match_oneshot = false: the same script (shared, diverging, repeated, missing inputs; an input changed in place
+    after a module took it and before its term was added) gives every module the library's Hessian up to the order
+    of fp32 additions, and its count exactly; a term computed from the changed values would be off by far more."""
+    torch.manual_seed(0)
+    mods = {n: nn.Linear(16, 8, bias=False) for n in "qkvguelr"}
+    mods["d"] = nn.Linear(32, 8, bias=False)
+    lib = _library(_script(), mods)
+    ours, sharer = _fast(_script(), mods)
+    assert list(lib._hessians) == list(ours._hessians)
+    for m in lib._hessians:
+        a, b = lib._hessians[m], ours._hessians[m]
+        assert b.dtype == torch.float32 and torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
+        assert torch.equal(lib._num_samples[m], ours._num_samples[m])
+    assert sharer.served > 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_fast_term_accumulates_2xtx_in_fp32(device):
+    """FastTerm against float64 arithmetic: the first term made alone, the next accumulated into it in place (on a
+    GPU: bf16 products on tensor cores, the Hessian as the GEMM's fp32 accumulator)."""
+    from child.backends.hessians import fast_term
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(1, 300, 96, generator=g).to(torch.bfloat16) for _ in range(3)]
+    h = None
+    for x in xs:
+        t, n = fast_term(x.to(device), torch.device(device))
+        assert n == 1
+        if h is None:
+            h = t.tensor()
+        else:
+            t.add_to(h)
+    want = sum(2 * x[0].double().t() @ x[0].double() for x in xs)
+    assert h.dtype == torch.float32 and h.device.type == device
+    assert torch.allclose(h.double().cpu(), want, rtol=1e-6, atol=1e-4), (h.double().cpu() - want).abs().max()
+
+
 def test_a_llama_layer_shares_qkv_and_gate_up_and_equals_the_library():
     """A real decoder layer's forward: q/k/v and gate/up each computed once per sample (4 terms for 7 modules),
     every Hessian the library's bit for bit."""

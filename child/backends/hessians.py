@@ -39,7 +39,7 @@ from compressed_tensors.utils import get_execution_device, patch_attr
 from llmcompressor.modifiers.gptq import GPTQModifier
 from llmcompressor.modifiers.gptq.helpers import GPTQ_PRECISION
 
-__all__ = ["SharedHessians", "fast_term", "term"]
+__all__ = ["FastTerm", "SharedHessians", "fast_term", "term"]
 
 
 def term(inp: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
@@ -123,25 +123,55 @@ def _stripes(inp: torch.Tensor, count: int) -> torch.Tensor:
     return out
 
 
-def fast_term(inp: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
-    """`[calibration] match_oneshot = false`: the same sum, 2 xᵀx, from the inputs' own dtype with fp32 accumulation:
-    bf16/fp16 products on a GPU's tensor cores (torch.mm out_dtype=float32; measured on an H200: 0.35 s against
-    3.10 s for a layer's seven Hessians, shared/reference/floor), elsewhere the inputs upcast to fp32. Products of
-    bf16 values are exact in fp32, and the factor 2 is exact: only the order of the additions and the rounding of
-    the default's sqrt(2) scaling differ from `term` (docs/fidelity.md measures what that changes)."""
+def fast_term(inp: torch.Tensor, device: torch.device) -> tuple["FastTerm", int]:
+    """`[calibration] match_oneshot = false`: the same sum, 2 xᵀx, from the inputs' own dtype with fp32 accumulation,
+    as a FastTerm: computed when it is added, by one GEMM that accumulates into the Hessian (see FastTerm)."""
     inp = inp.to(device=device)
     if len(inp.shape) == 2:
         inp = inp.unsqueeze(0)
     elif len(inp.shape) > 3:
         inp = inp.reshape(inp.shape[0], -1, inp.shape[-1])
-    num_added = inp.shape[0]
-    x = inp.reshape((-1, inp.shape[-1]))
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-        t = torch.mm(x.t(), x, out_dtype=GPTQ_PRECISION)
-    else:  # no mixed-precision matmul on the CPU (aten::mm.dtype is CUDA's): fp32 products, exact all the same
-        x = x.to(GPTQ_PRECISION)
-        t = x.t().matmul(x)
-    return t.mul_(2.0), num_added
+    # a copy of x (tens of MB; the d x d term it replaces is hundreds): the term is added once the class's members
+    # have seen it, and the forward may change x in place before then
+    return FastTerm(inp.reshape((-1, inp.shape[-1])).clone()), inp.shape[0]
+
+
+class FastTerm:
+    """One sample's 2 xᵀx (x: [tokens, width]) for `match_oneshot = false`, not computed until it is added.
+
+    On a GPU, bf16/fp16 products on the tensor cores with fp32 accumulation, and the Hessian as the GEMM's
+    accumulator: `addmm(H, xᵀ, x, alpha=2, out_dtype=float32, out=H)`, with no d x d term in memory and no passes
+    over one (measured on an H200, a layer's seven Hessians took 0.35 s this way against 3.10 s for the default's
+    fp32 products, shared/reference/floor). Elsewhere (the CPU has no mixed-precision GEMM) the inputs upcast to fp32,
+    the same addmm. Products of bf16 values are exact in fp32, and the factor 2 is exact: only the order of the
+    additions and the rounding of the default's sqrt(2) scaling differ from `term` (docs/fidelity.md measures what
+    that changes). A class that splits adds the same term to each part: each computes it from x."""
+
+    __slots__ = ("x",)
+
+    def __init__(self, x: torch.Tensor):
+        self.x = x
+
+    def _operand(self) -> tuple[torch.Tensor, torch.dtype | None]:
+        x = self.x
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            return x, GPTQ_PRECISION  # aten::addmm.dtype: CUDA only
+        return x.to(GPTQ_PRECISION), None
+
+    def add_to(self, hessian: torch.Tensor) -> None:
+        x, out_dtype = self._operand()
+        if out_dtype is None:
+            hessian.addmm_(x.t(), x, alpha=2.0)
+        else:
+            torch.addmm(hessian, x.t(), x, alpha=2.0, out_dtype=out_dtype, out=hessian)
+
+    def tensor(self) -> torch.Tensor:
+        """The term on its own (a class's first): the same GEMM into fresh memory."""
+        x, out_dtype = self._operand()
+        out = torch.empty((x.shape[1], x.shape[1]), dtype=GPTQ_PRECISION, device=x.device)
+        if out_dtype is None:
+            return torch.mm(x.t(), x, out=out).mul_(2.0)
+        return torch.addmm(out, x.t(), x, beta=0.0, alpha=2.0, out_dtype=out_dtype, out=out)
 
 
 class _Input:
@@ -179,7 +209,12 @@ class _Class:
     def add_pending(self) -> None:
         if self.pending is None:
             return
-        if self.hessian is None and not self.shared:
+        if isinstance(self.pending, FastTerm):  # match_oneshot = false: the GEMM accumulates into H
+            if self.hessian is None:
+                self.hessian = self.pending.tensor()
+            else:
+                self.pending.add_to(self.hessian)
+        elif self.hessian is None and not self.shared:
             # the library adds the first term to make_empty_hessian's zeros: 0 + t is t + 0.0 for every float
             # (-0.0 becomes +0.0 either way), so the term itself becomes the Hessian, without a second d x d tensor
             self.hessian = self.pending.add_(0.0)
