@@ -12,6 +12,7 @@ mask it asks for (eager: the 4D causal mask; SDPA: none, causal by flag).
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import torch
@@ -35,7 +36,9 @@ def main() -> None:
     torch.manual_seed(0)
     models = {}
     for impl in ("eager", "sdpa"):
-        m = LlamaForCausalLM._from_config(config, attn_implementation=impl, dtype=torch.bfloat16)
+        # a config of its own: the attention reads config._attn_implementation at each forward, and _from_config sets
+        # it on the config it is given (one shared config made both models SDPA: the 2026-12-03 H200 run, s23a)
+        m = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation=impl, dtype=torch.bfloat16)
         if models:
             m.load_state_dict(next(iter(models.values())).state_dict())
         models[impl] = m.to(device).eval()
@@ -53,6 +56,7 @@ def main() -> None:
             sync()
             seconds = time.perf_counter() - t
             outs[impl] = last.float()
+            assert m.config._attn_implementation == impl, m.config._attn_implementation
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
             rows.append((impl, seconds, seconds / args.samples * 1e3, peak))
     diff = (outs["eager"] - outs["sdpa"]).abs()

@@ -290,3 +290,30 @@ def test_scheme_lists_match_the_libraries():
         assert needs == (name in schemes.CALIBRATED), name
         per_tensor = preset_name_to_scheme(name, ["Linear"]).weights.strategy == QuantizationStrategy.TENSOR
         assert per_tensor == (name in schemes.PER_TENSOR_WEIGHTS), name
+
+
+def test_the_skeleton_takes_sdpa_only_when_asked_and_eager_where_the_model_has_none(monkeypatch):
+    """The calibration skeleton's attention: eager by default (oneshot's), SDPA when asked (match_oneshot = false on a
+    GPU), and eager when transformers refuses SDPA for the architecture (it raises at construction)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from child.backends import calibrate
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256)
+
+    def attention(model):
+        return {m.config._attn_implementation for m in model.modules() if hasattr(m, "config")}
+
+    assert attention(calibrate._calibration_skeleton(cfg)) == {"eager"}
+    assert attention(calibrate._calibration_skeleton(cfg, sdpa=True)) == {"sdpa"}
+    real = AutoModelForCausalLM.from_config
+
+    def no_sdpa(config, **kwargs):
+        if kwargs.get("attn_implementation") == "sdpa":
+            raise ValueError("LlamaForCausalLM does not support an attention implementation through "
+                             "torch.nn.functional.scaled_dot_product_attention yet.")
+        return real(config, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", no_sdpa)
+    assert attention(calibrate._calibration_skeleton(cfg, sdpa=True)) == {"eager"}

@@ -21,7 +21,8 @@ session, modifiers, hooks and contexts, so the result is oneshot's by constructi
     load the model (bf16), linearize MoE experts   meta skeleton from config.json, experts linearized (quantize.py)
     LengthAwareSampler order, truncation           child/backends/samples.py (the library's sampler)
     moe_calibration_context, norm context          entered around each layer's session
-    calibration_forward_context, DisableQuant      no_grad, eval, eager attention, use_cache off, DisableQuantization
+    calibration_forward_context, DisableQuant      no_grad, eval, eager attention (match_oneshot = false: SDPA),
+                                                   use_cache off, DisableQuantization
     trace: kwargs each layer receives              the model's own forward with stub layers records them
 
 Memory: one layer on the device plus one sample's activations; the samples' hidden states live on the host
@@ -61,7 +62,7 @@ from transformers import AutoModelForCausalLM
 
 from child import faults
 
-from child.backends import group, quant_error
+from child.backends import factorize, group, quant_error
 from child.backends.hessians import SharedHessians
 from child.backends.boundary import Activations, BoundaryWriter, PendingWrite, host_buffer_meanwhile
 from child.backends.naming import LayerStub, find_decoder_layers
@@ -105,7 +106,11 @@ class Calibrator:
         self._calibration_sha256 = calibration_sha256
         self.rank, self.world = group.rank(), group.world()  # a group's rank calibrates its own samples (child.backends.group)
         self.config = load_config(config_dir)
-        self._model = _calibration_skeleton(self.config)
+        # match_oneshot = false on a GPU: SDPA where the model has it (rounding only; docs/fidelity.md), else eager as
+        # oneshot. Not on the CPU: there it moved a tiny model's o_proj loss by up to 1% (its input is the attention's
+        # output), where the opt-in's other changes move the losses in their 7th digit
+        sdpa = not job.calibration.match_oneshot and self.device.type == "cuda"
+        self._model = _calibration_skeleton(self.config, sdpa=sdpa)
         self.layer_prefix, layers = find_decoder_layers(self._model, self.config)
         self.num_layers = len(layers)
         self._layers = list(layers)  # the real (meta) layers; the ModuleList gets stubs below
@@ -275,6 +280,8 @@ class Calibrator:
             fast = not self.job.calibration.match_oneshot  # [calibration] match_oneshot = false: tensor cores
             hessians = outer.enter_context(SharedHessians(copies=self.world > 1, fast=fast).installed()) \
                 if self.method == "gptq" else None
+            if fast and self.method == "gptq":  # GPTQ's update factor in half the flops (child/backends/factorize.py)
+                outer.enter_context(factorize.installed())
             session = outer.enter_context(create_session())
             # oneshot.apply_recipe_modifiers: these contexts wrap initialize + the pipeline; finalize comes after
             with norm_calibration_context(root), moe_calibration_context():
@@ -345,8 +352,8 @@ class Calibrator:
         return hidden_states
 
     def _run_trunk(self, stop_at: int, **inputs) -> dict[int, tuple]:
-        """Run the model's own forward up to decoder layer `stop_at` (stubs record their inputs); eager attention
-        and no KV cache, as llm-compressor's calibration context forces."""
+        """Run the model's own forward up to decoder layer `stop_at` (stubs record their inputs) with the skeleton's
+        attention (eager as llm-compressor's calibration context forces; SDPA with match_oneshot = false), no KV cache."""
         self._sink.clear()
         self._stop_at[0] = stop_at
         try:
@@ -429,14 +436,24 @@ def _back_to_checkpoint_names(state: dict, mapped: dict) -> dict:
     return out
 
 
-def _calibration_skeleton(config) -> nn.Module:
-    """The model with parameters on meta but real buffers (rotary frequencies...), eager attention, no KV cache."""
+def _calibration_skeleton(config, sdpa: bool = False) -> nn.Module:
+    """The model with parameters on meta but real buffers (rotary frequencies...), no KV cache, and eager attention
+    as llm-compressor's calibration forces; with `sdpa` (match_oneshot = false) PyTorch's fused attention where the
+    architecture supports it: the same softmax(QK^T)V without the [heads, tokens, tokens] matrices in memory, a change
+    of rounding only."""
     config = copy.deepcopy(config)
     config.use_cache = False
     text = config.get_text_config()
     text.use_cache = False
+    model = None
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, attn_implementation="eager")
+        if sdpa:
+            try:
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, attn_implementation="sdpa")
+            except ValueError:  # transformers: "does not support an attention implementation through sdpa"
+                model = None
+        if model is None:
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, attn_implementation="eager")
     linearize_meta_experts(model)
     model.eval()
     return model

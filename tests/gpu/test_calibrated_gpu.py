@@ -89,3 +89,37 @@ def test_cuda_gptq_with_hessians_as_stripes_equals_oneshot(tmp_path):
                 if line.startswith("hessians: width")]
     assert {line.split()[2] for line in verdicts} >= {"1024", "2048"}, verdicts  # both widths checked
     print("\n".join(verdicts))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_cuda_match_oneshot_false_keeps_the_defaults_quality(kind, tmp_path):
+    """`[calibration] match_oneshot = false` on cuda (bf16 Hessians accumulated on tensor cores, SDPA attention, GPTQ's
+    factor from the reversed Hessian): layer 0's every module's GPTQ loss within 0.5% of the default export's, every
+    layer's total within 1%, the held-out logits no further from the bf16 model's than the default's plus 2%
+    (docs/fidelity.md; hidden 1024, where a rounding change moves a module's loss by far less than at 128)."""
+    from tests.models import load_tensors, loaded_logits, make_tiny_model
+    from tests.scenarios.test_match_oneshot import _losses
+
+    source = make_tiny_model(kind, str(tmp_path / "src"), layers=3, hidden=1024, seed=4)
+    rows = token_rows(32, low=96, high=192, seed=6)
+    data = write_jsonl(tmp_path / "ids.jsonl", rows)
+    for name, match in (("default", True), ("fast", False)):
+        job = cli.write_job(tmp_path / f"{name}.toml", source, tmp_path / name, "W4A16", device="cuda",
+                            method="gptq", torch_threads=1,
+                            calibration={"dataset": data, "samples": 32, "seq_len": 192, "match_oneshot": match})
+        cli.run("run", job, "--json")
+    one, two = _losses(tmp_path / "default"), _losses(tmp_path / "fast")
+    assert one and sorted(one) == sorted(two) and any(one[k] != two[k] for k in one)
+    for name in (n for n in one if ".layers.0." in n):
+        assert abs(two[name] - one[name]) <= 0.005 * abs(one[name]), (name, one[name], two[name])
+    for i in range(3):
+        a, b = (sum(v for k, v in d.items() if f".layers.{i}." in k) for d in (one, two))
+        assert abs(b - a) <= 0.01 * a, (i, a, b)
+    held = torch.randint(4, 256, (8, 128), generator=torch.Generator().manual_seed(12))
+    bf16 = loaded_logits(str(source), held).float()
+    d1 = (loaded_logits(str(tmp_path / "default"), held).float() - bf16).norm()
+    d2 = (loaded_logits(str(tmp_path / "fast"), held).float() - bf16).norm()
+    print(f"{kind}: held-out distance fast / default {float(d2 / d1):.4f}")
+    assert d2 <= 1.02 * d1, (float(d1), float(d2))
+    a, b = load_tensors(str(tmp_path / "default")), load_tensors(str(tmp_path / "fast"))
+    assert {k: (t.dtype, t.shape) for k, t in a.items()} == {k: (t.dtype, t.shape) for k, t in b.items()}
