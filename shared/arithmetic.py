@@ -6,12 +6,20 @@ would compute otherwise (supervisor.checks.calibration.check_arithmetic).
     device_model("cpu")     "cpu: <the CPU's model name>"   (/proc/cpuinfo, else the platform's processor name)
     device_model("cuda:0")  "cuda: <torch.cuda.get_device_name>"   (the child only: it initialises CUDA)
 
+And FAST, the version of `[calibration] match_oneshot = false`'s arithmetic (docs/fidelity.md): part of such an
+export's fingerprint, so a folder half written by one version is never finished by another.
+
 Owns these names only; it never imports torch for a CPU and never decides anything.
 """
 from __future__ import annotations
 
 import functools
 import platform
+
+# match_oneshot = false: 1 (until 2026-12-03) bf16 Hessian terms on tensor cores; 2: those accumulated in the GEMM
+# (child/backends/hessians.FastTerm), SDPA attention (child/backends/calibrate.py), GPTQ's factor from the reversed
+# Hessian's Cholesky factor (child/backends/factorize.py)
+FAST = 2
 
 
 @functools.cache

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from shared.arithmetic import FAST
 from shared.calibdata import CalibrationDataError, read_rows
 from shared.job import Job
 from shared.versions import installed
@@ -96,6 +97,7 @@ def check(job: Job, source: SourceInfo, device: str, world: int = 1) -> Calibrat
         parts["world"] = world
     if not c.match_oneshot:  # other arithmetic, other bytes (absent by default: fingerprints stay as they were)
         parts["match_oneshot"] = False
+        parts["fast_arithmetic"] = FAST  # and its version: a half-done folder is finished by the same arithmetic
     if rows.has_text:
         parts["tokenizer"] = [list(t) for t in tokenizer]
         parts["tokenizers"] = _version("tokenizers")

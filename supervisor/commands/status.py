@@ -73,7 +73,8 @@ def arithmetic(job: dict) -> str:
     if not c:
         return ""
     return "oneshot's, bit for bit" if c.get("match_oneshot", True) else \
-        "fast: GPTQ's Hessians from bf16 on tensor cores ([calibration] match_oneshot = false)"
+        "fast: bf16 Hessians on tensor cores, SDPA attention, GPTQ's factor in half the flops " \
+        "([calibration] match_oneshot = false)"
 
 
 LOADER = "(transformers loader)"  # the key of a loader problem in verify's result
