@@ -247,6 +247,9 @@ def main() -> None:
                     help="also run ours from another checkout (the code before a change), as the first row (with "
                          "--fast, its match_oneshot = false as well)")
     ap.add_argument("--device", default="cuda:0", help="the job's resources.device")
+    ap.add_argument("--sync-stages", action="store_true",
+                    help="every worker waits for its GPU at each stage change (SUPERVISOR_BENCH_SYNC_STAGES): each "
+                         "stage's seconds are its own kernels'; a tree before it ignores the setting")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both tools")
     ap.add_argument("--kill-at", type=int, default=20, help="the layer whose calibration the kill interrupts")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "calib-bench"))
@@ -255,6 +258,8 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="reuse the workdir's checkpoint, dataset and saved run")
     ap.add_argument("--build-only", action="store_true", help="build the checkpoint and dataset, then stop")
     args = ap.parse_args()
+    if args.sync_stages:
+        os.environ["SUPERVISOR_BENCH_SYNC_STAGES"] = "1"
     args.torch_device = "cpu" if args.device == "cpu" else "cuda:0"
     skip = set(filter(None, args.skip.split(",")))
     src, data = os.path.join(args.workdir, "model"), os.path.join(args.workdir, "calib.jsonl")

@@ -108,6 +108,33 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s23b)  # call 2 (issue 34 part 2): GPTQ's factor from the reversed Hessian (child/backends/factorize.py) added, SDPA on
+  # cuda only: the GPU unit tests of the new code, the fidelity test on cuda (hidden 1024), then 8 layers of the 8B
+  # shape, default and match_oneshot = false against oneshot, the stage clock synced
+  rm -rf /tmp/calib-bench
+  CUDA_VISIBLE_DEVICES=0 t 60 unit_gpu tests/test_factorize.py tests/test_hessians.py -k cuda
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short -s \
+    tests/gpu/test_calibrated_gpu.py -k match_oneshot_false 2>&1 | quiet > "$OUT/fidelity_gpu.txt"
+  grep "held-out\|passed\|failed\|Error" "$OUT/fidelity_gpu.txt" | head -8
+  timeout 330 python3 bench/calib_bench.py --layers 8 --fast --sync-stages --skip kill,retry 2>&1 | quiet \
+    > "$OUT/floor_gptq.txt"
+  grep -A12 "^| layer" "$OUT/floor_gptq.txt" | head -30; tail -16 "$OUT/floor_gptq.txt"
+  ;;
+s23a)  # twenty-second session, call 1 (run: docs/benchmarks.md) (issue 34 part 2): match_oneshot = false with SDPA attention and the Hessian as
+  # the GEMM's accumulator (hessians.FastTerm), before (.whl/before = `git archive 12e0c1f child shared supervisor`)
+  # and after, 4 layers, stage clock synced (--sync-stages); the attention probe; the solve's kernels and TF32; the
+  # GPU tests of the new code and of 98287aa's one-slot change
+  rm -rf /tmp/calib-bench /tmp/qb
+  timeout 60 python3 bench/attention_probe.py --device cuda --samples 128 2>&1 | quiet | tee "$OUT/attention_probe.txt" | tail -6
+  timeout 90 python3 bench/solve_probe.py --device cuda --profile 2>&1 | quiet > "$OUT/solve_probe.txt"
+  grep "^|" "$OUT/solve_probe.txt"
+  timeout 240 python3 bench/calib_bench.py --layers 4 --fast --sync-stages --before .whl/before --skip kill,retry,oneshot \
+    2>&1 | quiet > "$OUT/floor_gptq.txt"
+  grep -A8 "^| layer" "$OUT/floor_gptq.txt" | head -30; tail -22 "$OUT/floor_gptq.txt"
+  rm -rf /tmp/calib-bench
+  CUDA_VISIBLE_DEVICES=0 t 40 unit_gpu tests/test_hessians.py tests/test_quant_error.py tests/test_staging.py -k "cuda or device or staging"
+  CUDA_VISIBLE_DEVICES=0 t 170 calib_gpu tests/gpu/test_calibrated_gpu.py -k "llama-W4A16-gptq or kill_and_rerun"
+  ;;
 s22e)  # NOT RUN yet (refused: the twenty-first session's device time was spent): the quantization error summed on the
   # device, one wait per module (child/backends/quant_error.py): NVFP4 static scales on 4 layers, before (.whl/before
   # = `git archive 0f5b55d~1 child shared supervisor`: the error as before) and after, no oneshot, the two outputs compared; the error's GPU test; eager attention against SDPA for one 8B layer

@@ -39,6 +39,9 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--kv", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--profile", action="store_true",
+                    help="then the kernels of one solve of each batch (torch.profiler), and each batch timed again with "
+                         "TF32 matmuls allowed (what match_oneshot = false could use), its losses against fp32's")
     a = ap.parse_args()
     dev = torch.device(a.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -110,6 +113,35 @@ def main() -> None:
     print(f"outputs and losses bit for bit equal across the two ways: {equal}")
     if dev.type == "cuda":
         print(f"peak allocated {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB")
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        for name in batches:
+            sync()
+            with profile(activities=acts) as prof:
+                solve(name)
+                sync()
+            key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+            print(f"\n{name}: kernels, one solve")
+            print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=60))
+        old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            print("| batch | TF32 seconds | fp32 seconds | worst loss TF32 / fp32 |")
+            print("| --- | --- | --- | --- |")
+            for name in batches:
+                times = []
+                for _ in range(a.rounds):
+                    sync()
+                    t = time.perf_counter()
+                    q, losses = solve(name)
+                    sync()
+                    times.append(time.perf_counter() - t)
+                ratio = (losses / ref[name][1]).max().item()
+                print(f"| {name} | {min(times):.3f} | {min(timings[name]):.3f} | {ratio:.5f} |")
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = old
 
 
 if __name__ == "__main__":

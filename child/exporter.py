@@ -64,6 +64,7 @@ class Exporter:
         self.source = open_source(job, hello.pool)
         # the output's way off the GPU, reused part after part
         self._staging = HostStaging(hello.device, stage_host=faults.stage_host())
+        self._sync_stages = faults.sync_stages() and self.device.startswith("cuda")  # a bench's stage clock
         # a live model has no checkpoint folder: the supervisor wrote its config.json beside the pool
         self.config_dir = hello.pool.config_dir if hello.pool is not None else job.source.path
         self._trust_remote_code = job.source is not None and job.source.allow_remote_code
@@ -160,6 +161,9 @@ class Exporter:
         and broadcast, then propagate, quantize): shown in heartbeats, timed (LayerWritten.ranks), and a fault point
         for tests ("quantize" fires once, after the part, as for every backend)."""
         if self._clock is not None:
+            if self._sync_stages:
+                import torch
+                torch.cuda.synchronize(self.device)
             self._stage_end()
         self._clock = (name, time.perf_counter())
         self.beat.set(self._index, name)

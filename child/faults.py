@@ -41,6 +41,10 @@ landed): what the memory tests use to show that no tensor of a finished layer su
 And SUPERVISOR_TEST_STAGE_HOST=1 makes a CPU worker copy its outputs through its reusable host buffer
 (child/staging.py) as a GPU worker does, so the CPU suite runs that buffer's life through real exports.
 
+And SUPERVISOR_BENCH_SYNC_STAGES=1 (bench/calib_bench.py --sync-stages) makes the worker wait for its GPU at
+every stage change, so each stage's seconds are its own kernels' rather than whatever the queue held when the
+clock read (slower: the launch queue drains each time).
+
 Owns nothing else; it must never be consulted by anything but the child's main loop, its writer and the boundary
 thread (child/backends/calibrate.py hands the last its point).
 """
@@ -56,6 +60,7 @@ import time
 ENV = "SUPERVISOR_TEST_FAULT"
 TENSOR_LOG = "SUPERVISOR_TEST_TENSOR_LOG"
 STAGE_HOST = "SUPERVISOR_TEST_STAGE_HOST"
+SYNC_STAGES = "SUPERVISOR_BENCH_SYNC_STAGES"
 
 _specs: list[dict] = []
 worker: int | None = None  # this child's slot (Hello.worker), once it has its Hello
@@ -188,3 +193,8 @@ def log_live_tensors(index: int, settle=None) -> None:
 def stage_host() -> bool:
     """SUPERVISOR_TEST_STAGE_HOST=1: host outputs go through the worker's staging buffer too (see the docstring)."""
     return os.environ.get(STAGE_HOST) == "1"
+
+
+def sync_stages() -> bool:
+    """SUPERVISOR_BENCH_SYNC_STAGES=1: the stage clock waits for the device (see the docstring)."""
+    return os.environ.get(SYNC_STAGES) == "1"
