@@ -253,7 +253,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both tools")
     ap.add_argument("--kill-at", type=int, default=20, help="the layer whose calibration the kill interrupts")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "calib-bench"))
-    ap.add_argument("--skip", default="", help="comma-separated: supervisor,oneshot,kill,retry,w1,dist")
+    ap.add_argument("--skip", default="", help="comma-separated: supervisor,oneshot,kill,retry,w1,dist; default (with --fast: only "
+                         "match_oneshot = false runs, in the default's place)")
     ap.add_argument("--world", type=int, default=1, help="ranks of the group that calibrates each layer (ours)")
     ap.add_argument("--keep", action="store_true", help="reuse the workdir's checkpoint, dataset and saved run")
     ap.add_argument("--build-only", action="store_true", help="build the checkpoint and dataset, then stop")
@@ -286,6 +287,10 @@ def main() -> None:
             sup = json.load(f)
         sup["tree"] = _Tree(**sup["tree"])
         print(f"uninterrupted supervisor run: from {saved}")
+    elif "default" in skip and args.fast:  # match_oneshot = false alone, in the default's place (no fidelity lines)
+        sup = run_supervisor(args, src, data, "sup-fast", keep_warm=0, calibration={"match_oneshot": False})
+        args.fast = False
+        print("ours below: match_oneshot = false (--skip default)")
     else:
         sup = run_supervisor(args, src, data, "sup", keep_warm=0)
         with open(saved, "w") as f:
