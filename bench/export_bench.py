@@ -260,6 +260,10 @@ def timeline(events: list[dict], wall: float) -> str:
              ("last part written", max((e["t"] for e in events if e["type"] == "LayerWritten"), default=None)),
              ("finished", finished)]
     text = ", ".join(f"{name} {v:.2f}" for name, v in marks if v is not None)
+    done = [e for e in events if e["type"] == "Finished"]
+    after = done[0].get("stages") if done else None
+    if after:  # the steps between the last part and Finished (supervisor.events.Finished.stages)
+        text += " (after the last part: " + ", ".join(f"{k} {v:.2f}" for k, v in after.items()) + ")"
     rest = f"; the CLI's own start and exit {wall - finished:.1f}" if finished is not None else ""
     return f"timeline, s from the run's start: {text}{rest} (wall {wall:.1f})"
 

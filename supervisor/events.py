@@ -161,6 +161,9 @@ class Finished(Event):
     nbytes: int
     seconds: float
     already_complete: bool = False
+    # seconds of the steps after the last part: config (written by a worker), files (index, side files), load (the
+    # loader check), workers (the workers stopped and gone), journal (Finalized, DONE); quality when asked
+    stages: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class Failed(Event):

@@ -93,6 +93,9 @@ def test_success_releases_then_restores_before_finishing(job, live_model):
     assert kinds[0] == "MemoryReleased" and seen[0].released and seen[0].moved_bytes > 0
     assert kinds[-2:] == ["ModelRestored", "Finished"] and result.parts == 3
     assert json.loads(ev.to_json(seen[-1]))["type"] == "Finished"  # events serialize for SSE
+    # the steps after the last part, timed: each one, none longer than the run
+    assert list(result.stages) == ["config", "files", "load", "workers", "journal"]
+    assert all(0 <= v for v in result.stages.values()) and sum(result.stages.values()) <= result.seconds
     _assert_restored(live_model, snap)
 
 

@@ -256,11 +256,15 @@ class Run:
         self._verdict.copy_ahead(todo, self._lease)
         self._preflight()
         self._scheduler.run(todo)
-        self._finalize(done)
+        stages = self._finalize(done)
+        t = time.monotonic()
         self._evaluate()
+        if self.job.evaluate is not None:
+            stages["quality"] = time.monotonic() - t
         total_bytes = sum(r.nbytes for r in done.values())
         return ev.Finished(output=out, parts=len(parts), nbytes=total_bytes,
-                           seconds=round(time.monotonic() - self._feed.t0, 3))
+                           seconds=round(time.monotonic() - self._feed.t0, 3),
+                           stages={k: round(v, 4) for k, v in stages.items()})
 
     def _evaluate(self) -> None:
         """[evaluate]: the finished export's quality against its source (supervisor.run.quality), journaled under
@@ -374,25 +378,38 @@ class Run:
             f.write(line)
         self._emit(ev.ConnectionRefused(peer=peer, reason=reason))
 
-    def _finalize(self, done: dict[int, journal.Shard]) -> None:
+    def _finalize(self, done: dict[int, journal.Shard]) -> dict[str, float]:
+        """The folder completed after its last part; returns each step's seconds (Finished.stages)."""
         out = self.plan.output
+        clock, stages = [time.monotonic()], {}
+
+        def lap(name: str) -> None:
+            now = time.monotonic()
+            stages[name], clock[0] = now - clock[0], now
+
         staging = layout.state_path(out, layout.STAGING)
         reply = self._scheduler.write_config(staging)
         finalize.place_config(reply.path, out)
         shutil.rmtree(staging, ignore_errors=True)  # the attempts' folders (a failed one's config.json among them)
+        lap("config")
         shards = finalize.shard_files(self.plan.source.num_layers)
         finalize.write_index(out, shards)
         finalize.copy_side_files(self.plan.source.path, out)
+        lap("files")
         # the folder as a loader sees it: every weight must land where transformers expects it (no random experts)
         checked = self._scheduler.request(CheckLoad(folder=out, known=self._verdict.predicted_load), LoadChecked,
                                           "the loader check")
+        lap("load")
         self._scheduler.close()
+        lap("workers")
         problem = load_problems(checked.load)
         if problem and not self._verdict.lifted(checked.load):
             raise ExportFailed(f"the export in {out!r} does not load correctly in transformers: {problem}")
         files = finalize.output_files(out, {r.file: r.digest for r in done.values()})
         self._journal.append(journal.Finalized(files=files))
         finalize.write_done(out, files)
+        lap("journal")
+        return stages
 
 
 def place_staged(output: str, reply: LayerWritten) -> None:
