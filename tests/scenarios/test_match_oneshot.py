@@ -68,6 +68,12 @@ def test_fast_hessians_keep_the_defaults_quality(kind, exports):
     """Layer 0's every module's GPTQ loss within 0.5% of the default export's, every layer's total within 1%, the
     held-out logits no further from the bf16 model's than the default's plus 2%; the same tensors."""
     model, default, fast = exports(kind)
+    assert_keeps_the_defaults_quality(model, default, fast, HELD_OUT)
+
+
+def assert_keeps_the_defaults_quality(source, default, fast, held_out: torch.Tensor) -> float:
+    """The bounds (module docstring) of the `fast` export's folder against the `default` one's, both from `source`;
+    returns the held-out distance fast / default."""
     one, two = _losses(default), _losses(fast)
     assert one and sorted(one) == sorted(two)
     assert any(one[k] != two[k] for k in one)  # the other arithmetic ran (on the CPU: the last digits of the losses)
@@ -77,13 +83,14 @@ def test_fast_hessians_keep_the_defaults_quality(kind, exports):
     for i in layers:
         a, b = (sum(v for k, v in d.items() if f".layers.{i}." in k) for d in (one, two))
         assert abs(b - a) <= 0.01 * a, (i, a, b)
-    bf16 = loaded_logits(model, HELD_OUT).float()
-    d1 = (loaded_logits(str(default), HELD_OUT).float() - bf16).norm()
-    d2 = (loaded_logits(str(fast), HELD_OUT).float() - bf16).norm()
+    bf16 = loaded_logits(str(source), held_out).float()
+    d1 = (loaded_logits(str(default), held_out).float() - bf16).norm()
+    d2 = (loaded_logits(str(fast), held_out).float() - bf16).norm()
     assert d2 <= 1.02 * d1, (float(d1), float(d2))
     # the same tensors (on the CPU often the same bits too: the fp32 sums differ in their last bits only)
     a, b = load_tensors(str(default)), load_tensors(str(fast))
     assert {k: (t.dtype, t.shape) for k, t in a.items()} == {k: (t.dtype, t.shape) for k, t in b.items()}
+    return float(d2 / d1)
 
 
 def test_the_other_setting_is_refused_and_plan_and_report_name_the_arithmetic(tiny_models, dataset, tmp_path):
