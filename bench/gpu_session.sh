@@ -108,17 +108,12 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
-s23c)  # call 3 (issue 34 part 2's second target, and FP8 static scales): 32 layers of the 8B shape, 128 x 2048, GPTQ W4A16: ours with
-  # match_oneshot = false alone (--skip default), then oneshot; the wall ratio (target 0.3x)
+s23c)  # call 3 (issue 34 part 2's second target): 32 layers of the 8B shape, 128 x 2048, GPTQ W4A16: ours with
+  # match_oneshot = false alone (--skip default), then oneshot, bounded by the device time left (ours is printed first)
   rm -rf /tmp/calib-bench
-  timeout 430 python3 bench/calib_bench.py --layers 32 --fast --skip default,kill,retry 2>&1 | quiet \
-    > "$OUT/floor_gptq32.txt"
+  timeout 350 python3 bench/calib_bench.py --layers 32 --fast --skip default,kill,retry 2>&1 \
+    | grep --line-buffered -v "^W11\|WARNING\|it/s]\|Failed to load" > "$OUT/floor_gptq32.txt"
   head -5 "$OUT/floor_gptq32.txt"; grep "^| mean\|wall\|oneshot" "$OUT/floor_gptq32.txt" | head; tail -8 "$OUT/floor_gptq32.txt"
-  rm -rf /tmp/calib-bench
-  # then FP8 static activation scales (never measured), 4 layers, ours against oneshot
-  timeout 100 python3 bench/calib_bench.py --layers 4 --method rtn --scheme FP8 --workdir /tmp/cb-fp8 \
-    --skip kill,retry 2>&1 | quiet > "$OUT/floor_fp8.txt"
-  grep -A7 "^| layer" "$OUT/floor_fp8.txt" | head -7; tail -12 "$OUT/floor_fp8.txt"
   ;;
 s23b)  # call 2 (issue 34 part 2): GPTQ's factor from the reversed Hessian (child/backends/factorize.py) added, SDPA on
   # cuda only: the GPU unit tests of the new code, the fidelity test on cuda (hidden 1024), then 8 layers of the 8B
