@@ -57,6 +57,22 @@ def replace(tmp: str, dest: str, drop_cache: bool = False) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(dest)))
 
 
+def replace_all(pairs: list[tuple[str, str]]) -> None:
+    """replace() for several complete files at once: every temp file fsynced (side by side: the filesystem commits
+    them together), then each renamed, then each destination folder fsynced once: one folder commit for the lot
+    instead of one per file (an export's config, index and tokenizer files). A crash part way leaves each file
+    complete at its final name or absent, as replace() does; all are durable when this returns. An error before
+    the renames renames nothing."""
+    if not pairs:
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(pairs))) as pool:
+        list(pool.map(fsync_file, [tmp for tmp, _ in pairs]))
+    for tmp, dest in pairs:
+        os.replace(tmp, dest)
+    for folder in dict.fromkeys(os.path.dirname(os.path.abspath(dest)) for _, dest in pairs):
+        fsync_dir(folder)
+
+
 def place(tmp: str, dest: str) -> None:
     """Move a complete file that its writer already fsynced (`tmp`) to `dest`, atomically and durably: the second
     half of replace(), for the supervisor placing a shard a worker staged (child/writer.py)."""

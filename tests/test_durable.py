@@ -157,3 +157,39 @@ def test_a_direct_write_that_fails_otherwise_raises(tmp_path, monkeypatch):
         assert info.value.errno == errno.ENOSPC
     finally:
         os.close(fd)
+
+
+def test_replace_all_places_every_file_and_syncs_each_folder_once(tmp_path, monkeypatch):
+    """Several temp files become their final names with their bytes; each is fsynced before any rename and each
+    destination folder once after them; a temp file that is missing renames nothing."""
+    import os
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "tmp").mkdir()
+    pairs = []
+    for k, folder in enumerate(["a", "a", "b"]):
+        tmp = tmp_path / "tmp" / f"f{k}.tmp"
+        tmp.write_bytes(bytes([k]) * (k + 1))
+        pairs.append((str(tmp), str(tmp_path / folder / f"f{k}")))
+    (tmp_path / "a" / "f0").write_bytes(b"old")  # replaced
+    calls = []
+    real_file, real_dir, real_replace = durable.fsync_file, durable.fsync_dir, os.replace
+    monkeypatch.setattr(durable, "fsync_file", lambda p, drop=False: (calls.append(("file", p)), real_file(p))[1])
+    monkeypatch.setattr(durable, "fsync_dir", lambda p: (calls.append(("dir", p)), real_dir(p))[1])
+    monkeypatch.setattr(durable.os, "replace", lambda a, b: (calls.append(("rename", a)), real_replace(a, b))[1])
+    durable.replace_all(pairs)
+    for k, (_, dest) in enumerate(pairs):
+        assert open(dest, "rb").read() == bytes([k]) * (k + 1)
+    kinds = [c[0] for c in calls]
+    assert kinds == ["file"] * 3 + ["rename"] * 3 + ["dir"] * 2, kinds
+    assert [c[1] for c in calls if c[0] == "dir"] == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert not list((tmp_path / "tmp").iterdir())
+
+    calls.clear()
+    keep = tmp_path / "tmp" / "kept.tmp"
+    keep.write_bytes(b"x")
+    with pytest.raises(FileNotFoundError):
+        durable.replace_all([(str(keep), str(tmp_path / "a" / "kept")), (str(tmp_path / "tmp" / "gone"), str(tmp_path / "a" / "gone"))])
+    assert keep.exists() and not (tmp_path / "a" / "kept").exists()
+    assert "rename" not in [c[0] for c in calls]

@@ -24,6 +24,28 @@ def shard_files(num_layers: int) -> list[str]:
 
 
 def write_index(output: str, files: list[str]) -> None:
+    durable.write_bytes(os.path.join(output, layout.INDEX), _index(output, files), layout.state_path(output, layout.TMP))
+
+
+def copy_side_files(source: str, output: str) -> list[str]:
+    """Tokenizer, generation config, chat template…: every top-level file that is not weights or config."""
+    pairs = _staged_side_files(source, output)
+    durable.replace_all(pairs)
+    return [os.path.basename(dest) for _, dest in pairs]
+
+
+def complete(output: str, staged_config: str, source: str, shards: list[str]) -> None:
+    """The files beside the shards, all made durable together (durable.replace_all: one folder commit, not one per
+    file): config.json from the worker's staged copy, the index built from the shards' headers, the source's side
+    files (copy_side_files)."""
+    index = layout.state_path(output, layout.TMP, layout.INDEX + ".tmp")
+    with open(index, "wb") as f:
+        f.write(_index(output, shards))
+    pairs = [(staged_config, os.path.join(output, "config.json")), (index, os.path.join(output, layout.INDEX))]
+    durable.replace_all(pairs + _staged_side_files(source, output))
+
+
+def _index(output: str, files: list[str]) -> bytes:
     weight_map: dict[str, str] = {}
     total = 0
     for fn in files:
@@ -34,26 +56,20 @@ def write_index(output: str, files: list[str]) -> None:
             total += end - start
             weight_map[name] = fn
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
-    durable.write_bytes(os.path.join(output, layout.INDEX), data, layout.state_path(output, layout.TMP))
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
 
 
-def copy_side_files(source: str, output: str) -> list[str]:
-    """Tokenizer, generation config, chat template…: every top-level file that is not weights or config."""
-    copied = []
+def _staged_side_files(source: str, output: str) -> list[tuple[str, str]]:
+    """Each side file copied to a temp file in the output's tmp folder: (temp, final name) pairs, not yet durable."""
+    pairs = []
     for fn in sorted(os.listdir(source)):
         src = os.path.join(source, fn)
         if fn.startswith(".") or not os.path.isfile(src) or fn in _NOT_COPIED or fn.endswith(_NOT_COPIED_SUFFIXES):
             continue
         tmp = layout.state_path(output, layout.TMP, fn + ".copy")
         shutil.copyfile(src, tmp)
-        durable.replace(tmp, os.path.join(output, fn))
-        copied.append(fn)
-    return copied
-
-
-def place_config(staged: str, output: str) -> None:
-    durable.replace(staged, os.path.join(output, "config.json"))
+        pairs.append((tmp, os.path.join(output, fn)))
+    return pairs
 
 
 def output_files(output: str, known: dict[str, str]) -> dict[str, str]:

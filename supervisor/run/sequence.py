@@ -389,12 +389,10 @@ class Run:
 
         staging = layout.state_path(out, layout.STAGING)
         reply = self._scheduler.write_config(staging)
-        finalize.place_config(reply.path, out)
-        shutil.rmtree(staging, ignore_errors=True)  # the attempts' folders (a failed one's config.json among them)
         lap("config")
-        shards = finalize.shard_files(self.plan.source.num_layers)
-        finalize.write_index(out, shards)
-        finalize.copy_side_files(self.plan.source.path, out)
+        # config.json, the index and the side files, durable together
+        finalize.complete(out, reply.path, self.plan.source.path, finalize.shard_files(self.plan.source.num_layers))
+        shutil.rmtree(staging, ignore_errors=True)  # the attempts' folders (a failed one's config.json among them)
         lap("files")
         # the folder as a loader sees it: every weight must land where transformers expects it (no random experts)
         checked = self._scheduler.request(CheckLoad(folder=out, known=self._verdict.predicted_load), LoadChecked,
