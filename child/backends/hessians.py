@@ -152,26 +152,22 @@ class FastTerm:
     def __init__(self, x: torch.Tensor):
         self.x = x
 
-    def _operand(self) -> tuple[torch.Tensor, torch.dtype | None]:
-        x = self.x
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            return x, GPTQ_PRECISION  # aten::addmm.dtype: CUDA only
-        return x.to(GPTQ_PRECISION), None
-
     def add_to(self, hessian: torch.Tensor) -> None:
-        x, out_dtype = self._operand()
-        if out_dtype is None:
-            hessian.addmm_(x.t(), x, alpha=2.0)
-        else:
-            torch.addmm(hessian, x.t(), x, alpha=2.0, out_dtype=out_dtype, out=hessian)
+        self._gemm(hessian, beta=1.0)
 
     def tensor(self) -> torch.Tensor:
-        """The term on its own (a class's first): the same GEMM into fresh memory."""
-        x, out_dtype = self._operand()
-        out = torch.empty((x.shape[1], x.shape[1]), dtype=GPTQ_PRECISION, device=x.device)
-        if out_dtype is None:
-            return torch.mm(x.t(), x, out=out).mul_(2.0)
-        return torch.addmm(out, x.t(), x, beta=0.0, alpha=2.0, out_dtype=out_dtype, out=out)
+        """The term on its own (a class's first): the same GEMM into fresh memory (beta 0: its contents unread)."""
+        out = torch.empty((self.x.shape[1], self.x.shape[1]), dtype=GPTQ_PRECISION, device=self.x.device)
+        self._gemm(out, beta=0.0)
+        return out
+
+    def _gemm(self, out: torch.Tensor, beta: float) -> None:
+        x = self.x
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):  # aten::addmm.dtype: CUDA only
+            torch.addmm(out, x.t(), x, beta=beta, alpha=2.0, out_dtype=GPTQ_PRECISION, out=out)
+        else:
+            x = x.to(GPTQ_PRECISION)
+            torch.addmm(out, x.t(), x, beta=beta, alpha=2.0, out=out)
 
 
 class _Input:
