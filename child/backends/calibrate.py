@@ -445,14 +445,13 @@ def _calibration_skeleton(config, sdpa: bool = False) -> nn.Module:
     config.use_cache = False
     text = config.get_text_config()
     text.use_cache = False
-    model = None
     with init_empty_weights(include_buffers=False):
-        if sdpa:
-            try:
-                model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, attn_implementation="sdpa")
-            except ValueError:  # transformers: "does not support an attention implementation through sdpa"
-                model = None
-        if model is None:
+        try:
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False,
+                                                     attn_implementation="sdpa" if sdpa else "eager")
+        except ValueError:  # transformers: "does not support an attention implementation through sdpa"
+            if not sdpa:
+                raise
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, attn_implementation="eager")
     linearize_meta_experts(model)
     model.eval()
