@@ -37,9 +37,10 @@ def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0):
         shard = cal.quantize_non_layer(tensors) if i == NON_LAYER else cal.quantize_layer(i, tensors)
         stage_shard(shard, os.path.join(out, layout.shard_name(i)))
         boundary = cal.commit(i) or boundary
-    cal.write_config(os.path.join(source, "config.json"), str(out))
-    finalize.write_index(str(out), finalize.shard_files(cal.num_layers))  # a folder transformers can load
-    finalize.copy_side_files(source, str(out))
+    os.makedirs(layout.state_path(str(out), layout.STAGING))
+    staged = cal.write_config(os.path.join(source, "config.json"), layout.state_path(str(out), layout.STAGING))
+    # a folder transformers can load: config.json, the index, the tokenizer
+    finalize.complete(str(out), staged, source, finalize.shard_files(cal.num_layers))
     return out
 
 

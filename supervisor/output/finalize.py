@@ -23,21 +23,10 @@ def shard_files(num_layers: int) -> list[str]:
     return [layout.shard_name(i) for i in range(num_layers)] + [layout.shard_name(NON_LAYER)]
 
 
-def write_index(output: str, files: list[str]) -> None:
-    durable.write_bytes(os.path.join(output, layout.INDEX), _index(output, files), layout.state_path(output, layout.TMP))
-
-
-def copy_side_files(source: str, output: str) -> list[str]:
-    """Tokenizer, generation config, chat template…: every top-level file that is not weights or config."""
-    pairs = _staged_side_files(source, output)
-    durable.replace_all(pairs)
-    return [os.path.basename(dest) for _, dest in pairs]
-
-
 def complete(output: str, staged_config: str, source: str, shards: list[str]) -> None:
     """The files beside the shards, all made durable together (durable.replace_all: one folder commit, not one per
     file): config.json from the worker's staged copy, the index built from the shards' headers, the source's side
-    files (copy_side_files)."""
+    files (tokenizer, generation config, chat template…: every top-level file that is not weights or config)."""
     index = layout.state_path(output, layout.TMP, layout.INDEX + ".tmp")
     with open(index, "wb") as f:
         f.write(_index(output, shards))
