@@ -161,8 +161,9 @@ class Finished(Event):
     nbytes: int
     seconds: float
     already_complete: bool = False
-    # seconds of the steps after the last part: config (written by a worker), files (index, side files), load (the
-    # loader check), workers (the workers stopped and gone), journal (Finalized, DONE); quality when asked
+    # seconds of the steps after the last part: config (written by a worker), files (config.json, the index and the
+    # side files made durable), load (the loader check), workers (stopped and gone), journal (Finalized, DONE);
+    # quality ([evaluate])
     stages: dict[str, float] = msgspec.field(default_factory=dict)
 
 

@@ -73,7 +73,7 @@ def arithmetic(job: dict) -> str:
     if not c:
         return ""
     return "oneshot's, bit for bit" if c.get("match_oneshot", True) else \
-        "fast: bf16 Hessians on tensor cores, SDPA attention, GPTQ's factor in half the flops " \
+        "fast: bf16 Hessians on tensor cores, SDPA attention on a GPU, GPTQ's factor in half the flops " \
         "([calibration] match_oneshot = false)"
 
 

@@ -381,11 +381,12 @@ class Run:
     def _finalize(self, done: dict[int, journal.Shard]) -> dict[str, float]:
         """The folder completed after its last part; returns each step's seconds (Finished.stages)."""
         out = self.plan.output
-        clock, stages = [time.monotonic()], {}
+        last, stages = time.monotonic(), {}
 
         def lap(name: str) -> None:
+            nonlocal last
             now = time.monotonic()
-            stages[name], clock[0] = now - clock[0], now
+            stages[name], last = now - last, now
 
         staging = layout.state_path(out, layout.STAGING)
         reply = self._scheduler.write_config(staging)
