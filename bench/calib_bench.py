@@ -276,7 +276,7 @@ def main() -> None:
         print(f"disk: {disk_write_speed(args.workdir):.2f} GB/s write+fsync in {args.workdir}")
     if args.build_only:
         return
-    warm(src)
+    warm(src, device=args.device)
     private_runtime(args.workdir)  # kept warm parents of this bench only; each tool's first run is cold
 
     gib = 2**30

@@ -379,15 +379,39 @@ if device.startswith("cuda"):
 """
 
 
+WARM_LIBRARIES = r"""
+import sys, torch
+d = torch.device(sys.argv[1])
+a = torch.randn(512, 512, device=d, dtype=torch.bfloat16)
+h = a.float() @ a.float().T + 512 * torch.eye(512, device=d)  # cuBLAS, fp32 and bf16
+(a @ a).sum().item()
+torch.addmm(h, a.T, a, out_dtype=torch.float32)
+u = torch.linalg.cholesky(h)  # cuSOLVER
+torch.cholesky_inverse(u)
+torch.linalg.solve_triangular(u, h, upper=False)
+q = torch.randn(1, 8, 256, 64, device=d, dtype=torch.bfloat16)
+torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+torch.softmax(q.float() @ q.float().transpose(-1, -2), -1).sum().item()
+torch.cuda.synchronize()
+"""
+
+
 def warm(src: str, scheme: str | None = None, device: str = "cpu") -> None:
-    """The page cache (the checkpoint), the import caches and, on a GPU, the quantization's compiled kernels: so no
-    tool pays a cold start the others do not."""
+    """The page cache (the checkpoint, and on a GPU the device libraries' files: cuBLAS, cuSOLVER, attention
+    kernels), the import caches and, with `scheme` on a GPU, the quantization's compiled kernels: so no tool pays a
+    cold start the others do not (the first tool of a fresh machine paid about 3 s of library loading in its first
+    layer and pool start, measured on an H200: docs/benchmarks.md, twenty-third session)."""
     for fn in glob.glob(os.path.join(src, "*")):
         with open(fn, "rb") as f:
             while f.read(64 << 20):
                 pass
     subprocess.run([sys.executable, "-c", "import torch, transformers, llmcompressor, compressed_tensors"],
                    capture_output=True)
+    if device.startswith("cuda"):
+        t = time.perf_counter()
+        r = subprocess.run([sys.executable, "-c", WARM_LIBRARIES, device], capture_output=True, text=True)
+        print(f"device libraries warmed on {device} in {time.perf_counter() - t:.1f} s"
+              + ("" if r.returncode == 0 else f": FAILED {r.stderr[-500:]}"), flush=True)
     if scheme is not None and device.startswith("cuda"):
         t = time.perf_counter()
         r = subprocess.run([sys.executable, "-c", WARM_KERNELS, src, scheme, device, *IGNORE], capture_output=True,

@@ -108,6 +108,13 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s24a)  # twenty-third session, call 1 (issue 34 part 2's second target): 32 layers of the 8B shape, 128 x 2048,
+  # GPTQ W4A16, match_oneshot = false alone (--skip default) against oneshot, the device libraries warmed first
+  rm -rf /tmp/calib-bench
+  timeout 570 python3 bench/calib_bench.py --layers 32 --fast --skip default,kill,retry 2>&1 \
+    | grep --line-buffered -v "^W11\|WARNING\|it/s]\|Failed to load" > "$OUT/floor_gptq32.txt"
+  head -6 "$OUT/floor_gptq32.txt"; grep "^| mean\|wall\|oneshot" "$OUT/floor_gptq32.txt" | head; tail -8 "$OUT/floor_gptq32.txt"
+  ;;
 s23c)  # call 3 (issue 34 part 2's second target): 32 layers of the 8B shape, 128 x 2048, GPTQ W4A16: ours with
   # match_oneshot = false alone (--skip default), then oneshot, bounded by the device time left (ours is printed first)
   rm -rf /tmp/calib-bench
