@@ -318,3 +318,47 @@ def test_the_skeleton_takes_sdpa_only_when_asked_and_eager_where_the_model_has_n
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_config", no_sdpa)
     assert attention(calibrate._calibration_skeleton(cfg, sdpa=True)) == {"eager"}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma"])
+def test_layer_0s_inputs_land_in_the_pinned_memory_made_ahead(kind, tiny_models, ids_dataset, tmp_path,
+                                                             tmp_path_factory, monkeypatch):
+    """On a GPU, the host memory of layer 0's inputs and outputs is made while the embedding table is read
+    (Calibrator._pinned_ahead, sized from the config and the table's stored dtype). Whatever the architecture (Gemma
+    scales its embeddings), the guess fits: the inputs are written into the first buffer, the second is kept for the
+    outputs, and the inputs are those computed without it (host memory made by the writer). On the CPU here: the
+    memory is plain, pinning stands in."""
+    import concurrent.futures
+
+    from child.backends import boundary, calibrate
+    from child.sources.checkpoint import Checkpoint
+    from shared.job import parse_job
+
+    source = make_tiny_gemma(str(tmp_path_factory.mktemp("gemma"))) if kind == "gemma" else tiny_models(kind)
+    made = []
+
+    def meanwhile(numel, dtype, device, count=1):
+        made.append(boundary.host_buffer(numel, dtype, False))
+        made.append(boundary.host_buffer(numel, dtype, False))
+        futures = [concurrent.futures.Future() for _ in made]
+        for f, m in zip(futures, made):
+            f.set_result(m)
+        return futures if count > 1 else futures[0]
+
+    def inputs(pin: bool):
+        job = parse_job({"source": {"path": source}, "export": {"scheme": "W4A16", "output": str(tmp_path / "o"),
+                                                                "method": "gptq"},
+                         "calibration": {"dataset": ids_dataset, "samples": N, "seq_len": SEQ}})
+        cal = calibrate.Calibrator(job, source, "cpu", output=str(tmp_path / "o"), source=Checkpoint(source))
+        cal._pin = pin
+        cal.begin(0, None)
+        return cal
+
+    plain = inputs(False)
+    monkeypatch.setattr(calibrate, "host_buffer_meanwhile", meanwhile)
+    ahead = inputs(True)
+    assert len(made) == 2
+    assert ahead._inputs.get(0).untyped_storage().data_ptr() == made[0].untyped_storage().data_ptr()
+    assert ahead._spare.result() is made[1]
+    assert len(ahead._inputs) == len(plain._inputs) == N
+    assert all(torch.equal(ahead._inputs.get(j), plain._inputs.get(j)) for j in range(N))
