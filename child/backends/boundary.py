@@ -518,21 +518,19 @@ def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return pinned_host_buffer(numel * dtype.itemsize).view(dtype)
 
 
-def host_buffer_meanwhile(numel: int, dtype: torch.dtype, device: torch.device,
-                          count: int = 1) -> concurrent.futures.Future | list[concurrent.futures.Future]:
+def host_buffer_meanwhile(numel: int, dtype: torch.dtype, device: torch.device) -> concurrent.futures.Future:
     """A pinned host_buffer made on a thread of its own (`device` current there) while the caller goes on: the
     first layer's outputs need one as large as its inputs, and making it (page faults, registration: ~0.2 s per
-    GB) need not wait for the layer. A Future of the buffer; with `count`, a list of that many Futures, made one
-    after the other on the same thread (the first one needed first, not slowed by the others)."""
+    GB) need not wait for the layer. A Future of the buffer."""
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="boundary-alloc")
 
     def make():
         with torch.cuda.device(device):
             return host_buffer(numel, dtype, True)
 
-    futures = [pool.submit(make) for _ in range(count)]
-    pool.shutdown(wait=False)  # the thread ends with its tasks
-    return futures if count > 1 else futures[0]
+    future = pool.submit(make)
+    pool.shutdown(wait=False)  # the thread ends with its one task
+    return future
 
 
 _SIDE_STREAMS: dict = {}

@@ -386,10 +386,6 @@ class Calibrator:
         self._stage("forward")
         names = [n for n, _ in self._trunk.named_parameters()]
         full = {f"{self._trunk_name}.{n}" if self._trunk_name else n: n for n in names}
-        # the pinned memory of layer 0's inputs, then of its outputs, made while the embedding table is read and the
-        # samples embedded (2.1 GB each at the 8B shape, ~0.4 s each): sized from the config and the table's
-        # stored dtype; a guess the hidden states belie is not used (BoundaryWriter makes its own)
-        ahead = self._pinned_ahead(ids, self.source.meta(sorted(full))) if self._spare is None else None
         tensors = self.source.read(sorted(full))
         try:
             for key, value in tensors.items():
@@ -406,12 +402,10 @@ class Calibrator:
                     fits = 2 * size <= self._ram_budget
                     tmp = None if fits else layout.state_path(
                         self.output, layout.TMP, os.path.basename(self._boundary_name(0)) + ".tmp")
-                    writer = BoundaryWriter(0, shapes, hidden.dtype, tmp_path=tmp, keep_in_ram=fits, pin=self._pin,
-                                            buffer=ahead[0] if fits and ahead else None)
+                    writer = BoundaryWriter(0, shapes, hidden.dtype, tmp_path=tmp, keep_in_ram=fits, pin=self._pin)
                     if fits and self._pin and self.num_layers > 1 and self._spare is None:
                         # layer 0's outputs: as much pinned memory, made meanwhile
-                        self._spare = ahead[1] if ahead else \
-                            host_buffer_meanwhile(size // hidden.dtype.itemsize, hidden.dtype, self.device)
+                        self._spare = host_buffer_meanwhile(size // hidden.dtype.itemsize, hidden.dtype, self.device)
                 writer.put(j, hidden)
             acts, _, _ = writer.commit(None)
             return acts
@@ -419,19 +413,6 @@ class Calibrator:
             self._sink.clear()
             for n in names:  # the embedding table is needed for layer 0's inputs only
                 set_module_tensor_to_device(self._trunk, n, "meta")
-
-
-    def _pinned_ahead(self, ids: list[torch.Tensor], stored: dict) -> list[Future] | None:
-        """Futures of two pinned host buffers for layer 0's inputs and outputs (host_buffer_meanwhile), each as
-        large as every sample's hidden states at the config's hidden size in the largest trunk tensor's stored dtype
-        (the embedding table's); None when they would not be pinned or not kept in RAM, or there is no layer 1."""
-        if not self._pin or self.num_layers < 2 or not stored:
-            return None
-        dtype = max(stored.values(), key=lambda t: t.numel()).dtype
-        numel = sum(int(x.shape[-1]) for x in ids) * self.config.get_text_config().hidden_size
-        if 2 * numel * dtype.itemsize > self._ram_budget:
-            return None
-        return host_buffer_meanwhile(numel, dtype, self.device, count=2)
 
 
 class _Reached(Exception):
