@@ -259,6 +259,107 @@ def test_a_boundary_takes_the_host_memory_being_made_for_it(tmp_path):
         assert bool(memory.any()) == used
 
 
+@pytest.mark.parametrize("spare_bytes", [0, 1, 3000, 40000, 9000])
+def test_a_boundary_written_over_a_spare_is_the_fresh_file(spare_bytes, tmp_path):
+    """A boundary whose temp file is a spent one rewritten in place (of the same size, larger: cut, or smaller:
+    extended) holds the bytes and digest of one written into a fresh file, by each way a durable boundary is
+    made (after the layer, past the page cache; sample by sample on disk), and takes the spare; spare_bytes 0: no
+    spare, a fresh file. Where several wait, the one of the file's own size is taken."""
+    from child.backends.boundary import BoundaryWriter
+    from shared import durable
+
+    sizes = [(1, 37, 48), (1, 19, 48), (1, 64, 48)]
+    samples = [torch.randn(s, dtype=torch.bfloat16) for s in sizes]
+    fresh = tmp_path / "fresh"
+    spares = tmp_path / "spares"
+    fresh.mkdir()
+    spares.mkdir()
+    for mode in ("later", "disk"):
+        made = {}
+        for where in (fresh, spares):
+            if where is spares and spare_bytes:
+                (spares / f"{durable.SPARE_PREFIX}a").write_bytes(os.urandom(spare_bytes))
+            w = BoundaryWriter(4, sizes, torch.bfloat16, tmp_path=str(where / "b.tmp"), keep_in_ram=mode == "later",
+                               later=mode == "later", spares=str(where))
+            for j, x in enumerate(samples):
+                w.put(j, x)
+            dest = str(where / f"{mode}.bin")
+            if mode == "later":
+                acts, pending = w.commit_later(dest)
+                digest, size = pending.wait()
+            else:
+                acts, digest, size = w.commit(dest)
+            acts.close()
+            made[where] = (digest, size, open(dest, "rb").read())
+            assert sorted(os.listdir(where)) == sorted(f"{m}.bin" for m in ("later", "disk")[:("later", "disk").index(mode) + 1])
+        assert made[fresh] == made[spares] and made[fresh][1] == len(made[fresh][2])
+        assert durable.hash_file(str(spares / f"{mode}.bin")) == made[fresh][0]
+    # several spares: the one of the boundary's own size is taken, the others wait
+    exact = len(made[fresh][2])
+    for name, n in (("a", exact + 4096), ("b", exact), ("c", exact - 4096)):
+        (spares / f"{durable.SPARE_PREFIX}{name}").write_bytes(b"x" * n)
+    ino = os.stat(spares / f"{durable.SPARE_PREFIX}b").st_ino
+    w = BoundaryWriter(4, sizes, torch.bfloat16, tmp_path=str(spares / "b.tmp"), keep_in_ram=True, later=True,
+                       spares=str(spares))
+    for j, x in enumerate(samples):
+        w.put(j, x)
+    _, pending = w.commit_later(str(spares / "again.bin"))
+    assert pending.wait()[0] == made[fresh][0]
+    assert os.stat(spares / "again.bin").st_ino == ino
+    assert durable.spares(str(spares)) == [f"{durable.SPARE_PREFIX}a", f"{durable.SPARE_PREFIX}c"]
+
+
+def test_spent_boundaries_wait_as_spares_while_more_are_to_be_written(tmp_path):
+    """The supervisor keeps a spent boundary file as a spare (a rename: the same file) while a boundary is still to
+    be written, at most one per rank, unlinks the rest, and leaves none once the last boundary is journaled, nor
+    after a run that stopped early."""
+    import threading
+    import types
+
+    from shared import durable, layout
+    from shared.messages import Boundary
+    from supervisor.output import journal
+    from supervisor.run.boundaries import Boundaries
+
+    def run(world: int, layers: int, stop_after: int | None = None):
+        out = tmp_path / f"w{world}-{layers}-{stop_after}"
+        os.makedirs(layout.state_path(str(out), layout.TMP))
+        os.makedirs(layout.state_path(str(out), layout.BOUNDARY))
+        plan = types.SimpleNamespace(output=str(out), world=world, calibration=object(),
+                                     source=types.SimpleNamespace(num_layers=layers))
+        b = Boundaries(plan, {}, threading.Event())
+        tmp = layout.state_path(str(out), layout.TMP)
+        seen = []
+        for i in range(layers):
+            bs = []
+            if i + 1 < layers:
+                for r in range(world):
+                    name = layout.boundary_name(i + 1, r if world > 1 else None, "f")
+                    path = os.path.join(str(out), name)
+                    with open(path, "wb") as f:
+                        f.write(b"%d" % i)
+                    bs.append(Boundary(feeds=i + 1, file=name, digest="x", nbytes=os.path.getsize(path)))
+            b.recorded(journal.Shard(index=i, file=layout.shard_name(i), digest="x", nbytes=1,
+                                     boundary=bs[0] if world == 1 and bs else None,
+                                     boundaries=bs if world > 1 else []))
+            b._deleter and b._deleter.submit(lambda: None).result()  # the unlinks queued so far are done
+            seen.append(len(durable.spares(tmp)))
+            # what is left on disk: the newest boundaries, and spares that are the spent files themselves
+            assert sorted(os.listdir(layout.state_path(str(out), layout.BOUNDARY))) == \
+                sorted(os.path.basename(x.file) for x in bs)
+            if stop_after == i:
+                break
+        b.close()
+        assert os.listdir(tmp) == []
+        return seen
+
+    # spent: layer i's record makes layer i's inputs spent (from i = 1); a spare while feeds + 1 < layers
+    assert run(1, 6) == [0, 1, 1, 1, 0, 0]
+    assert run(2, 5) == [0, 2, 2, 0, 0]
+    assert run(1, 2) == [0, 0]
+    assert run(2, 6, stop_after=2)[-1] == 2  # then close() unlinks them
+
+
 @pytest.mark.parametrize("when", ["filling", "pending"])
 def test_a_dropped_streamed_boundary_leaves_no_file(when, tmp_path):
     """A streamed boundary dropped while its samples come (the layer failed) or while its write finishes (the

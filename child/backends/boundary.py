@@ -7,6 +7,8 @@
         hashes them meanwhile
       commit(dest): fsync, rename, fsync the folder ─▶ Activations + (digest, size) for the journal (sync=False:
         rename only: the quality measurement's boundaries, which a resume re-hashes and can remake)
+      spares=FOLDER: the temp file is a spent boundary file the supervisor kept there, rewritten in place (its
+        blocks are allocated already: durable.take_spare), cut to size and fdatasynced
       commit_later(dest) (in RAM): Activations at once; a thread writes the buffer to the temp file (past the page
         cache where it can: durable.write_direct), hashes, fsyncs and renames it while the next layer computes
         ─▶ PendingWrite.wait -> (digest, size) once durable (sync=False: WRITERS threads write its parts at once
@@ -187,7 +189,7 @@ class BoundaryWriter:
     def __init__(self, feeds: int, shapes: list[tuple[int, ...]], dtype: torch.dtype, *, tmp_path: str | None,
                  keep_in_ram: bool, buffer: torch.Tensor | concurrent.futures.Future | None = None,
                  pin: bool = False, later: bool = False,
-                 sync: bool = True, stream: bool = False):
+                 sync: bool = True, stream: bool = False, spares: str | None = None):
         """`buffer`: a released RAM buffer to reuse (fresh host memory costs a page fault per 4 KiB on first
         touch, ~1.6 GB/s measured), or a Future of one being made (host_buffer_meanwhile), waited for only when the
         boundary is kept in RAM; `pin`: allocate page-locked memory for faster copies to and from a GPU.
@@ -196,7 +198,9 @@ class BoundaryWriter:
         `sync` False: the file is written and renamed but never fsynced (it survives any process's death in the
         page cache, not a machine's crash: the caller re-hashes it before trusting it after one).
         `stream` (with `later` and without `sync`): each sample is written as soon as it is in the host buffer (see
-        the module docstring); commit_later then waits only for what is left."""
+        the module docstring); commit_later then waits only for what is left.
+        `spares`: a folder of spent boundary files (durable.take_spare): the file is one of them rewritten in place
+        where there is one (about twice as fast to make durable as a fresh one), cut to its size and fdatasynced."""
         if tmp_path is None and not keep_in_ram:
             raise ValueError("a boundary needs a file or RAM")
         self.feeds, self.shapes, self.dtype = feeds, [tuple(s) for s in shapes], dtype
@@ -209,6 +213,8 @@ class BoundaryWriter:
             self._flat = buffer if fits else host_buffer(self._layout.numel, dtype, pin)
         self._next = 0
         self._tmp = tmp_path
+        self._spares = spares
+        self._reused = False  # the temp file is a spare rewritten in place
         self._hash = durable.hasher()
         self._sync = sync
         self._size = 0
@@ -241,8 +247,18 @@ class BoundaryWriter:
         return self._later and self._tmp is not None
 
     def _open(self) -> None:
-        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        size = self._data_offset + self._layout.nbytes
+        self._reused = self._spares is not None and durable.take_spare(self._spares, self._tmp, size)
+        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | (0 if self._reused else os.O_TRUNC), 0o644)
         self._write(memoryview(self._head))
+
+    def _seal(self) -> None:
+        """Every byte written: a spare's tail beyond them cut off; with `sync`, the file on disk (a spare of the same
+        size changes no metadata a read needs, so fdatasync; fdatasync also carries a size that changed)."""
+        if self._reused and os.fstat(self._fd).st_size != self._size:
+            os.ftruncate(self._fd, self._size)
+        if self._sync:
+            (os.fdatasync if self._reused else os.fsync)(self._fd)
 
     def put(self, j: int, hidden: torch.Tensor) -> None:
         """Sample j's output hidden states (any device); samples must come in order 0, 1, ..."""
@@ -299,8 +315,7 @@ class BoundaryWriter:
             self._write_flat(self._flat)
         path = self._tmp
         if self._fd is not None:
-            if self._sync:
-                os.fsync(self._fd)
+            self._seal()
             os.close(self._fd)
             self._fd = None
             if dest is not None:
@@ -333,9 +348,9 @@ class BoundaryWriter:
             self._thread = None
 
     def _place(self, dest: str) -> None:
-        """The finished temp file at `dest`: durably (fsynced file and folder), or only renamed without `sync`."""
+        """The finished (sealed) temp file at `dest`: durably (the folder fsynced), or only renamed without `sync`."""
         if self._sync:
-            durable.replace(self._tmp, dest)
+            durable.place(self._tmp, dest)
         else:
             os.replace(self._tmp, dest)
 
@@ -469,8 +484,8 @@ class PendingWrite:
                 w._open()
                 w._write_flat(self._flat)
             self._before_sync()
+            w._seal()
             if w._sync:
-                os.fsync(w._fd)
                 # read back only on a resume: leave no 2 GB of page cache behind (where the file went through it:
                 # a filesystem without O_DIRECT)
                 if hasattr(os, "posix_fadvise"):

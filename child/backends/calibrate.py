@@ -327,9 +327,11 @@ class Calibrator:
         # the inputs are still held while the outputs are built: both count against the budget. One worker writes
         # the file after the layer (commit_later), beside the next one; a group's ranks commit in step with each
         # other, each as it propagates
+        # the file: a spent one the supervisor left in the temp folder rewritten in place, where there is one
+        # (supervisor/run/boundaries.py keeps them)
         return BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=tmp,
                               keep_in_ram=2 * inputs.nbytes <= self._ram_budget, buffer=spare, pin=self._pin,
-                              later=self.world == 1)
+                              later=self.world == 1, spares=os.path.dirname(tmp))
 
     def _boundary_name(self, feeds: int) -> str:
         return layout.boundary_name(feeds, self.rank if self.world > 1 else None, self._fence)

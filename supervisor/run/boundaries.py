@@ -2,8 +2,10 @@
 
     layer i's LayerWritten ── check(reply) ──▶ layer i+1's inputs under this attempt's fence (or `pending`: made
                                                durable beside layer i+1, named by the next reply's `settled`)
-    journaled with layer i ─▶ recorded(rec): the newest boundary; the one before is spent (unlinked off the
-                                               critical path, a thread of its own)
+    journaled with layer i ─▶ recorded(rec): the newest boundary; the one before is spent: kept in the temp folder
+                                               as a spare while a boundary is still to be written (the workers
+                                               rewrite it in place: durable.take_spare), else unlinked off the
+                                               critical path, a thread of its own
     a worker recycled ─────▶ settle_before_stop(w): Settle, so its successor starts from the pending inputs
     resume(state) ─────────▶ after the last layer whose outputs are durable and good (journal.calibrated_resume)
     settle_arithmetic(w) ──▶ thread counts and device models, as the workers report them, held to the journal's
@@ -137,8 +139,7 @@ class Boundaries:
         self.journal.append(rec)
         self.done[index] = rec
         spent, self.newest = self.newest, bs
-        for b in spent or []:  # it fed an earlier layer; the new one was held to its layer's name
-            self._discard(os.path.join(self.plan.output, b.file))
+        self._spent(spent)  # it fed an earlier layer; the new one was held to its layer's name
 
     def recorded(self, rec: journal.Shard) -> None:
         """A layer just journaled: its boundary is the only one the next layer needs, so the one before it is spent
@@ -146,8 +147,7 @@ class Boundaries:
         last = rec.index == self.plan.source.num_layers - 1
         if self.calibrated and rec.index >= 0 and (journal.boundaries(rec) or last):
             spent, self.newest = self.newest, journal.boundaries(rec)
-            for b in spent or []:  # it fed this layer; check() held the new one to the next layer's name
-                self._discard(os.path.join(self.plan.output, b.file))
+            self._spent(spent)  # it fed this layer; check() held the new one to the next layer's name
 
     def settle_arithmetic(self, w: Worker | Group) -> None:
         """What the calibrated workers compute with, as they report it: refused when the journal holds layers computed
@@ -163,16 +163,45 @@ class Boundaries:
             self.journal.append(rec)
             self._arithmetic = rec
 
+    def _spent(self, spent: list[Boundary] | None) -> None:
+        """Spent boundary files (each fed a layer that is journaled; no worker reads them again): while another
+        boundary is still to be written (the newest feeds a layer before the last), each is kept as a spare in the
+        temp folder, up to one per rank (the files a group writes at once), for a worker to rewrite in place
+        (child/backends/boundary.py, about twice as fast to make durable as a fresh file); the rest, and every spare
+        once none is to be written, are unlinked. Only these files are named, never a newer one a worker is
+        writing; one left behind by a crash is pruned when the export resumes (resume), a spare when the next run
+        clears the temp folder."""
+        tmp = layout.state_path(self.plan.output, layout.TMP)
+        more = bool(self.newest) and self.newest[0].feeds < self.plan.source.num_layers - 1
+        for b in spent or []:
+            path = os.path.join(self.plan.output, b.file)
+            if more and len(durable.spares(tmp)) < self.plan.world:
+                try:
+                    durable.keep_spare(path, tmp)  # a rename: no data moves
+                    continue
+                except OSError:
+                    pass  # gone already, or the folder cannot take it: unlinked as before
+            self._discard(path)
+        if not more:
+            self._drain_spares()
+
+    def _drain_spares(self) -> None:
+        tmp = layout.state_path(self.plan.output, layout.TMP)
+        for fn in durable.spares(tmp):
+            self._discard(os.path.join(tmp, fn))
+
     def _discard(self, path: str) -> None:
-        """Unlink a spent boundary file in the background: freeing a 2 GB file's cached pages takes ~0.45 s, which
-        would otherwise sit between one calibrated layer and the next. Only that one file is named, never a newer
-        one the worker is writing; one left behind by a crash is pruned when the export resumes (resume)."""
+        """Unlink a file in the background: freeing a 2 GB file's blocks takes ~0.45 s, which would otherwise sit
+        between one calibrated layer and the next."""
         if self._deleter is None:
             self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deleter")
         self._deleter.submit(durable.unlink_quietly, path)
 
     def close(self) -> None:
-        """Wait for the unlinks: they finish before the lock on the output is released."""
+        """Unlink the spares left (a run that stopped early), then wait for the unlinks: they finish before the lock
+        on the output is released."""
+        if self.calibrated:
+            self._drain_spares()
         if self._deleter is not None:
             self._deleter.shutdown(wait=True)
             self._deleter = None

@@ -104,6 +104,8 @@ def test_child_killed_while_calibrating_resumes_from_the_newest_durable_boundary
     assert [e["index"] for e in second if e["type"] == "LayerStarted"] == [1, 2, 3]
     assert {e["worker"] for e in second if e["type"] == "WorkerStarted"} == {0}
     assert cli.output_bytes(out) == reference[0]
+    # on disk, layer 3's inputs were written over layer 1's spent file (a spare); none is left behind
+    assert os.listdir(out / layout.STATE_DIR / layout.TMP) == []
 
     (tmp_path / "c").mkdir()
     third = cli.events(cli.run("run", _job(tmp_path / "c", model, dataset, corrupt), "--json"))
