@@ -108,6 +108,34 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s25b)  # call 2 (issue 34 part 2's second target): 32 layers of the 8B shape, 128 x 2048, GPTQ W4A16, match_oneshot =
+  # false alone against oneshot, the boundary files rewritten over spent ones (durable.take_spare), GPTQ's kernels
+  # warmed first
+  rm -rf /tmp/calib-bench
+  timeout 570 python3 bench/calib_bench.py --layers 32 --fast --skip default,kill,retry 2>&1 \
+    | grep --line-buffered -v "^W11\|WARNING\|it/s]\|Failed to load" > "$OUT/floor_gptq32.txt"
+  head -8 "$OUT/floor_gptq32.txt"; grep -A34 "^| layer" "$OUT/floor_gptq32.txt" | head -36; tail -10 "$OUT/floor_gptq32.txt"
+  ;;
+s25c)  # call 3 (issue 34 part 1): the GPU tests of the boundaries rewritten over spares; 8 layers of the 8B shape, GPTQ
+  # W4A16 default and match_oneshot = false against oneshot; FP8 static scales again (same checkpoint), tensors compared
+  rm -rf /tmp/calib-bench /tmp/qb
+  CUDA_VISIBLE_DEVICES=0 t 170 calib_gpu tests/gpu/test_calibrated_gpu.py -k "llama-W4A16-gptq or kill_and_rerun"
+  timeout 240 python3 bench/calib_bench.py --layers 8 --fast --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"
+  grep -A12 "^| layer" "$OUT/floor_gptq.txt" | head -26; tail -16 "$OUT/floor_gptq.txt"
+  timeout 120 python3 bench/calib_bench.py --layers 8 --method rtn --scheme FP8 --keep --skip kill,retry 2>&1 \
+    | quiet > "$OUT/floor_fp8.txt"
+  grep -A11 "^| layer" "$OUT/floor_fp8.txt" | head -11; tail -12 "$OUT/floor_fp8.txt"
+  ;;
+s25a)  # twenty-fourth session, call 1 (issue 34): this disk's facts; fresh boundary files against spent ones rewritten in
+  # place (bench/unlink_probe.py, 2.1 GB, as a run's boundaries); FP8 static activation scales on 8 layers of the 8B
+  # shape (part 1's last unmeasured scheme), ours against oneshot, tensors compared
+  rm -rf /tmp/calib-bench /tmp/cb-fp8
+  { df -hT /tmp; grep " / \| /tmp " /proc/mounts; } > "$OUT/disk.txt" 2>&1; cat "$OUT/disk.txt"
+  timeout 150 python3 bench/unlink_probe.py --dir /tmp --gb 2.1 --rounds 6 2>&1 | tee "$OUT/unlink_probe.txt"
+  timeout 330 python3 bench/calib_bench.py --layers 8 --method rtn --scheme FP8 --workdir /tmp/cb-fp8 \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_fp8.txt"
+  grep -A11 "^| layer" "$OUT/floor_fp8.txt" | head -11; tail -14 "$OUT/floor_fp8.txt"
+  ;;
 s24a)  # twenty-third session, call 1 (issue 34 part 2's second target): 32 layers of the 8B shape, 128 x 2048,
   # GPTQ W4A16, match_oneshot = false alone (--skip default) against oneshot, the device libraries warmed first
   rm -rf /tmp/calib-bench
