@@ -126,6 +126,16 @@ s25c)  # call 3 (issue 34 part 1): the GPU tests of the boundaries rewritten ove
     | quiet > "$OUT/floor_fp8.txt"
   grep -A11 "^| layer" "$OUT/floor_fp8.txt" | head -11; tail -12 "$OUT/floor_fp8.txt"
   ;;
+s25d)  # call 4 (issue 34 part 1): static activation scales with the boundaries over spares: FP8 and NVFP4 on 8 layers of
+  # the 8B shape, 128 x 2048, ours against oneshot, tensors compared (each bench in a workdir of its own)
+  rm -rf /tmp/calib-bench /tmp/cb-fp8 /tmp/cb-nvfp4
+  timeout 170 python3 bench/calib_bench.py --layers 8 --method rtn --scheme FP8 --workdir /tmp/cb-fp8 \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_fp8.txt"
+  grep -A11 "^| layer" "$OUT/floor_fp8.txt" | head -11; tail -12 "$OUT/floor_fp8.txt"; rm -rf /tmp/cb-fp8
+  timeout 200 python3 bench/calib_bench.py --layers 8 --method rtn --scheme NVFP4 --workdir /tmp/cb-nvfp4 \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_nvfp4.txt"
+  grep -A11 "^| layer" "$OUT/floor_nvfp4.txt" | head -11; tail -12 "$OUT/floor_nvfp4.txt"
+  ;;
 s25a)  # twenty-fourth session, call 1 (issue 34): this disk's facts; fresh boundary files against spent ones rewritten in
   # place (bench/unlink_probe.py, 2.1 GB, as a run's boundaries); FP8 static activation scales on 8 layers of the 8B
   # shape (part 1's last unmeasured scheme), ours against oneshot, tensors compared
