@@ -51,8 +51,7 @@ def write(path: str, buf: memoryview, *, prealloc: bool = False, reuse_from: str
             os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, path)
-    durable.fsync_dir(os.path.dirname(path))
+    durable.place(tmp, path)
     return time.perf_counter() - t
 
 

@@ -171,13 +171,12 @@ class Boundaries:
         once none is to be written, are unlinked. Only these files are named, never a newer one a worker is
         writing; one left behind by a crash is pruned when the export resumes (resume), a spare when the next run
         clears the temp folder."""
-        tmp = layout.state_path(self.plan.output, layout.TMP)
         more = bool(self.newest) and self.newest[0].feeds < self.plan.source.num_layers - 1
         for b in spent or []:
             path = os.path.join(self.plan.output, b.file)
-            if more and len(durable.spares(tmp)) < self.plan.world:
+            if more and len(durable.spares(self._tmp)) < self.plan.world:
                 try:
-                    durable.keep_spare(path, tmp)  # a rename: no data moves
+                    durable.keep_spare(path, self._tmp)  # a rename: no data moves
                     continue
                 except OSError:
                     pass  # gone already, or the folder cannot take it: unlinked as before
@@ -185,10 +184,14 @@ class Boundaries:
         if not more:
             self._drain_spares()
 
+    @property
+    def _tmp(self) -> str:
+        """The temp folder, where the spares wait (the workers' temp files are there too: one filesystem)."""
+        return layout.state_path(self.plan.output, layout.TMP)
+
     def _drain_spares(self) -> None:
-        tmp = layout.state_path(self.plan.output, layout.TMP)
-        for fn in durable.spares(tmp):
-            self._discard(os.path.join(tmp, fn))
+        for fn in durable.spares(self._tmp):
+            self._discard(os.path.join(self._tmp, fn))
 
     def _discard(self, path: str) -> None:
         """Unlink a file in the background: freeing a 2 GB file's blocks takes ~0.45 s, which would otherwise sit
