@@ -16,8 +16,6 @@ import importlib.abc
 import importlib.machinery
 import types
 
-from shared.job import profile_format
-
 
 # The modules each format's backend imports: the warm parent (child.zygote) imports them once, before forking.
 _MODULES: dict[str, tuple[str, ...]] = {
@@ -47,14 +45,15 @@ _OPTIONAL_EXTRAS = ("sklearn", "scipy", "torchvision", "torchaudio", "peft")
 _UNUSED: dict[str, tuple[str, ...]] = {"compressed-tensors": ("torchao", *_OPTIONAL_EXTRAS),
                                        "torchao": _OPTIONAL_EXTRAS}
 
-# Libraries a data-free worker never uses but that its libraries import unconditionally, so they cannot be marked
+# Libraries an export worker never uses but that its libraries import unconditionally, so they cannot be marked
 # absent: llm-compressor's package __init__ imports its entrypoints, whose dataset arguments and typing import
 # `datasets` (with pandas and pyarrow): 0.7 s of the warm parent's 5.7-6.4 s on this repo's CPU machine, the same
 # for oneshot and model_free_ptq, which import it whole. Their imports get a placeholder (_Unloaded): every name
 # in it is an inert class, enough for annotations and isinstance checks; calling one or reading its attributes
-# raises an error that names the library. A calibrated export (its samples go through datasets.Dataset,
-# child/backends/samples.py) has a warm profile of its own, "compressed-tensors+calibration", without the placeholder.
-# _MODULES and _UNUSED are by format (shared.job.profile_format), _UNLOADED by warm profile.
+# raises an error that names the library. A calibrated export's samples are ordered by llm-compressor's own
+# sampler over the token lists (child/backends/samples.py), not through datasets.Dataset, and nothing else on an
+# export's path (llm-compressor's modifiers, lifecycle and pipeline cache; compressed-tensors; our code) uses it.
+# Keyed, as _MODULES and _UNUSED, by warm profile (shared.job.warm_profile: the format).
 _UNLOADED: dict[str, tuple[str, ...]] = {"compressed-tensors": ("datasets",)}
 
 
@@ -71,7 +70,7 @@ def hide_unused(profile: str) -> None:
 
     if "transformers" in sys.modules:
         return
-    for name in _UNUSED.get(profile_format(profile), ()):
+    for name in _UNUSED.get(profile, ()):
         sys.modules.setdefault(name, None)
     for name in _UNLOADED.get(profile, ()):
         if name not in sys.modules and not any(isinstance(f, _Unloaded) and f.name == name for f in sys.meta_path):
@@ -123,8 +122,8 @@ class _UnloadedType(type):
     subclasses work; using one (calling it, reading an attribute it lacks) raises, naming the library."""
 
     def _why(cls, what: str) -> str:
-        return (f"{what}: this worker's warm parent does not load {cls.__module__.split('.')[0]!r} (a data-free "
-                "export never uses it; child/imports.py _UNLOADED)")
+        return (f"{what}: this worker's warm parent does not load {cls.__module__.split('.')[0]!r} (no export "
+                "worker uses it; child/imports.py _UNLOADED)")
 
     def __call__(cls, *args, **kwargs):
         raise RuntimeError(cls._why(f"{cls.__module__}.{cls.__qualname__}(...)"))
@@ -176,8 +175,8 @@ def preload(profile: str) -> None:
     import child.sources.checkpoint  # noqa: F401 - safetensors
     import child.writer  # noqa: F401 - torch, safetensors
 
-    for name in _MODULES.get(profile_format(profile), ()):
+    for name in _MODULES.get(profile, ()):
         importlib.import_module(name)
-    for name in _WARM_UP.get(profile_format(profile), ()):
+    for name in _WARM_UP.get(profile, ()):
         module, _, function = name.partition(":")
         getattr(importlib.import_module(module), function)()

@@ -138,19 +138,10 @@ def is_calibrated(job: Job) -> bool:
 
 
 def warm_profile(job: Job) -> str:
-    """What a worker of this job imports, as the warm parent names it (child/zygote.py, child/imports.py preload): the
-    format, and "+calibration" for a calibrated export, whose samples go through `datasets` (a data-free warm parent
-    leaves that library unloaded). Part of a kept warm parent's key, so a data-free one never serves a calibrated
-    export."""
-    return job.export.format + (_CALIBRATION if is_calibrated(job) else "")
-
-
-def profile_format(profile: str) -> str:
-    """A warm profile's format: "compressed-tensors+calibration" -> "compressed-tensors"."""
-    return profile.removesuffix(_CALIBRATION)
-
-
-_CALIBRATION = "+calibration"  # the mark a calibrated export's warm profile carries (warm_profile)
+    """What a worker of this job imports, as the warm parent names it (child/zygote.py, child/imports.py preload):
+    the format. Part of a kept warm parent's key. Calibrated and data-free exports of a format import the same
+    libraries (neither loads `datasets`: child/imports.py _UNLOADED), so one kept parent serves both."""
+    return job.export.format
 
 
 def ignores_lm_head(ignore: list[str]) -> bool:

@@ -107,31 +107,35 @@ DATASETS_PROBE = ("import sys\n"
                   "from datasets import Dataset\n"
                   "print('heavy', sorted(m for m in ('pandas', 'pyarrow') if m in sys.modules))\n"
                   "print('isinstance', isinstance([], Dataset))\n"
-                  "uses = [lambda: Dataset.from_dict({'x': [1]})]\n"
-                  "if '+' not in sys.argv[1]:  # the real one would look for a dataset on the Hub\n"
-                  "    uses.append(lambda: datasets.load_dataset('json'))\n"
-                  "for use in uses:\n"
+                  "from child.backends.samples import _oneshot_order\n"
+                  "print('order', _oneshot_order([[1], [1, 2, 3], [1, 2], [4, 5, 6, 7]], 3))\n"
+                  "for use in [lambda: Dataset.from_dict({'x': [1]}), lambda: datasets.load_dataset('json')]:\n"
+                  "    if 'pandas' in sys.modules:  # the real library: nothing to refuse (and no Hub to ask)\n"
+                  "        break\n"
                   "    try:\n"
                   "        print('used', type(use()).__name__)\n"
                   "    except (AttributeError, RuntimeError) as exc:\n"
                   "        print('refused', type(exc).__name__, exc)\n")
 
 
-def test_a_data_free_warm_parent_leaves_datasets_unloaded_and_a_calibrated_one_loads_it():
-    """llm-compressor imports `datasets` (and pandas, pyarrow) at its package import; a data-free export never uses
-    it. Its warm profile serves a placeholder: llm-compressor imports, annotations and isinstance checks work, and
-    any use names the library instead of misbehaving. A calibrated export's profile loads the real library (its
-    samples go through Dataset.from_dict). Each in a fresh interpreter, as the warm parent is."""
+def test_an_export_warm_parent_leaves_datasets_unloaded_and_orders_samples_without_it():
+    """llm-compressor imports `datasets` (and pandas, pyarrow) at its package import; no export worker uses it. The
+    compressed-tensors warm profile (data-free and calibrated exports alike) serves a placeholder: llm-compressor
+    imports, annotations and isinstance checks work, any use names the library instead of misbehaving, and a
+    calibrated export's samples are still put in llm-compressor's sampler's order (longest first; the order itself
+    is checked against oneshot's dataloader in tests/test_calibrate.py). A profile without the placeholder (torchao's)
+    loads the real library through the same imports. Each in a fresh interpreter, as the warm parent is."""
     def run(profile: str) -> list[str]:
         proc = subprocess.run([sys.executable, "-c", DATASETS_PROBE, profile], cwd=ROOT, capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        return [ln for ln in proc.stdout.splitlines() if ln.startswith(("heavy", "isinstance", "used", "refused"))]
+        return [ln for ln in proc.stdout.splitlines() if ln.startswith(("heavy", "isinstance", "order", "used",
+                                                                        "refused"))]
 
-    free = run("compressed-tensors")
-    assert free[:2] == ["heavy []", "isinstance False"], free
-    assert free[2].startswith("refused AttributeError datasets.Dataset.from_dict: this worker's warm parent does "
-                              "not load 'datasets'"), free
-    assert free[3].startswith("refused RuntimeError datasets.load_dataset(...): this worker's warm parent"), free
-    calibrated = run("compressed-tensors+calibration")
-    assert calibrated[:3] == ["heavy ['pandas', 'pyarrow']", "isinstance False", "used Dataset"], calibrated
+    export = run("compressed-tensors")
+    assert export[:3] == ["heavy []", "isinstance False", "order [3, 1, 2]"], export
+    assert export[3].startswith("refused AttributeError datasets.Dataset.from_dict: this worker's warm parent does "
+                                "not load 'datasets'"), export
+    assert export[4].startswith("refused RuntimeError datasets.load_dataset(...): this worker's warm parent"), export
+    real = run("torchao")
+    assert real == ["heavy ['pandas', 'pyarrow']", "isinstance False", "order [3, 1, 2]"], real

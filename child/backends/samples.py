@@ -63,8 +63,27 @@ def tokenize(samples: list, seq_len: int, tokenizer_dir: str) -> list[list[int]]
 
 
 def _oneshot_order(tokens: list[list[int]], samples: int) -> list[int]:
-    from datasets import Dataset
     from llmcompressor.datasets.utils import LengthAwareSampler
 
-    sampler = LengthAwareSampler(Dataset.from_dict({"input_ids": tokens}), num_samples=samples, batch_size=1)
+    sampler = LengthAwareSampler(_InputIds(tokens), num_samples=samples, batch_size=1)
     return list(iter(sampler))
+
+
+class _InputIds:
+    """What LengthAwareSampler reads of the dataset it is given (`column_names`, `len`, the `input_ids` column),
+    served from the token lists themselves: the same lengths a `datasets.Dataset.from_dict({"input_ids": ...})`
+    gives it, without importing `datasets` (with pandas and pyarrow), which no export worker loads
+    (child/imports.py _UNLOADED). tests/test_calibrate.py compares the order with oneshot's own dataloader."""
+
+    column_names = ["input_ids"]
+
+    def __init__(self, tokens: list[list[int]]):
+        self._tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __getitem__(self, column: str) -> list[list[int]]:
+        if column != "input_ids":
+            raise KeyError(column)
+        return self._tokens

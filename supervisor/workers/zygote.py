@@ -18,8 +18,8 @@ the worker protocol is supervisor.workers.worker's.
 
 KEPT: a re-run after a crash, or the next export of a studio session, then starts its workers in a fork, not an
 import (5-25 s). The kept zygote is found by a key: a hash of the interpreter, the environment it imports under
-(minus a few variables nothing reads at import), the warm profile (shared.job.warm_profile: the format, and
-whether the export is calibrated), the child's and shared package's files (size, mtime)
+(minus a few variables nothing reads at import), the warm profile (shared.job.warm_profile: the format), the
+child's and shared package's files (size, mtime)
 and the installed libraries' versions, so it never serves a run whose imports would differ. Its socket, lock and
 log live in a folder only this user can open ($XDG_RUNTIME_DIR, else the temp folder: supervisor-UID/KEY.*). A run
 holds KEY.lock while it uses it; a second run at the same time starts a zygote of its own. It exits after

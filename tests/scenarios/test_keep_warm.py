@@ -191,26 +191,27 @@ def test_another_environment_gets_another_parent(model, runtime, tmp_path):
     assert {p["pid"] for p in zygote.kept_parents()} == {a["pid"], b["pid"]}
 
 
-def test_a_calibrated_run_never_forks_from_a_data_free_parent(model, runtime, tmp_path):
-    """A data-free run's kept parent leaves `datasets` unloaded (child/imports.py); a calibrated export reads its
-    samples through it, so it gets a parent of its own profile, and finishes; each kept parent then serves the
-    runs of its own profile."""
+def test_a_calibrated_run_forks_from_a_data_free_runs_kept_parent(model, runtime, tmp_path):
+    """Data-free and calibrated exports import the same libraries (neither loads `datasets`: child/imports.py), so a
+    calibrated export forks its worker from the parent a data-free run kept, and its output equals the same
+    calibrated export run from a parent of its own (keep_warm = 0)."""
     from tests.ref_calib import token_rows, write_jsonl
 
     free = faultkit.run("run", _job(tmp_path, model, "f", keep_warm=120), "--json", env=runtime)
     assert free.rc == 0, free.stderr
     calib = dict(dataset=write_jsonl(tmp_path / "calib.jsonl", token_rows(8)), samples=8, seq_len=16)
-    job = cli.write_job(tmp_path / "c.toml", model, tmp_path / "c", SCHEME, method="gptq", workers=1, keep_warm=120,
-                        calibration=calib)
-    calibrated = faultkit.run("run", job, "--json", env=runtime)
-    assert calibrated.rc == 0, calibrated.stderr
-    a, c = free.of("PoolStarted")[0], calibrated.of("PoolStarted")[0]
-    assert c["reused"] is False and c["pid"] != a["pid"]
-    assert {(p["pid"], p["format"]) for p in zygote.kept_parents()} == {
-        (a["pid"], "compressed-tensors"), (c["pid"], "compressed-tensors+calibration")}
-    again = faultkit.run("run", _job(tmp_path, model, "f2", keep_warm=120), "--json", env=runtime)
-    assert again.rc == 0, again.stderr
-    assert again.of("PoolStarted")[0]["pid"] == a["pid"]
+    outputs = {}
+    for name, keep in (("c", 120), ("alone", 0)):
+        job = cli.write_job(tmp_path / f"{name}.toml", model, tmp_path / name, SCHEME, method="gptq", workers=1,
+                            keep_warm=keep, calibration=calib)
+        run = faultkit.run("run", job, "--json", env=runtime)
+        assert run.rc == 0, run.stderr
+        outputs[name] = (run.of("PoolStarted")[0], cli.output_bytes(tmp_path / name))
+    a, c = free.of("PoolStarted")[0], outputs["c"][0]
+    assert c["reused"] is True and c["pid"] == a["pid"], (a, c)
+    assert outputs["alone"][0]["reused"] is False and outputs["alone"][0]["pid"] != a["pid"]
+    assert outputs["c"][1] == outputs["alone"][1]
+    assert {(p["pid"], p["format"]) for p in zygote.kept_parents()} == {(a["pid"], "compressed-tensors")}
 
 
 def test_keep_warm_must_not_be_negative(model, tmp_path):
