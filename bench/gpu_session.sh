@@ -108,6 +108,24 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s26a)  # twenty-fifth session, call 1 (issue 34): why imports take 14 s here against 3 s on the CPU VM: bytecode caches,
+  # file systems, the CPU; a calibrated warm parent's imports and the worker's child.backends.calibrate under -X importtime
+  envs="PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1"
+  { env | grep -i "^PYTHON\|^PIP" ; python3 -c "import sys; print(sys.version, 'dont_write_bytecode', sys.flags.dont_write_bytecode, 'prefix', sys.pycache_prefix, sys.path)"
+    for m in torch sympy transformers; do python3 -c "import importlib.util as u, os, sys; s = u.find_spec('$m'); d = os.path.dirname(s.origin); c = os.path.join(d, '__pycache__'); print('$m', d, 'writable', os.access(d, os.W_OK), 'pycache', os.path.isdir(c) and len(os.listdir(c)))"; done
+    find /tmp/site -name "*.pyc" | wc -l; df -hT /tmp/site "$(python3 -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("torch").origin))')"
+    lscpu | grep "Model name\|^CPU(s)\|MHz"; cat /proc/loadavg; free -g | head -2; } > "$OUT/env.txt" 2>&1; cat "$OUT/env.txt"
+  for i in 1 2 3; do python3 -c "import time; t = time.perf_counter(); import torch; a = time.perf_counter(); import sympy; b = time.perf_counter(); import transformers; c = time.perf_counter(); print(f'torch {a - t:.2f} sympy {b - a:.2f} transformers {c - b:.2f}')"; done 2>&1 | tee "$OUT/plain.txt"
+  imp='import time; t = time.perf_counter(); from child.imports import preload; preload("compressed-tensors+calibration"); a = time.perf_counter(); import child.backends.calibrate; b = time.perf_counter(); print(f"preload {a - t:.2f} calibrate {b - a:.2f}")'
+  for i in 1 2; do env $envs python3 -c "$imp"; done 2>&1 | grep preload | tee "$OUT/calib_imports.txt"
+  env $envs python3 -X importtime -c "$imp" 2> "$OUT/importtime.raw" > /dev/null
+  awk -F'|' '/import time:/ {gsub(/ /, "", $2); print $2, $3}' "$OUT/importtime.raw" | sort -n -r | head -60 > "$OUT/importtime_cum.txt"
+  awk -F'|' '/import time:/ {split($1, a, ":"); gsub(/ /, "", a[2]); print a[2], $3}' "$OUT/importtime.raw" | sort -n -r | head -60 > "$OUT/importtime_self.txt"
+  head -30 "$OUT/importtime_cum.txt"; echo ==self; head -30 "$OUT/importtime_self.txt"
+  mkdir -p /tmp/pyc; for i in 1 2 3; do env $envs PYTHONPYCACHEPREFIX=/tmp/pyc python3 -c "$imp"; done 2>&1 | grep preload | sed "s/^/pycache_prefix: /" | tee -a "$OUT/calib_imports.txt"
+  for i in 1 2; do python3 -c 'import time; t = time.perf_counter(); from llmcompressor import oneshot; import transformers
+print(f"oneshot imports: {time.perf_counter() - t:.2f} s")'; done 2>&1 | grep "oneshot imports" | tee -a "$OUT/calib_imports.txt"
+  ;;
 s25b)  # call 2 (issue 34 part 2's second target): 32 layers of the 8B shape, 128 x 2048, GPTQ W4A16, match_oneshot =
   # false alone against oneshot, the boundary files rewritten over spent ones (durable.take_spare), GPTQ's kernels
   # warmed first
