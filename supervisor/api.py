@@ -1,6 +1,7 @@
 """The embedding API: `Supervisor(job, model=...)`, its events and cancel; the CLI calls the same thing.
 
-    caller ──job──▶ Supervisor.__init__   validate job, source, output, fingerprint (prepare: writes nothing)
+    caller ──job──▶ Supervisor.__init__   validate job, source, output, fingerprint (prepare: writes nothing);
+                                          warm_now (the CLI): the warm parent launched first, importing meanwhile
                     .start / __enter__    the run (supervisor.run.sequence.Run): lock OUT, release the live model's GPU
                                           memory, start its thread (journal → parts → worker(s) → finalize)
                     .events()             typed events (supervisor.events) until Finished | Failed | Cancelled
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from shared import layout
-from shared.job import Job, JobSyntaxError, is_calibrated, parse_toml
+from shared.job import Job, JobSyntaxError, is_calibrated, parse_toml, warm_profile
 from shared.messages import Described
 from supervisor import events as ev
 from supervisor.checks import calibration
@@ -39,6 +40,7 @@ from supervisor.checks.source import SourceInfo, inspect
 
 if TYPE_CHECKING:  # supervisor.live.model imports torch; a plan for a checkpoint never needs it
     from supervisor.live.model import Saved
+    from supervisor.workers.zygote import EarlyStart
 
 
 def load_job(path: str | os.PathLike) -> Job:
@@ -67,6 +69,24 @@ def load_job(path: str | os.PathLike) -> Job:
         job.evaluate.dataset = os.path.normpath(os.path.join(base, os.path.expanduser(job.evaluate.dataset)))
     return job
 
+
+
+def _early_start(job: Job, model) -> EarlyStart | None:
+    """The run's warm parent, launched now, while prepare checks the job (supervisor.workers.zygote.EarlyStart): a
+    checkpoint exported on this host. None for a live model (its warm parent inherits the model's pool, made when
+    the run starts) and a cluster's job (each node starts its own), and when the job's devices cannot be named
+    (prepare says why)."""
+    if model is not None or job.source is None or job.resources.cluster:
+        return None
+    from supervisor.workers import devices
+    from supervisor.workers.zygote import EarlyStart, keep_warm_seconds, run_env
+
+    try:
+        devs = devices.resolve_devices(job.resources.device)
+    except Exception:  # noqa: BLE001 - prepare refuses the job with the reason
+        return None
+    return EarlyStart(run_env(devs), warm_profile(job), job.resources.startup_timeout,
+                      keep_warm_seconds(job.resources.keep_warm))
 
 
 def _is_within(path: str, folder: str) -> bool:
@@ -236,17 +256,25 @@ class Supervisor:
     """Runs one export in a supervised child; see the module docstring for the life cycle."""
 
     def __init__(self, job: Job | str | os.PathLike, model=None, *, tokenizer=None, pool=None,
-                 retry_delay: float = 0.5):
+                 retry_delay: float = 0.5, warm_now: bool = False):
         """`model`: the live model to release while the child runs (and, for a job without [source], the model
         to export; a PEFT model over a quantized base: its LoRA pairs are merged over the 16-bit checkpoint,
         supervisor/live/qlora.py); `tokenizer`: saved into the output of a job without [source]; `pool`: an offload.PinnedPool to reuse
-        across exports (pinning costs once), else one is made for this run and freed at its end."""
+        across exports (pinning costs once), else one is made for this run and freed at its end. `warm_now`: a
+        caller that starts the run right after (the CLI) has the warm parent start importing now, while the job
+        is checked (EarlyStart; it ends if the job is refused, or with the run's clean-up)."""
         self.job = job if isinstance(job, Job) else load_job(job)
-        self.plan = prepare(self.job, model, join=True)
+        early = _early_start(self.job, model) if warm_now else None
+        try:
+            self.plan = prepare(self.job, model, join=True)
+            self._run = Run(self.plan, model, tokenizer=tokenizer, pool=pool, retry_delay=retry_delay, early=early)
+        except BaseException:
+            if early is not None:  # refused: its warm parent ends, and nothing of it stays behind
+                early.close()
+            raise
         self.model = model
         self.tokenizer = tokenizer
         self.retry_delay = retry_delay
-        self._run = Run(self.plan, model, tokenizer=tokenizer, pool=pool, retry_delay=retry_delay)
 
     def __enter__(self) -> "Supervisor":
         self.start()

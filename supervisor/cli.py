@@ -37,12 +37,12 @@ def _err(msg: str) -> None:
 
 def cmd_run(args) -> int:
     from supervisor.api import Supervisor
-    from supervisor.commands.progress import Display
 
+    run = Supervisor(args.job, warm_now=True)  # first: its warm parent imports while the job is checked
     from shared import layout
     from supervisor.commands.liblog import Echo
+    from supervisor.commands.progress import Display
 
-    run = Supervisor(args.job)
     display = Display(json_lines=args.json, total_hint=run.plan.source.num_layers + 1)
     with Echo([layout.state_path(run.plan.output, layout.LOGS)], enabled=args.debug), run, display:
         try:

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from shared.job import parse_job
 from supervisor import Supervisor, api, events as ev
@@ -18,6 +19,33 @@ for i in range(50000):
 print("x" * 10000)
 sys.stdout.write("no newline at the end")
 """
+
+
+def test_lines_before_the_log_is_named_wait_and_come_first(tmp_path, monkeypatch):
+    """A pump started without a log file (a warm parent launched before its run's output was checked) reads on, so
+    its child never blocks; attach() writes and hands on what came before, in order, then the rest follows. Kept in
+    memory meanwhile: at most EARLY_MAX bytes, the oldest lines dropped first."""
+    from supervisor.workers import logpump
+
+    monkeypatch.setattr(logpump, "EARLY_MAX", 60)
+    r, w = os.pipe()
+    lines = []
+    pump = LogPump({"stdout": r}, None, 7, None)
+    pump.start()
+    for i in range(10):  # 10 lines of 10 bytes before attach: the first 5 do not fit in 60 bytes with the rest
+        os.write(w, f"before {i:02d}\n".encode())
+    deadline = time.monotonic() + 30
+    while sum(len(d) for _, d in pump._early) < 60 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the pump has read all ten (it keeps reading while no file is named)
+    log = tmp_path / "zygote.log"
+    assert not log.exists()
+    pump.attach(str(log), lambda stream, text, pid: lines.append((stream, text, pid)))
+    os.write(w, b"after 0\n")
+    os.close(w)
+    pump.join(timeout=10)
+    kept = [f"before {i:02d}" for i in range(4, 10)] + ["after 0"]
+    assert log.read_text().splitlines() == kept
+    assert lines == [("stdout", text, 7) for text in kept]
 
 
 def test_pump_copies_every_byte_and_hands_on_whole_lines(tmp_path):

@@ -92,7 +92,7 @@ def run_demo(folder: str, scheme: str = "FP8_DYNAMIC", json_lines: bool = False,
             print(f"building a small Llama-shaped model in {model} (library output: {build_log})", file=sys.stderr)
             _helper("build", [model], build_log)
         print(f"job file: {job_path}  (run it yourself with: supervisor run {job_path})", file=sys.stderr)
-        run = Supervisor(job)
+        run = Supervisor(job, warm_now=True)
         display = Display(json_lines=json_lines, total_hint=run.plan.source.num_layers + 1)
         with run, display:
             for e in run.events():

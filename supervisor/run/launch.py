@@ -41,7 +41,7 @@ from supervisor.run.scheduler import Slot
 from supervisor.workers.group import Group, data_plane_env, interface_holding
 from supervisor.workers.logpump import OnLine
 from supervisor.workers.worker import CancelledWait, Worker, WorkerLost, spawn
-from supervisor.workers.zygote import Zygote, ZygoteLost, keep_warm_seconds
+from supervisor.workers.zygote import EarlyStart, Zygote, ZygoteLost, keep_warm_seconds, run_env
 
 # Test-only: seconds a cluster slot whose node left waits for Ray to place it elsewhere before it is left out
 # (default supervisor.cluster.seats.PLACE_SECONDS); a left-out slot then asks every ROOM_POLL s until a node has room.
@@ -58,14 +58,18 @@ def cluster_place_seconds() -> float:
 class Launcher:
     def __init__(self, plan: Plan, emit: Callable[[ev.Event], None], cancel: threading.Event, *, on_log: OnLine,
                  lease: Lease, progress: Progress | None,
-                 check_ready: Callable[[Worker | Group], None] = lambda worker: None):
-        """`check_ready(w)`: after a part-exporting worker (or group) is ready, before it gets a part."""
+                 check_ready: Callable[[Worker | Group], None] = lambda worker: None, early: EarlyStart | None = None):
+        """`check_ready(w)`: after a part-exporting worker (or group) is ready, before it gets a part. `early`: the
+        warm parent launched when the job was read (supervisor.api), taken by start_zygote when it is the one the
+        plan needs, with its spawner thread (the thread its zygote's parent-death signal watches)."""
         self.plan, self.job, self._emit, self._cancel = plan, plan.job, emit, cancel
         self._on_log, self._lease, self._progress, self._check_ready = on_log, lease, progress, check_ready
         self.slots: list[Slot] | None = None
         self.zygote: Zygote | None = None
         self._zygote_lock = threading.Lock()
-        self._spawner: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
+        self._early = early
+        self._spawner: ThreadPoolExecutor | None = early.spawner if early is not None else \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
 
     @property
     def layer_bytes(self) -> int:
@@ -87,19 +91,22 @@ class Launcher:
     def start_zygote(self) -> None:
         """Start the warm parent that forks workers. It is spawned from the long-lived spawner thread: a
         parent-death signal fires when the *thread* that spawned a process ends, not only its process."""
-        from supervisor.workers import devices
-
         self._check_cancel()
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        if self.plan.devices == ["cpu"]:
-            env = devices.child_env("cpu", env)
+        env, fmt = run_env(self.plan.devices), warm_profile(self.job)
+        keep = keep_warm_seconds(self.job.resources.keep_warm)
         log = layout.state_path(self.plan.output, layout.LOGS, "zygote.log")
-        z = Zygote(env, log, warm_profile(self.job), self.job.resources.startup_timeout, pass_fds=self._lease.memfds,
-                   on_log=self._on_log, keep_warm=keep_warm_seconds(self.job.resources.keep_warm))
+        early, self._early = self._early, None
+        if early is not None and early.matches(env, fmt, keep, self._lease.memfds):
+            z, start = early.zygote, functools.partial(early.adopt, log, self._on_log)
+        else:
+            if early is not None:  # the plan's devices or environment differ from the job's first reading
+                self._spawner.submit(early.zygote.discard).result()
+            z = Zygote(env, log, fmt, self.job.resources.startup_timeout, pass_fds=self._lease.memfds,
+                       on_log=self._on_log, keep_warm=keep)
+            start = z.start
         t = time.monotonic()
         try:
-            self._spawner.submit(z.start, self._cancel.is_set).result()
+            self._spawner.submit(start, self._cancel.is_set).result()
         except ZygoteLost as exc:
             raise ExportFailed(f"workers cannot start: {exc.reason}", traceback=exc.log_tail) from None
         except CancelledWait:
@@ -238,6 +245,9 @@ class Launcher:
                                ranks=group.alive if isinstance(group, Group) else 0))
 
     def close_spawner(self) -> None:
+        early, self._early = self._early, None
+        if early is not None and self._spawner is not None:  # never taken: the run ended before its warm parent
+            self._spawner.submit(early.zygote.discard).result()
         if self._spawner is not None:
             self._spawner.shutdown(wait=True)
             self._spawner = None

@@ -52,6 +52,7 @@ from supervisor.run.plan import Plan
 from supervisor.run.scheduler import Scheduler
 from supervisor.run.verdict import Verdict
 from supervisor.workers.worker import CancelledWait, Worker
+from supervisor.workers.zygote import EarlyStart
 
 # Test-only: "1" judges the export plan beside the first parts, "0" before them, whatever the host's free memory
 # (tests/scenarios run both orderings on the CPU machine).
@@ -62,10 +63,12 @@ class Run:
     """One export's steps, from a Plan to its terminal event, on a thread of its own; Supervisor is its only caller
     (see the module docstring for the steps)."""
 
-    def __init__(self, plan: Plan, model=None, *, tokenizer=None, pool=None, retry_delay: float = 0.5):
+    def __init__(self, plan: Plan, model=None, *, tokenizer=None, pool=None, retry_delay: float = 0.5,
+                 early: EarlyStart | None = None):
         """`plan`: the validated job (api.prepare); `model`, `tokenizer`, `pool` (a PinnedPool): as handed to
-        Supervisor."""
+        Supervisor; `early`: the warm parent launched when the job was read, for the launcher to take."""
         self.job = plan.job
+        self._early = early
         self.plan = plan
         self.model = model
         self.retry_delay = retry_delay
@@ -96,13 +99,18 @@ class Run:
         self._started = True
         out = self.plan.output
         try:
-            for d in (out, layout.state_dir(out), layout.state_path(out, layout.LOGS),
-                      layout.state_path(out, layout.TMP)):
-                os.makedirs(d, exist_ok=True)
-        except OSError as exc:
-            raise OutputError(f"cannot create output {out!r}: {exc.strerror}") from exc
-        self._lock = Lock(out)
-        self._lock.acquire()
+            try:
+                for d in (out, layout.state_dir(out), layout.state_path(out, layout.LOGS),
+                          layout.state_path(out, layout.TMP)):
+                    os.makedirs(d, exist_ok=True)
+            except OSError as exc:
+                raise OutputError(f"cannot create output {out!r}: {exc.strerror}") from exc
+            lock = Lock(out)
+            lock.acquire()
+        except BaseException:
+            self._drop_early()
+            raise
+        self._lock = lock
         try:
             self._lease.release()
             precheck_gpu(self.plan)
@@ -185,6 +193,7 @@ class Run:
         # Every step runs even when an earlier one raises (on a full disk the journal's close raises): the live
         # model always comes back and the lock is always released. ExitStack runs the callbacks last-in first-out.
         with self._cleanup_lock, contextlib.ExitStack() as steps:
+            steps.callback(self._drop_early)  # the run ended before its launcher took it
             if self._lock is not None:
                 steps.callback(self._lock.release)
                 self._lock = None
@@ -210,6 +219,11 @@ class Run:
                 steps.callback(self._scheduler.close)
                 self._scheduler = None
                 self._verdict.attach(None)
+
+    def _drop_early(self) -> None:
+        early, self._early = self._early, None
+        if early is not None:
+            early.close()
 
     def _restore_model(self) -> None:
         self._lease.restore()
@@ -287,8 +301,9 @@ class Run:
         On the 2-core VM, beside the parts took 0.4-0.5 s off the time from the warm parent's readiness to the end
         (3.07-3.62 s against 3.52-4.14 s, eight alternating runs each, 2026-12-01): judged first, one core idled
         while the other judged the plan."""
+        early, self._early = self._early, None
         self._launcher = Launcher(self.plan, self._emit, self._cancel, on_log=self._feed.on_log, lease=self._lease,
-                                  progress=self._progress, check_ready=self._boundaries.settle_arithmetic)
+                                  progress=self._progress, check_ready=self._boundaries.settle_arithmetic, early=early)
         if self.plan.cluster is None:  # on a cluster each node's host has a warm parent of its own
             self._launcher.start_zygote()
         self._scheduler = self._make_scheduler()

@@ -38,6 +38,8 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
 from shared import durable
@@ -204,6 +206,61 @@ def stop_kept() -> tuple[list[dict], list[dict]]:
     return stopped, busy
 
 
+def run_env(devices: list[str]) -> dict[str, str]:
+    """The environment a run's warm parent imports under (part of a kept one's key): this process's, unbuffered,
+    and no GPU visible when the run's only device is the CPU (supervisor.workers.devices.child_env)."""
+    from supervisor.workers import devices as devs
+
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    return devs.child_env("cpu", env) if devices == ["cpu"] else env
+
+
+class EarlyStart:
+    """A run's warm parent launched as soon as its job is read (supervisor.api.Supervisor), before the source, the
+    output and the plan are checked, so that its imports (most of a cold start) overlap the supervisor's own: its
+    imports, the checkpoint's headers, the fingerprint, the journal. Launched on the spawner thread the run then
+    keeps (a zygote's parent-death signal fires when the thread that spawned it ends); its own zygote's log lines
+    wait in memory until the run names the log file (Zygote.adopt), so nothing is written before the checks.
+
+    The run's launcher takes it (supervisor.run.launch.Launcher.start_zygote) when the plan asks for the same
+    environment, profile and keep_warm, and discards it otherwise; a run refused or ended before then closes it
+    (close): its zygote ends, a kept zygote it spawned too, with its files."""
+
+    def __init__(self, env: dict[str, str], fmt: str, startup_timeout: float, keep_warm: float):
+        self.env, self.fmt, self.keep_warm = env, fmt, keep_warm
+        self.zygote = Zygote(env, None, fmt, startup_timeout, keep_warm=keep_warm)
+        self.spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
+        self._launched = self.spawner.submit(self.zygote.launch)
+
+    def matches(self, env: dict[str, str], fmt: str, keep_warm: float, pass_fds: tuple[int, ...]) -> bool:
+        return not pass_fds and (env, fmt, keep_warm) == (self.env, self.fmt, self.keep_warm)
+
+    def adopt(self, log_path: str, on_log: OnLine | None, cancelled: Callable[[], bool]) -> None:
+        """On the spawner thread: the launch's outcome, the log named, then the zygote's {"ready"}; raises
+        ZygoteLost or CancelledWait (the zygote closed)."""
+        try:
+            while True:
+                try:
+                    self._launched.result(timeout=0.2)
+                    break
+                except FutureTimeout:
+                    if cancelled():
+                        raise CancelledWait() from None
+            self.zygote.adopt(log_path, on_log)
+            self.zygote.wait_ready(cancelled)
+        except BaseException:
+            self.zygote.close()
+            raise
+
+    def close(self) -> None:
+        """The run did not take it: end its zygote (after the launch, on the spawner thread) and the thread."""
+        try:
+            self.spawner.submit(self.zygote.discard).result()
+        finally:
+            self.spawner.shutdown(wait=True)
+
+
 class ZygoteLost(Exception):
     """The zygote died or could not start; `log_tail` holds the end of its log."""
 
@@ -252,7 +309,7 @@ class Forked(Handle):
 
 
 class Zygote:
-    def __init__(self, env: dict[str, str], log_path: str, fmt: str, startup_timeout: float,
+    def __init__(self, env: dict[str, str], log_path: str | None, fmt: str, startup_timeout: float,
                  pass_fds: tuple[int, ...] = (), on_log: OnLine | None = None, keep_warm: float = 0.0):
         self.env, self.log_path, self.fmt, self.startup_timeout = env, log_path, fmt, startup_timeout
         # a live model's pool fds are this run's: a zygote that inherits them cannot serve another run
@@ -267,6 +324,7 @@ class Zygote:
         self.proc: subprocess.Popen | None = None
         self.seconds = 0.0  # its import time, reported by itself
         self.forkable = True  # False: the imports touched CUDA, so workers must be spawned, not forked
+        self._ready = False  # its {"ready"} came
         self._sock: socket.socket | None = None
         self._replies: queue.Queue = queue.Queue()
         self._children: dict[int, Forked] = {}
@@ -284,17 +342,62 @@ class Zygote:
 
     def start(self, cancelled: Callable[[], bool]) -> None:
         """Connect to a kept zygote or spawn one, and wait until it has imported everything; raises ZygoteLost."""
+        self.launch(cancelled)
+        self.wait_ready(cancelled)
+
+    def launch(self, cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Connect to a kept zygote (waiting for its {"ready"}: it has imported already) or spawn one (kept, or this
+        run's own), without waiting for the new one's imports (wait_ready does); raises ZygoteLost."""
         try:
-            if self.keep_warm > 0 and self._start_kept(cancelled):
+            if self.keep_warm > 0 and self._launch_kept(cancelled):
                 return
-            self._start_private(cancelled)
+            self._launch_private()
         except BaseException:
             self.close()  # and release the kept zygote's lock, so a later run in this process may use it
             raise
 
-    def _start_private(self, cancelled: Callable[[], bool]) -> None:
+    def wait_ready(self, cancelled: Callable[[], bool]) -> None:
+        """Wait for a launched zygote's {"ready"} (at once for a kept one that had imported); raises ZygoteLost."""
+        try:
+            if not self._ready:
+                self._wait_ready(cancelled)
+        except BaseException:
+            self.close()
+            raise
+
+    def adopt(self, log_path: str, on_log: OnLine | None) -> None:
+        """A zygote launched before its run knew where its log goes (EarlyStart): its own zygote's output goes to
+        `log_path` and `on_log` from now on, what it printed so far first. A kept one writes its own log."""
+        if self._pump is not None:
+            os.makedirs(os.path.dirname(log_path), exist_ok=True)
+            self.log_path, self.on_log = log_path, on_log
+            self._pump.attach(log_path, on_log)
+
+    def discard(self) -> None:
+        """close(), and end a kept zygote this object spawned, with its files: it was started for a run that did not
+        use it (refused before its first worker), so none of that run's processes or files stay behind. The lock is
+        held until its files are gone, so no other run's zygote at the same path loses its socket."""
+        if self.proc is not None and not self.kept and self.proc.poll() is None:
+            self.proc.kill()  # this run's own: no files, no workers yet, likely mid-import (it reads no socket then)
+            self.proc.wait()  # bounded: after SIGKILL
+        spawned = self.proc if self.kept else None
+        if spawned is not None:
+            if spawned.poll() is None:
+                spawned.terminate()  # it removes its socket and listing on SIGTERM (child/zygote.py kept)
+                try:
+                    spawned.wait(10)
+                except subprocess.TimeoutExpired:
+                    spawned.kill()
+                    spawned.wait()  # bounded: after SIGKILL
+            base = self.log_path[: -len(".log")]
+            for suffix in (".log", ".sock", ".json"):
+                durable.unlink_quietly(base + suffix)
+        self.close()
+
+    def _launch_private(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        if self.log_path is not None:
+            os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         cmd = [sys.executable, "-P", "-m", "child.zygote", "--sock-fd", str(theirs.fileno()),
                "--parent-pid", str(os.getpid()), "--format", self.fmt]
         try:
@@ -306,9 +409,8 @@ class Zygote:
             theirs.close()
         self.pid = self.proc.pid
         self._connected(ours)
-        self._wait_ready(cancelled)
 
-    def _start_kept(self, cancelled: Callable[[], bool]) -> bool:
+    def _launch_kept(self, cancelled: Callable[[], bool]) -> bool:
         """Serve from the kept zygote for this environment, starting it if none runs; False: none can be kept
         here (no private folder, or another run is using it), so the caller starts one for this run alone."""
         where = kept_dir()
@@ -332,7 +434,6 @@ class Zygote:
             except ZygoteLost:  # it reached its idle end as we connected: start another
                 self._reset()
         self._spawn_kept(path)
-        self._wait_ready(cancelled)
         return True
 
     @staticmethod
@@ -403,6 +504,7 @@ class Zygote:
                                      f"{self.startup_timeout:.0f}s", self.log_tail()) from None
                 continue
             if "ready" in msg:
+                self._ready = True
                 self.seconds = msg.get("seconds", 0.0)
                 self.forkable = msg.get("forkable", True)
                 self.reused = bool(msg.get("reused"))
