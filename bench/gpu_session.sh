@@ -108,6 +108,33 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s26b)  # twenty-fifth session, call 2 (issue 34 part 3): the data-free 8B FP8_DYNAMIC cold and warm start, before
+  # (.whl/before: `git archive 1357707 child shared supervisor`) and after (datasets left out of every export worker,
+  # the warm parent launched as the job is read), alternating, oneshot once
+  rm -rf /tmp/cold-bench
+  timeout 290 python3 bench/cold_start.py --tree before=.whl/before --tree after=. --rounds 2 --oneshot-rounds 1 \
+    --skip imports --device cuda:0 2>&1 | quiet > "$OUT/cold_start.txt"
+  tail -18 "$OUT/cold_start.txt"; rm -rf /tmp/cold-bench
+  ;;
+s26c)  # call 3 (issue 34 part 1): GPTQ W4A16 default on 8 layers of the 8B shape, 128 x 2048, before (.whl/before) and
+  # after against oneshot, tensors compared; then FP8 static scales after, against oneshot
+  rm -rf /tmp/calib-bench /tmp/cb-fp8
+  timeout 330 python3 bench/calib_bench.py --layers 8 --before .whl/before --skip kill,retry 2>&1 | quiet \
+    > "$OUT/floor_gptq.txt"
+  grep -A12 "^| layer" "$OUT/floor_gptq.txt" | head -26; tail -16 "$OUT/floor_gptq.txt"; rm -rf /tmp/calib-bench
+  timeout 200 python3 bench/calib_bench.py --layers 8 --method rtn --scheme FP8 --workdir /tmp/cb-fp8 \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_fp8.txt"
+  grep -A11 "^| layer" "$OUT/floor_fp8.txt" | head -11; tail -12 "$OUT/floor_fp8.txt"
+  ;;
+s26d)  # call 4 (issue 34 part 1): NVFP4 static scales and AWQ W4A16 on 8 layers of the 8B shape, ours against oneshot
+  rm -rf /tmp/cb-fp8 /tmp/cb-nvfp4 /tmp/cb-awq
+  timeout 200 python3 bench/calib_bench.py --layers 8 --method rtn --scheme NVFP4 --workdir /tmp/cb-nvfp4 \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_nvfp4.txt"
+  grep -A11 "^| layer" "$OUT/floor_nvfp4.txt" | head -11; tail -12 "$OUT/floor_nvfp4.txt"; rm -rf /tmp/cb-nvfp4
+  timeout 380 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cb-awq \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_awq.txt"
+  grep -A11 "^| layer" "$OUT/floor_awq.txt" | head -11; tail -12 "$OUT/floor_awq.txt"
+  ;;
 s26a)  # twenty-fifth session, call 1 (issue 34): why imports take 14 s here against 3 s on the CPU VM: bytecode caches,
   # file systems, the CPU; a calibrated warm parent's imports and the worker's child.backends.calibrate under -X importtime
   envs="PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1"
