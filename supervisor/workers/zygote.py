@@ -3,7 +3,10 @@
     Zygote.start()  kept warm (keep_warm > 0, no live-model pool): connects to the zygote an earlier run left
                     running for this environment, or starts one that outlives this run (see KEPT below); else
                     python -P -m child.zygote for this run alone (stdout/stderr pumped into
-                    OUT/.export/logs/zygote.log and on_log); waits for {"ready"}
+                    OUT/.export/logs/zygote.log and on_log); waits for {"ready"}. In two steps: launch() (connect
+                    or spawn) and wait_ready(); adopt() names the log of one launched before its run knew it
+    EarlyStart      a run's warm parent launched as its job is read (supervisor run), taken by the run's launcher
+                    or discarded (a refused job leaves nothing of it)
     Zygote.fork()   sends {"fork": {env, argv}} with the worker's pipe ends and stdout/stderr fds (SCM_RIGHTS; a
                     group's rank 0 also its store's bound socket) and
                     returns a Forked (Popen-like: pid, poll, wait, terminate, kill) once the zygote says
@@ -609,6 +612,8 @@ class Zygote:
             self._lock_fd = None
 
     def log_tail(self, n: int = 4000) -> str:
+        if self.log_path is None:  # launched early, not adopted yet: its lines are still in its pump
+            return ""
         if self._pump is not None and self.proc is not None and self.proc.poll() is not None:
             self._pump.join(2)  # its last words may still be in the pipe
         elif self.kept and self.proc is not None:
