@@ -35,8 +35,8 @@ def test_lines_before_the_log_is_named_wait_and_come_first(tmp_path, monkeypatch
     for i in range(10):  # 10 lines of 10 bytes before attach: the first 5 do not fit in 60 bytes with the rest
         os.write(w, f"before {i:02d}\n".encode())
     deadline = time.monotonic() + 30
-    while sum(len(d) for _, d in pump._early) < 60 and time.monotonic() < deadline:
-        time.sleep(0.01)  # the pump has read all ten (it keeps reading while no file is named)
+    while not (pump._early and pump._early[-1][1] == b"before 09\n") and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the pump has read all ten (it keeps reading while no file is named)
     log = tmp_path / "zygote.log"
     assert not log.exists()
     pump.attach(str(log), lambda stream, text, pid: lines.append((stream, text, pid)))
