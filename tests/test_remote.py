@@ -122,6 +122,28 @@ def test_refusals_are_reported_one_by_one_then_counted(monkeypatch):
     assert all("not our handshake" in r for r in single), single
 
 
+def test_refusals_still_held_when_the_port_closes_are_reported_in_one_count(monkeypatch):
+    """A port closed inside a refusal window reports the count it held (a run shorter than the window loses none)."""
+    monkeypatch.setattr(remote, "REFUSAL_WINDOW", 3600.0)
+    reports = []
+    listener = remote.Listener(HOST, lambda peer, reason: reports.append((peer, reason)))
+    try:
+        for _ in range(20):
+            with socket.create_connection((HOST, listener.port)) as s:
+                s.sendall(b"\xff" * 8)
+                s.settimeout(5)
+                try:
+                    s.recv(1)  # the port closed it: refused (the count is bumped in the same turn of its loop)
+                except ConnectionResetError:
+                    pass
+        assert not any("more connections refused" in r for _, r in reports), reports  # the window is not over
+    finally:
+        listener.close()
+    counted = [r for _, r in reports if "more connections refused" in r]
+    assert len(reports) == remote.REFUSALS_SHOWN + 1 and len(counted) == 1, reports
+    assert counted[0].startswith(f"{20 - remote.REFUSALS_SHOWN} more connections refused"), counted
+
+
 def test_close_stops_the_port_at_once():
     """close() returns within a second with connections in handshake, and the port refuses new ones."""
     listener = remote.Listener(HOST, lambda peer, reason: None)

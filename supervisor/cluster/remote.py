@@ -87,12 +87,13 @@ class _Refusals:
     def due(self) -> float | None:
         return self.window_start + REFUSAL_WINDOW if self.held else None
 
-    def flush(self, now: float) -> None:
-        if self.held and now - self.window_start >= REFUSAL_WINDOW:
-            peer, reason = self.last
+    def flush(self, now: float, final: bool = False) -> None:
+        """Report the count held once its window ended; `final` (the port closes): whatever is held, at once."""
+        if self.held and (final or now - self.window_start >= REFUSAL_WINDOW):
+            (peer, reason), seconds = self.last, min(now - self.window_start, REFUSAL_WINDOW)
             self._report(f"{len(self.addresses)} address(es)",
-                         f"{self.held} more connections refused within {REFUSAL_WINDOW:.0f}s (counted, not shown one "
-                         f"by one); the last, from {peer}: {reason}")
+                         f"{self.held} more connections refused within {seconds:.0f}s (counted, not shown one by "
+                         f"one); the last, from {peer}: {reason}")
             self.window_start, self.shown, self.held, self.addresses = now, 0, 0, set()
 
     def _report(self, peer: str, reason: str) -> None:
@@ -172,6 +173,7 @@ class Listener:
         finally:
             for hs in list(self._pending.values()):
                 self._drop(hs)
+            self._refusals.flush(time.monotonic(), final=True)  # a count the window had not reported yet
 
     def _next_wake(self) -> float:
         now = time.monotonic()
