@@ -100,7 +100,7 @@ class Launcher:
             z, start = early.zygote, functools.partial(early.adopt, log, self._on_log)
         else:
             if early is not None:  # the plan's devices or environment differ from the job's first reading
-                self._spawner.submit(early.zygote.discard).result()
+                early.discard()
             z = Zygote(env, log, fmt, self.job.resources.startup_timeout, pass_fds=self._lease.memfds,
                        on_log=self._on_log, keep_warm=keep)
             start = z.start
@@ -246,8 +246,8 @@ class Launcher:
 
     def close_spawner(self) -> None:
         early, self._early = self._early, None
-        if early is not None and self._spawner is not None:  # never taken: the run ended before its warm parent
-            self._spawner.submit(early.zygote.discard).result()
+        if early is not None:  # never taken: the run ended before its warm parent (the spawner is early's)
+            early.discard()
         if self._spawner is not None:
             self._spawner.shutdown(wait=True)
             self._spawner = None

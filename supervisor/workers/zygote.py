@@ -42,7 +42,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
 from shared import durable
@@ -240,26 +239,24 @@ class EarlyStart:
         return not pass_fds and (env, fmt, keep_warm) == (self.env, self.fmt, self.keep_warm)
 
     def adopt(self, log_path: str, on_log: OnLine | None, cancelled: Callable[[], bool]) -> None:
-        """On the spawner thread: the launch's outcome, the log named, then the zygote's {"ready"}; raises
-        ZygoteLost or CancelledWait (the zygote closed)."""
+        """On the spawner thread, so after the launch (one thread, in order): its outcome, the log named, then the
+        zygote's {"ready"}; raises ZygoteLost or CancelledWait (the zygote closed)."""
         try:
-            while True:
-                try:
-                    self._launched.result(timeout=0.2)
-                    break
-                except FutureTimeout:
-                    if cancelled():
-                        raise CancelledWait() from None
+            self._launched.result()  # cannot block: the launch ran before this, on the same thread
             self.zygote.adopt(log_path, on_log)
             self.zygote.wait_ready(cancelled)
         except BaseException:
             self.zygote.close()
             raise
 
+    def discard(self) -> None:
+        """The run does not use it: end its zygote, after the launch, on the spawner thread."""
+        self.spawner.submit(self.zygote.discard).result()
+
     def close(self) -> None:
-        """The run did not take it: end its zygote (after the launch, on the spawner thread) and the thread."""
+        """The run ended before its launcher took it: discard it and end the spawner thread."""
         try:
-            self.spawner.submit(self.zygote.discard).result()
+            self.discard()
         finally:
             self.spawner.shutdown(wait=True)
 
