@@ -108,6 +108,24 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s27a)  # twenty-sixth session (issue 34 parts 1/3): this image has no bytecode (--no-compile, PYTHONDONTWRITEBYTECODE=1):
+  # the warm parent's imports compiled from source against read from the workers' bytecode cache (child/bytecode.py),
+  # oneshot's imports as they are and with bytecode (PYTHONPYCACHEPREFIX, writing on); then the 8B data-free cold
+  # start against oneshot, the cache filled by the probe before it (the steady state of a machine that ran once)
+  envs="PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1"
+  imp='import sys, time; t = time.perf_counter(); from child import bytecode; said = bytecode.keep(); from child.zygote import _imports; s, f = _imports("compressed-tensors"); print(f"warm parent imports {s:.2f} s (process {time.perf_counter() - t:.2f} s); cache: {sys.pycache_prefix}")'
+  one='import time; t = time.perf_counter(); from llmcompressor import oneshot; import transformers; print(f"oneshot imports: {time.perf_counter() - t:.2f} s")'
+  rm -rf "$HOME/.cache/layerwise-supervisor" /tmp/pyc-oneshot
+  { for c in off off fill read read; do printf "%s: " "$c"; env $envs SUPERVISOR_BYTECODE_CACHE=$([ $c = off ] && echo off || echo "") \
+      timeout 60 python3 -P -c "$imp" 2>&1 | grep "warm parent"; done
+    printf "oneshot as is: "; timeout 60 python3 -c "$one" 2>&1 | grep "oneshot imports"
+    for c in fill read; do printf "oneshot with bytecode ($c): "; env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pyc-oneshot \
+      timeout 60 python3 -c "$one" 2>&1 | grep "oneshot imports"; done; } | tee "$OUT/imports.txt"
+  rm -rf /tmp/cold-bench
+  timeout 170 python3 bench/cold_start.py --tree after=. --rounds 2 --oneshot-rounds 1 --skip imports,warm \
+    --device cuda:0 2>&1 | quiet > "$OUT/cold_start.txt"
+  tail -14 "$OUT/cold_start.txt"; grep -rh "bytecode" /tmp/cold-bench --include=zygote.log | sort | uniq -c
+  ;;
 s26b)  # twenty-fifth session, call 2 (issue 34 part 3): the data-free 8B FP8_DYNAMIC cold and warm start, before
   # (.whl/before: `git archive 1357707 child shared supervisor`) and after (datasets left out of every export worker,
   # the warm parent launched as the job is read), alternating, oneshot once
