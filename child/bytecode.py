@@ -70,7 +70,15 @@ def _safe_folder(path: str) -> str | None:
 
 
 def keep() -> str | None:
-    """Turn the cache on where it pays (module docstring); returns a line for the log when it did something."""
+    """Turn the cache on where it pays (module docstring); when it did something, says so in one line on stderr
+    (the process's log) and returns that line."""
+    said = _keep()
+    if said:
+        print(said, file=sys.stderr, flush=True)
+    return said
+
+
+def _keep() -> str | None:
     setting = os.environ.get(ENV, "").strip()
     if setting.lower() == "off" or sys.pycache_prefix is not None:
         return None

@@ -26,6 +26,7 @@ import sys
 
 from safetensors import safe_open
 
+from child import bytecode
 from shared.layout import SAFETENSORS_DTYPES
 from shared.load_verdict import problems
 from shared.messages import LoadReport
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trust-remote-code", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    bytecode.keep()  # before transformers' import (child/bytecode.py)
     report = check_folder(args.folder, args.trust_remote_code)
     if args.json:
         import msgspec
