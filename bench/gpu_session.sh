@@ -161,7 +161,7 @@ s26a)  # twenty-fifth session, call 1 (issue 34): why imports take 14 s here aga
     find /tmp/site -name "*.pyc" | wc -l; df -hT /tmp/site "$(python3 -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("torch").origin))')"
     lscpu | grep "Model name\|^CPU(s)\|MHz"; cat /proc/loadavg; free -g | head -2; } > "$OUT/env.txt" 2>&1; cat "$OUT/env.txt"
   for i in 1 2 3; do python3 -c "import time; t = time.perf_counter(); import torch; a = time.perf_counter(); import sympy; b = time.perf_counter(); import transformers; c = time.perf_counter(); print(f'torch {a - t:.2f} sympy {b - a:.2f} transformers {c - b:.2f}')"; done 2>&1 | tee "$OUT/plain.txt"
-  imp='import time; t = time.perf_counter(); from child.imports import preload; preload("compressed-tensors+calibration"); a = time.perf_counter(); import child.backends.calibrate; b = time.perf_counter(); print(f"preload {a - t:.2f} calibrate {b - a:.2f}")'
+  imp='import time; t = time.perf_counter(); from child.imports import preload; preload("compressed-tensors"); a = time.perf_counter(); import child.backends.calibrate; b = time.perf_counter(); print(f"preload {a - t:.2f} calibrate {b - a:.2f}")'
   for i in 1 2; do env $envs python3 -c "$imp"; done 2>&1 | grep preload | tee "$OUT/calib_imports.txt"
   env $envs python3 -X importtime -c "$imp" 2> "$OUT/importtime.raw" > /dev/null
   awk -F'|' '/import time:/ {gsub(/ /, "", $2); print $2, $3}' "$OUT/importtime.raw" | sort -n -r | head -60 > "$OUT/importtime_cum.txt"
