@@ -108,6 +108,25 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s27b)  # next session with a device (issue 34 part 1): GPTQ W4A16 default on 8 layers of the 8B shape, 128 x 2048, and
+  # NVFP4 static scales, every process with bytecode (PYTHONPYCACHEPREFIX, writing on: what a plain pip install gives
+  # both tools; our cache then stays off), each tool's imports compiled once before (the bench's warm-up steps)
+  rm -rf /tmp/calib-bench /tmp/cb-nvfp4 /tmp/pyc-all
+  export PYTHONPYCACHEPREFIX=/tmp/pyc-all; unset PYTHONDONTWRITEBYTECODE
+  timeout 60 python3 -c "from llmcompressor import oneshot; import transformers, child.backends.calibrate" > /dev/null 2>&1
+  timeout 330 python3 bench/calib_bench.py --layers 8 --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"
+  grep -A12 "^| layer" "$OUT/floor_gptq.txt" | head -13; tail -12 "$OUT/floor_gptq.txt"; rm -rf /tmp/calib-bench
+  timeout 200 python3 bench/calib_bench.py --layers 8 --method rtn --scheme NVFP4 --workdir /tmp/cb-nvfp4 \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_nvfp4.txt"
+  tail -12 "$OUT/floor_nvfp4.txt"
+  ;;
+s27c)  # next session (issue 34 parts 1/3), the image as it is (no bytecode for oneshot; ours from its cache, filled
+  # first): GPTQ W4A16 default on 8 layers against oneshot
+  rm -rf /tmp/calib-bench /tmp/cold-bench "$HOME/.cache/layerwise-supervisor"
+  timeout 60 env PYTORCH_NVML_BASED_CUDA_CHECK=1 python3 -P -c "from child import bytecode; bytecode.keep(); from child.zygote import _imports; _imports('compressed-tensors'); import child.backends.calibrate" > /dev/null 2>&1
+  timeout 330 python3 bench/calib_bench.py --layers 8 --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"
+  grep -A12 "^| layer" "$OUT/floor_gptq.txt" | head -13; tail -12 "$OUT/floor_gptq.txt"; rm -rf /tmp/calib-bench
+  ;;
 s27a)  # twenty-sixth session (issue 34 parts 1/3): this image has no bytecode (--no-compile, PYTHONDONTWRITEBYTECODE=1):
   # the warm parent's imports compiled from source against read from the workers' bytecode cache (child/bytecode.py),
   # oneshot's imports as they are and with bytecode (PYTHONPYCACHEPREFIX, writing on); then the 8B data-free cold

@@ -94,6 +94,19 @@ def test_out_of_files_the_port_pauses_and_goes_on_accepting():
     assert any("Too many open files" in w for w in got["warnings"]), got
 
 
+def _foreign_connections(listener, count: int) -> None:
+    """`count` connections that send bytes no handshake starts with, one after another, each until the port closed
+    it (refused: the count is bumped in the same turn of the port's loop as the close)."""
+    for _ in range(count):
+        with socket.create_connection((HOST, listener.port)) as s:
+            s.sendall(b"\xff" * 8)
+            s.settimeout(5)
+            try:
+                s.recv(1)
+            except ConnectionResetError:
+                pass
+
+
 def test_refusals_are_reported_one_by_one_then_counted(monkeypatch):
     """60 foreign connections: the first REFUSALS_SHOWN of a window are reported one by one, the others in one
     count when the window ends; none is lost from the count."""
@@ -101,14 +114,7 @@ def test_refusals_are_reported_one_by_one_then_counted(monkeypatch):
     reports = []
     listener = remote.Listener(HOST, lambda peer, reason: reports.append((peer, reason)))
     try:
-        for _ in range(60):
-            with socket.create_connection((HOST, listener.port)) as s:
-                s.sendall(b"\xff" * 8)
-                s.settimeout(5)
-                try:
-                    s.recv(1)
-                except ConnectionResetError:
-                    pass
+        _foreign_connections(listener, 60)
         deadline = time.monotonic() + 10
         while not any("more connections refused" in r for _, r in reports) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -128,14 +134,7 @@ def test_refusals_still_held_when_the_port_closes_are_reported_in_one_count(monk
     reports = []
     listener = remote.Listener(HOST, lambda peer, reason: reports.append((peer, reason)))
     try:
-        for _ in range(20):
-            with socket.create_connection((HOST, listener.port)) as s:
-                s.sendall(b"\xff" * 8)
-                s.settimeout(5)
-                try:
-                    s.recv(1)  # the port closed it: refused (the count is bumped in the same turn of its loop)
-                except ConnectionResetError:
-                    pass
+        _foreign_connections(listener, 20)
         assert not any("more connections refused" in r for _, r in reports), reports  # the window is not over
     finally:
         listener.close()
