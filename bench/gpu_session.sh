@@ -123,7 +123,7 @@ s27b)  # next session with a device (issue 34 part 1): GPTQ W4A16 default on 8 l
 s27c)  # next session (issue 34 parts 1/3), the image as it is (no bytecode for oneshot; ours from its cache, filled
   # first): GPTQ W4A16 default on 8 layers against oneshot
   rm -rf /tmp/calib-bench /tmp/cold-bench "$HOME/.cache/layerwise-supervisor"
-  timeout 60 env PYTORCH_NVML_BASED_CUDA_CHECK=1 python3 -P -c "from child import bytecode; bytecode.keep(); from child.zygote import _imports; _imports('compressed-tensors'); import child.backends.calibrate" > /dev/null 2>&1
+  timeout 60 env PYTORCH_NVML_BASED_CUDA_CHECK=1 python3 -P -c "from child import bytecode; bytecode.cache_imports(); from child.zygote import _imports; _imports('compressed-tensors'); import child.backends.calibrate" > /dev/null 2>&1
   timeout 330 python3 bench/calib_bench.py --layers 8 --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"
   grep -A12 "^| layer" "$OUT/floor_gptq.txt" | head -13; tail -12 "$OUT/floor_gptq.txt"; rm -rf /tmp/calib-bench
   ;;
@@ -132,7 +132,7 @@ s27a)  # twenty-sixth session (issue 34 parts 1/3): this image has no bytecode (
   # oneshot's imports as they are and with bytecode (PYTHONPYCACHEPREFIX, writing on); then the 8B data-free cold
   # start against oneshot, the cache filled by the probe before it (the steady state of a machine that ran once)
   envs="PYTORCH_NVML_BASED_CUDA_CHECK=1 TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1"
-  imp='import sys, time; t = time.perf_counter(); from child import bytecode; said = bytecode.keep(); from child.zygote import _imports; s, f = _imports("compressed-tensors"); print(f"warm parent imports {s:.2f} s (process {time.perf_counter() - t:.2f} s); cache: {sys.pycache_prefix}")'
+  imp='import sys, time; t = time.perf_counter(); from child import bytecode; said = bytecode.cache_imports(); from child.zygote import _imports; s, f = _imports("compressed-tensors"); print(f"warm parent imports {s:.2f} s (process {time.perf_counter() - t:.2f} s); cache: {sys.pycache_prefix}")'
   one='import time; t = time.perf_counter(); from llmcompressor import oneshot; import transformers; print(f"oneshot imports: {time.perf_counter() - t:.2f} s")'
   rm -rf "$HOME/.cache/layerwise-supervisor" /tmp/pyc-oneshot
   { for c in off off fill read read; do printf "%s: " "$c"; env $envs SUPERVISOR_BYTECODE_CACHE=$([ $c = off ] && echo off || echo "") \

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     # Ctrl-C reaches the whole process group; the supervisor decides how we stop, not the terminal.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    bytecode.keep()  # before the imports (lazy, in serve); a forked worker's warm parent did it already
+    bytecode.cache_imports()  # before the imports (lazy, in serve); a forked worker's warm parent did it already
     process.adopt(args.parent_pid)
     faulthandler.enable()  # a segfault leaves a Python traceback in the worker log
     process.set_parent_death_signal()

@@ -8,11 +8,12 @@ H100/H200 machines' image the warm parent's imports took 8.7-12 s, three times w
 (docs/performance.md, "Bytecode"). On the development VM, the same imports compiled from source took 6.6-7.1 s
 against 2.4-2.5 s read from bytecode.
 
-    keep()   first thing in the warm parent (child.zygote) and in a spawned worker (python -m child): when the
-             libraries' bytecode is missing and Python cannot write it beside them, Python reads and writes
-             bytecode under CACHE instead (sys.pycache_prefix; the first run fills it, ~75 MB)
-    CACHE    $SUPERVISOR_BYTECODE_CACHE, else $XDG_CACHE_HOME/layerwise-supervisor/bytecode (~/.cache/...):
-             a folder only this user can write (bytecode is code: a folder others can write is refused)
+    cache_imports()  first thing in the warm parent (child.zygote), a spawned worker (python -m child) and the
+                     loader check (python -m child.loadcheck): when the libraries' bytecode is missing and Python
+                     cannot write it beside them, Python reads and writes bytecode under CACHE instead
+                     (sys.pycache_prefix; the first run fills it, ~75 MB)
+    CACHE            $SUPERVISOR_BYTECODE_CACHE, else $XDG_CACHE_HOME/layerwise-supervisor/bytecode (~/.cache/...):
+                     a folder only this user can write (bytecode is code: a folder others can write is refused)
     $SUPERVISOR_BYTECODE_CACHE=off   Python left as it is
 
 Nothing is written beside any source, and an environment whose libraries have their bytecode (a plain pip install)
@@ -69,16 +70,16 @@ def _safe_folder(path: str) -> str | None:
     return None
 
 
-def keep() -> str | None:
+def cache_imports() -> str | None:
     """Turn the cache on where it pays (module docstring); when it did something, says so in one line on stderr
     (the process's log) and returns that line."""
-    said = _keep()
+    said = _decide()
     if said:
         print(said, file=sys.stderr, flush=True)
     return said
 
 
-def _keep() -> str | None:
+def _decide() -> str | None:
     setting = os.environ.get(ENV, "").strip()
     if setting.lower() == "off" or sys.pycache_prefix is not None:
         return None

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trust-remote-code", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    bytecode.keep()  # before transformers' import (child/bytecode.py)
+    bytecode.cache_imports()  # before transformers' import (child/bytecode.py)
     report = check_folder(args.folder, args.trust_remote_code)
     if args.json:
         import msgspec

@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the warm profile (shared.job.warm_profile): what the workers import")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides how we stop, not the terminal
-    bytecode.keep()  # before the imports: their bytecode where Python would keep none (child/bytecode.py)
+    bytecode.cache_imports()  # before the imports: their bytecode where Python would keep none (child/bytecode.py)
     if args.listen:
         return kept(args.listen, args.idle, args.format)
     if args.sock_fd is None:

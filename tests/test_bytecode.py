@@ -1,8 +1,8 @@
 """child/bytecode.py: the workers' bytecode kept in a cache folder where Python would keep none beside the source.
 
-Each case runs in a fresh interpreter (keep() changes the interpreter's import machinery), on a package made here
-without bytecode (`fakepkg`, the one library probed), as the H100/H200 image installs torch and the rest; the
-interpreter's own verbose import log (`python -v`) is the witness of where a module's code came from."""
+Each case runs in a fresh interpreter (cache_imports() changes the interpreter's import machinery), on a package
+made here without bytecode (`fakepkg`, the one library probed), as the H100/H200 image installs torch and the rest;
+the interpreter's own verbose import log (`python -v`) is the witness of where a module's code came from."""
 from __future__ import annotations
 
 import glob
@@ -19,7 +19,7 @@ KEEP = """
 import json, sys
 from child import bytecode
 bytecode._PROBED = ("fakepkg",)
-said = bytecode.keep()
+said = bytecode.cache_imports()
 import fakepkg.sub
 print(json.dumps({"said": said, "value": fakepkg.sub.VALUE, "prefix": sys.pycache_prefix}))
 """
@@ -64,7 +64,7 @@ def test_a_library_without_bytecode_is_compiled_once_into_the_cache_and_read_fro
 
 def test_python_is_left_alone_where_it_keeps_bytecode_itself_or_was_told_how(tmp_path):
     """No cache when it is turned off, when the bytecode is beside the source, when Python writes it there itself,
-    or when PYTHONPYCACHEPREFIX chose a folder: keep() says nothing and writes nothing."""
+    or when PYTHONPYCACHEPREFIX chose a folder: cache_imports() says nothing and writes nothing."""
     site, cache = _site(tmp_path), str(tmp_path / "cache")
     off = {"PYTHONDONTWRITEBYTECODE": "1", "SUPERVISOR_BYTECODE_CACHE": "off"}
     own = {"PYTHONDONTWRITEBYTECODE": "1", "SUPERVISOR_BYTECODE_CACHE": cache,
