@@ -4,7 +4,7 @@ Python compiles a module's source at every import unless it finds the module's b
 and writes that bytecode when it may. Many container images do both things that defeat this: their packages are
 installed without bytecode (`pip install --no-compile`) and writing it is turned off (`PYTHONDONTWRITEBYTECODE=1`).
 There every process compiles torch, transformers, compressed-tensors and llm-compressor from source: on the
-H100/H200 machines' image the warm parent's imports took 8.7-12 s, three times what they take with bytecode
+H100/H200 machines' image the warm parent's imports took 8.7-14.4 s, against 4.5-4.8 s read from this cache
 (docs/performance.md, "Bytecode"). On the development VM, the same imports compiled from source took 6.6-7.1 s
 against 2.4-2.5 s read from bytecode.
 

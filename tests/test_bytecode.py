@@ -15,7 +15,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-KEEP = """
+PROBE = """
 import json, sys
 from child import bytecode
 bytecode._PROBED = ("fakepkg",)
@@ -33,11 +33,16 @@ def _site(tmp_path) -> str:
     return str(site)
 
 
-def _run(site: str, env: dict, *flags: str, script: str = KEEP) -> tuple[dict, str]:
+def _env(site: str, env: dict) -> dict:
+    """This process's environment without Python's own bytecode settings, `site` first on the path, then `env`."""
     full = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
     full.update(PYTHONPATH=os.pathsep.join([site, ROOT]), **env)
-    proc = subprocess.run([sys.executable, "-P", *flags, "-c", script], cwd=ROOT, env=full, capture_output=True,
-                          text=True, timeout=120)
+    return full
+
+
+def _run(site: str, env: dict, *flags: str) -> tuple[dict, str]:
+    proc = subprocess.run([sys.executable, "-P", *flags, "-c", PROBE], cwd=ROOT, env=_env(site, env),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
@@ -102,13 +107,12 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_the_warm_parent_keeps_its_imports_bytecode_in_the_cache(tmp_path):
+def test_the_warm_parent_caches_its_imports_bytecode(tmp_path):
     """The warm parent (child.zygote) turns the cache on before its imports: torch's own modules are compiled into
     the cache folder, and its log says so."""
     site, cache = _site(tmp_path), str(tmp_path / "cache")
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
-    env.update(PYTHONPATH=os.pathsep.join([site, ROOT]), PYTHONDONTWRITEBYTECODE="1", SUPERVISOR_BYTECODE_CACHE=cache)
+    env = _env(site, {"PYTHONDONTWRITEBYTECODE": "1", "SUPERVISOR_BYTECODE_CACHE": cache})
     proc = subprocess.Popen([sys.executable, "-P", "-c", ZYGOTE, "--sock-fd", str(theirs.fileno()), "--parent-pid",
                              str(os.getpid()), "--format", "plain"], cwd=ROOT, env=env, pass_fds=[theirs.fileno()],
                             stderr=subprocess.PIPE, text=True)
