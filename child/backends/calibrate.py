@@ -61,6 +61,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from child import faults
+from child.errors import Refused
 
 from child.backends import factorize, group, quant_error
 from child.backends.hessians import SharedHessians
@@ -115,6 +116,8 @@ class Calibrator:
         self.num_layers = len(layers)
         self._layers = list(layers)  # the real (meta) layers; the ModuleList gets stubs below
         self._awq_mappings = get_layer_mappings_from_model(self._model) if self.method == "awq" else None
+        if self._awq_mappings is not None:
+            _check_awq_mappings(self._model, self._awq_mappings)
         self._awq_offload = torch.device("cpu") if self.method == "awq" and is_moe_model(self._model) else None
         self._trunk_name = self.layer_prefix[:-1].rsplit(".", 1)[0] if "." in self.layer_prefix[:-1] else ""
         self._trunk = self._model.get_submodule(self._trunk_name)
@@ -458,6 +461,32 @@ def _calibration_skeleton(config, sdpa: bool = False) -> nn.Module:
     linearize_meta_experts(model)
     model.eval()
     return model
+
+
+def _check_awq_mappings(model: nn.Module, mappings: list) -> None:
+    """Refuse (before anything is written) an AWQ job whose model llm-compressor's AWQ cannot smooth: the mappings it
+    picks for the architecture (its registry, else Llama's) match its modules in incomplete sets, which oneshot
+    fails on at its first layer, or match none, which would make AWQ a silent round-to-nearest. The check is the
+    library's own matching (match_modules_set, as AWQModifier resolves its mappings) on the meta skeleton."""
+    import llmcompressor
+    from compressed_tensors.utils import match_modules_set
+    from llmcompressor.modifiers.transform.awq import AWQ_DYNAMIC_MAPPING_REGISTRY, AWQ_MAPPING_REGISTRY
+
+    arch = type(model).__name__
+    which = "registered for it" if arch in AWQ_MAPPING_REGISTRY or arch in AWQ_DYNAMIC_MAPPING_REGISTRY else \
+        "Llama's, the default: none are registered for it"
+    lib = f"llm-compressor {llmcompressor.__version__}"
+    found = 0
+    for m in mappings:
+        try:
+            found += sum(1 for _ in match_modules_set(model, (m.smooth_layer, *m.balance_layers)))
+        except ValueError as exc:
+            why = " ".join(str(exc).split())
+            raise Refused(f"method \"awq\" cannot calibrate {arch}: {lib}'s AWQ mappings for it ({which}) do not "
+                          f"fit its modules ({why}); use method = \"gptq\"") from None
+    if not found:
+        raise Refused(f"method \"awq\" would change nothing in {arch}: none of {lib}'s AWQ mappings for it "
+                      f"({which}) matches its modules; use method = \"gptq\"")
 
 
 def _buffers_to(module: nn.Module, device: torch.device) -> None:

@@ -4,6 +4,8 @@ Runs `python -m supervisor.cli run` on a structurally valid fake checkpoint (no 
 before any child starts)."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -128,3 +130,46 @@ def test_good_calibration_input_passes_validation(tmp_path):
     plan = prepare(job)
     assert plan.calibration is not None and len(plan.calibration.sha256) == 64
     assert cli.tree(tmp_path) == before
+
+
+def _tiny_phi(path: str) -> str:
+    from transformers import PhiConfig
+
+    from tests.models import save_random_model
+
+    save_random_model(PhiConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                vocab_size=256, max_position_embeddings=256, bos_token_id=3, eos_token_id=2,
+                                pad_token_id=1, tie_word_embeddings=False), path)
+    return path
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("phi", "AWQ mappings for it (Llama's, the default: none are registered for it) do not fit its modules"),
+    ("gpt2", "would change nothing in GPT2LMHeadModel"),
+])
+def test_awq_where_its_mappings_do_not_fit_the_model_is_refused_before_anything_is_written(tmp_path, kind, expected):
+    """AWQ on an architecture llm-compressor's AWQ cannot smooth: Phi (its q/k/v_proj and v_proj match Llama's default
+    mappings, its input_layernorm-less and o_proj-less modules do not: oneshot fails at its first layer, checked
+    here) and GPT-2 (no module matches: AWQ would be a silent round-to-nearest). `plan` and `run` refuse it with one
+    error line, exit 2, nothing written."""
+    from tests.ref_calib import oneshot_calibrated, token_rows, write_jsonl
+    from tests.ref_moe import make_family_model
+
+    src = _tiny_phi(str(tmp_path / "src")) if kind == "phi" else make_family_model("gpt2", str(tmp_path / "src"))
+    rows = token_rows(4)
+    write_jsonl(tmp_path / "calib.jsonl", rows)
+    if kind == "phi":  # the independent reference: oneshot's own AWQ fails on this model
+        with pytest.raises(ValueError, match="incomplete set"):
+            oneshot_calibrated(src, "W4A16", "awq", rows, 40, str(tmp_path / "ref"))
+        import shutil
+        shutil.rmtree(tmp_path / "ref", ignore_errors=True)
+    job = cli.write_job(tmp_path / "job.toml", src, tmp_path / "out", "W4A16", method="awq",
+                        calibration={"dataset": tmp_path / "calib.jsonl", "samples": 4, "seq_len": 40})
+    before = cli.tree(tmp_path)
+    for command in ("plan", "run"):  # refused by the worker that builds the model: run's progress lines come first
+        proc = subprocess.run(cli.as_a_terminal([sys.executable, "-m", "supervisor.cli", command, job]), cwd=tmp_path,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 2 and last.startswith("error: ") and expected in last, (command, proc.stderr)
+        assert "Traceback" not in proc.stderr + proc.stdout
+        assert cli.tree(tmp_path) == before
