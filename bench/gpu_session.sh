@@ -120,6 +120,17 @@ s27b)  # next session with a device (issue 34 part 1): GPTQ W4A16 default on 8 l
     --skip kill,retry 2>&1 | quiet > "$OUT/floor_nvfp4.txt"
   tail -12 "$OUT/floor_nvfp4.txt"
   ;;
+s27d)  # next session (issue 34 part 1): FP8 static scales and AWQ W4A16 on 8 layers, every process with bytecode (as s27b)
+  rm -rf /tmp/cb-fp8 /tmp/cb-awq /tmp/pyc-all
+  export PYTHONPYCACHEPREFIX=/tmp/pyc-all; unset PYTHONDONTWRITEBYTECODE
+  timeout 60 python3 -c "from llmcompressor import oneshot; import transformers, child.backends.calibrate" > /dev/null 2>&1
+  timeout 200 python3 bench/calib_bench.py --layers 8 --method rtn --scheme FP8 --workdir /tmp/cb-fp8 \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_fp8.txt"
+  tail -12 "$OUT/floor_fp8.txt"; rm -rf /tmp/cb-fp8
+  timeout 330 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cb-awq \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_awq.txt"
+  grep -A12 "^| layer" "$OUT/floor_awq.txt" | head -13; tail -12 "$OUT/floor_awq.txt"
+  ;;
 s27c)  # next session (issue 34 parts 1/3), the image as it is (no bytecode for oneshot; ours from its cache, filled
   # first): GPTQ W4A16 default on 8 layers against oneshot
   rm -rf /tmp/calib-bench /tmp/cold-bench "$HOME/.cache/layerwise-supervisor"
