@@ -37,6 +37,36 @@ def make_tiny_gemma(path: str, *, seed: int = 0) -> str:
     return path
 
 
+# Dense architectures beside Llama/Qwen3 whose layers differ in what the calibration has to get right: fused projections
+# (Phi-3's qkv_proj/gate_up_proj, GPT-NeoX's query_key_value), biases (Qwen2, Starcoder2), LayerNorm and parallel
+# attention/MLP blocks (Cohere, GPT-NeoX), offset norms with sliding windows and soft-capping (Gemma-2), q/k norms over
+# the whole projection and post-norms (OLMo-2), the causal mask through a variable (Mistral, Phi-3, Starcoder2)
+DENSE = ("phi3", "qwen2", "mistral", "gemma2", "cohere", "starcoder2", "gptneox", "olmo2")
+
+
+def make_tiny_dense(kind: str, path: str, *, layers: int = 2, seed: int = 0) -> str:
+    """A tiny random bf16 checkpoint of one of DENSE (hidden 128, 4 heads, 2 KV heads, intermediate 256)."""
+    import transformers as tf
+
+    from tests.models import save_random_model
+
+    c = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, bos_token_id=3, eos_token_id=2,
+             pad_token_id=1, tie_word_embeddings=False)
+    configs = {
+        "phi3": lambda: tf.Phi3Config(**c),
+        "qwen2": lambda: tf.Qwen2Config(**c),
+        "mistral": lambda: tf.MistralConfig(**c, head_dim=32),
+        "gemma2": lambda: tf.Gemma2Config(**c, head_dim=32, sliding_window=16),
+        "cohere": lambda: tf.CohereConfig(**c),
+        "starcoder2": lambda: tf.Starcoder2Config(**c),
+        "gptneox": lambda: tf.GPTNeoXConfig(**{k: v for k, v in c.items() if k != "num_key_value_heads"}),
+        "olmo2": lambda: tf.Olmo2Config(**c),
+    }
+    save_random_model(configs[kind](), path, seed)
+    return path
+
+
 def token_rows(n: int, *, low: int = 24, high: int = 64, vocab: int = 256, seed: int = 0) -> list[list[int]]:
     """n random token-id rows of mixed lengths in [low, high), with several equal lengths (the unstable sort)."""
     g = torch.Generator().manual_seed(seed)
@@ -138,7 +168,7 @@ def oneshot_calibrated(model_dir: str, scheme: str, method: str, samples: list, 
         stack.enter_context(threads(num_threads))
         stack.enter_context(_cpu_awq())
         if fix_masks:
-            stack.enter_context(traced_masks(model.model))
+            stack.enter_context(traced_masks(model.base_model))
         oneshot(model=model, processor=AutoTokenizer.from_pretrained(model_dir), dataset=Dataset.from_dict(data),
                 recipe=recipe, num_calibration_samples=len(samples), max_seq_length=seq_len,
                 shuffle_calibration_samples=False)

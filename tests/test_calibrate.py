@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.models import assert_same_tensors, load_tensors, loaded_logits
-from tests.ref_calib import make_tiny_gemma, oneshot_calibrated, threads, token_rows, write_jsonl
+from tests.ref_calib import make_tiny_dense, make_tiny_gemma, oneshot_calibrated, threads, token_rows, write_jsonl
 
 N, SEQ = 20, 40  # more than 16 samples: torch's unstable argsort permutes equal lengths
 
@@ -89,6 +89,29 @@ def test_calibrator_equals_oneshot(kind, scheme, method, tiny_models, moe_models
         assert len(served) == 2 and all(served), served  # each layer served some module from another's input
     with open(os.path.join(ref, "config.json")) as a, open(ours / "config.json") as b:
         assert json.load(a) == json.load(b)
+    assert torch.equal(_logits(str(ours)), _logits(ref))
+
+
+@pytest.mark.parametrize("kind,scheme,method", [
+    ("phi3", "W4A16", "gptq"),
+    ("qwen2", "W4A16", "awq"),
+    ("mistral", "W4A16", "awq"),
+    ("gemma2", "NVFP4", "rtn"),
+    ("cohere", "FP8", "rtn"),
+    ("starcoder2", "W8A8", "gptq"),
+    ("gptneox", "W4A16", "gptq"),
+    ("olmo2", "W4A16_ASYM", "gptq"),
+])
+def test_other_dense_architectures_equal_oneshot(kind, scheme, method, ids_dataset, tmp_path):
+    """Architectures whose layers differ from Llama's (tests/ref_calib.py DENSE: fused projections, biases,
+    LayerNorm, parallel blocks, offset norms, q/k norms, layers under `gpt_neox.layers`): every tensor and the logits
+    equal oneshot's (its sequential pipeline given the causal mask, docs/fidelity.md)."""
+    source = make_tiny_dense(kind, str(tmp_path / "src"))
+    rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
+    with threads(1):
+        ref = oneshot_calibrated(source, scheme, method, rows, SEQ, str(tmp_path / "ref"), fix_masks=True)
+        ours = _export_in_process(source, scheme, method, ids_dataset, tmp_path / "ours")
+    assert_same_tensors(load_tensors(ref), load_tensors(str(ours)))
     assert torch.equal(_logits(str(ours)), _logits(ref))
 
 
