@@ -144,18 +144,21 @@ def _tiny_phi(path: str) -> str:
 
 
 @pytest.mark.parametrize("kind,expected", [
-    ("phi", "AWQ mappings for it (Llama's, the default: none are registered for it) do not fit its modules"),
+    ("phi", "AWQ mappings for it (Llama's, the default: none are registered for it) do not fit the modules of layer 0"),
     ("gpt2", "would change nothing in GPT2LMHeadModel"),
+    # registered mappings, and a dense first layer they do not fit (oneshot fails on it too, another way)
+    ("deepseekv3", "AWQ mappings for it (registered for it) do not fit the modules of layer 0"),
 ])
 def test_awq_where_its_mappings_do_not_fit_the_model_is_refused_before_anything_is_written(tmp_path, kind, expected):
     """AWQ on an architecture llm-compressor's AWQ cannot smooth: Phi (its q/k/v_proj and v_proj match Llama's default
     mappings, its input_layernorm-less and o_proj-less modules do not: oneshot fails at its first layer, checked
-    here) and GPT-2 (no module matches: AWQ would be a silent round-to-nearest). `plan` and `run` refuse it with one
+    here), GPT-2 (no module matches: AWQ would be a silent round-to-nearest) and DeepSeek-V3, whose registered
+    mappings do not fit its dense first layer. `plan` and `run` refuse it with one
     error line, exit 2, nothing written."""
     from tests.ref_calib import oneshot_calibrated, token_rows, write_jsonl
     from tests.ref_moe import make_family_model
 
-    src = _tiny_phi(str(tmp_path / "src")) if kind == "phi" else make_family_model("gpt2", str(tmp_path / "src"))
+    src = _tiny_phi(str(tmp_path / "src")) if kind == "phi" else make_family_model(kind, str(tmp_path / "src"))
     rows = token_rows(4)
     write_jsonl(tmp_path / "calib.jsonl", rows)
     if kind == "phi":  # the independent reference: oneshot's own AWQ fails on this model
