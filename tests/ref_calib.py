@@ -45,7 +45,7 @@ DENSE = ("phi3", "qwen2", "mistral", "gemma2", "cohere", "starcoder2", "gptneox"
 
 
 def make_tiny_dense(kind: str, path: str, *, layers: int = 2, seed: int = 0) -> str:
-    """A tiny random bf16 checkpoint of one of DENSE (hidden 128, 4 heads, 2 KV heads, intermediate 256)."""
+    """A tiny random bf16 checkpoint of one of DENSE, or of Phi (hidden 128, 4 heads, 2 KV heads, intermediate 256)."""
     import transformers as tf
 
     from tests.models import save_random_model
@@ -62,6 +62,7 @@ def make_tiny_dense(kind: str, path: str, *, layers: int = 2, seed: int = 0) -> 
         "starcoder2": lambda: tf.Starcoder2Config(**c),
         "gptneox": lambda: tf.GPTNeoXConfig(**{k: v for k, v in c.items() if k != "num_key_value_heads"}),
         "olmo2": lambda: tf.Olmo2Config(**c),
+        "phi": lambda: tf.PhiConfig(**{k: v for k, v in c.items() if k != "num_key_value_heads"}),  # AWQ refuses it
     }
     save_random_model(configs[kind](), path, seed)
     return path

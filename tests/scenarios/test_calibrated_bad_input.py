@@ -132,17 +132,6 @@ def test_good_calibration_input_passes_validation(tmp_path):
     assert cli.tree(tmp_path) == before
 
 
-def _tiny_phi(path: str) -> str:
-    from transformers import PhiConfig
-
-    from tests.models import save_random_model
-
-    save_random_model(PhiConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                vocab_size=256, max_position_embeddings=256, bos_token_id=3, eos_token_id=2,
-                                pad_token_id=1, tie_word_embeddings=False), path)
-    return path
-
-
 @pytest.mark.parametrize("kind,expected", [
     ("phi", "AWQ mappings for it (Llama's, the default: none are registered for it) do not fit the modules of layer 0"),
     ("gpt2", "would change nothing in GPT2LMHeadModel"),
@@ -155,10 +144,11 @@ def test_awq_where_its_mappings_do_not_fit_the_model_is_refused_before_anything_
     here), GPT-2 (no module matches: AWQ would be a silent round-to-nearest) and DeepSeek-V3, whose registered
     mappings do not fit its dense first layer. `plan` and `run` refuse it with one
     error line, exit 2, nothing written."""
-    from tests.ref_calib import oneshot_calibrated, token_rows, write_jsonl
+    from tests.ref_calib import make_tiny_dense, oneshot_calibrated, token_rows, write_jsonl
     from tests.ref_moe import make_family_model
 
-    src = _tiny_phi(str(tmp_path / "src")) if kind == "phi" else make_family_model(kind, str(tmp_path / "src"))
+    make = make_tiny_dense if kind == "phi" else make_family_model
+    src = make(kind, str(tmp_path / "src"))
     rows = token_rows(4)
     write_jsonl(tmp_path / "calib.jsonl", rows)
     if kind == "phi":  # the independent reference: oneshot's own AWQ fails on this model
