@@ -53,6 +53,15 @@ def _logits(folder):
     return loaded_logits(folder, torch.randint(4, 256, (2, 12), generator=torch.Generator().manual_seed(0)))
 
 
+def _assert_same_export(ref, ours) -> None:
+    """oneshot's folder `ref` and ours: every tensor and config.json equal, and transformers loads both to the same
+    logits."""
+    assert_same_tensors(load_tensors(ref), load_tensors(str(ours)))
+    with open(os.path.join(ref, "config.json")) as a, open(os.path.join(ours, "config.json")) as b:
+        assert json.load(a) == json.load(b)
+    assert torch.equal(_logits(str(ours)), _logits(ref))
+
+
 @pytest.mark.parametrize("kind,scheme,method", [
     ("qwen3", "W4A16_ASYM", "gptq"),
     ("llama", "W8A16", "gptq"),
@@ -84,12 +93,9 @@ def test_calibrator_equals_oneshot(kind, scheme, method, tiny_models, moe_models
         # activation_ram_gb tiny: the activations go through boundary files on disk, sample by sample
         ours = _export_in_process(source, scheme, method, ids_dataset, tmp_path / "ours",
                                   ram_gb=1e-6 if scheme == "W8A16" else 0.0)
-    assert_same_tensors(load_tensors(ref), load_tensors(str(ours)))
+    _assert_same_export(ref, ours)
     if method == "gptq":
         assert len(served) == 2 and all(served), served  # each layer served some module from another's input
-    with open(os.path.join(ref, "config.json")) as a, open(ours / "config.json") as b:
-        assert json.load(a) == json.load(b)
-    assert torch.equal(_logits(str(ours)), _logits(ref))
 
 
 @pytest.mark.parametrize("kind,scheme,method", [
@@ -104,15 +110,14 @@ def test_calibrator_equals_oneshot(kind, scheme, method, tiny_models, moe_models
 ])
 def test_other_dense_architectures_equal_oneshot(kind, scheme, method, ids_dataset, tmp_path):
     """Architectures whose layers differ from Llama's (tests/ref_calib.py DENSE: fused projections, biases,
-    LayerNorm, parallel blocks, offset norms, q/k norms, layers under `gpt_neox.layers`): every tensor and the logits
-    equal oneshot's (its sequential pipeline given the causal mask, docs/fidelity.md)."""
+    LayerNorm, parallel blocks, offset norms, q/k norms, layers under `gpt_neox.layers`): every tensor, config.json
+    and the logits equal oneshot's (its sequential pipeline given the causal mask, docs/fidelity.md)."""
     source = make_tiny_dense(kind, str(tmp_path / "src"))
     rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
     with threads(1):
         ref = oneshot_calibrated(source, scheme, method, rows, SEQ, str(tmp_path / "ref"), fix_masks=True)
         ours = _export_in_process(source, scheme, method, ids_dataset, tmp_path / "ours")
-    assert_same_tensors(load_tensors(ref), load_tensors(str(ours)))
-    assert torch.equal(_logits(str(ours)), _logits(ref))
+    _assert_same_export(ref, ours)
 
 
 def test_gptq_with_every_hessian_as_stripes_equals_oneshot(tiny_models, ids_dataset, tmp_path, monkeypatch):
