@@ -108,6 +108,11 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
 }
 
 case "${1:-tests}" in
+s28a)  # twenty-eighth session (issue 34 part 1): GPTQ's per-sample Hessian terms accumulated into H as stripes (mirrored
+  # once) against today's mirrored term per sample and the library's; the first use of each op in a fresh process
+  timeout 240 python3 bench/accumulate_probe.py --device cuda --tokens 2048 --widths 4096:2,14336:4 --samples 16 2>&1 \
+    | quiet | tee "$OUT/accumulate.txt"
+  ;;
 s27b)  # next session with a device (issue 34 part 1): GPTQ W4A16 default on 8 layers of the 8B shape, 128 x 2048, and
   # NVFP4 static scales, every process with bytecode (PYTHONPYCACHEPREFIX, writing on: what a plain pip install gives
   # both tools; our cache then stays off), each tool's imports compiled once before (the bench's warm-up steps)

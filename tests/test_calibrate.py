@@ -122,7 +122,8 @@ def test_other_dense_architectures_equal_oneshot(kind, scheme, method, ids_datas
 
 def test_gptq_with_every_hessian_as_stripes_equals_oneshot(tiny_models, ids_dataset, tmp_path, monkeypatch):
     """With every Hessian term eligible for the verified stripes (MIN_WIDTH 0: the tiny model's widths too), each
-    layout checked once and computed as stripes where found equal, every tensor still equals oneshot's bit for bit."""
+    layout checked once and its stripes added into each Hessian's upper triangle where found equal (H mirrored once at the
+    end), every tensor still equals oneshot's bit for bit."""
     from child.backends import hessians
 
     monkeypatch.setattr(hessians, "MIN_WIDTH", 0)
@@ -133,8 +134,9 @@ def test_gptq_with_every_hessian_as_stripes_equals_oneshot(tiny_models, ids_data
         ref = oneshot_calibrated(source, "W4A16", "gptq", rows, SEQ, str(tmp_path / "ref"))
         ours = _export_in_process(source, "W4A16", "gptq", ids_dataset, tmp_path / "ours")
     assert_same_tensors(load_tensors(ref), load_tensors(str(ours)))
-    widths = {layout[0][0] for layout, count in hessians._verdicts.items() if count}
-    assert len(widths) >= 2, hessians._verdicts  # the attention's and the MLP's inputs (and down_proj's) as stripes
+    widths = {layout[0][0] for layout, (count, into) in hessians._verdicts.items() if count and into}
+    assert len(widths) >= 2, hessians._verdicts  # the attention's and the MLP's inputs (and down_proj's) as stripes,
+    # added into each Hessian's upper triangle
 
 
 def test_sample_order_is_oneshots_dataloader_order(tmp_path, tiny_models):

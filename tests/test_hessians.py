@@ -84,7 +84,19 @@ def _script():
     return calls
 
 
-def test_shared_diverging_repeated_and_missing_inputs_equal_the_library():
+@pytest.fixture(params=["as shipped", "every width striped"])
+def striped(request, monkeypatch):
+    """The shipped MIN_WIDTH (the scripts' narrow terms made whole), or 0: every term a StripedTerm where this CPU's
+    check allows (added into H's upper triangle, mirrored in finish(); a class that splits carries a stale H)."""
+    from child.backends import hessians
+
+    monkeypatch.setattr(hessians, "_verdicts", {})
+    if request.param != "as shipped":
+        monkeypatch.setattr(hessians, "MIN_WIDTH", 0)
+    return hessians
+
+
+def test_shared_diverging_repeated_and_missing_inputs_equal_the_library(striped):
     """Modules that share an input, then one that gets another (a copy of the same values, a view, the same tensor
     changed in place in between), one called twice in a sample, one skipped in some samples, one first seen late: every
     Hessian and count equals the library's, and only distinct inputs were computed."""
@@ -146,7 +158,7 @@ def test_a_fast_term_accumulates_2xtx_in_fp32(device):
     assert torch.allclose(h.double().cpu(), want, rtol=1e-6, atol=1e-4), (h.double().cpu() - want).abs().max()
 
 
-def test_a_llama_layer_shares_qkv_and_gate_up_and_equals_the_library():
+def test_a_llama_layer_shares_qkv_and_gate_up_and_equals_the_library(striped):
     """A real decoder layer's forward: q/k/v and gate/up each computed once per sample (4 terms for 7 modules),
     every Hessian the library's bit for bit."""
     from transformers import LlamaConfig
@@ -185,8 +197,10 @@ def fresh_verdicts(monkeypatch):
 
 @pytest.mark.parametrize("width,tokens", [(1024, 96), (1536, 77)])
 def test_wide_terms_as_verified_stripes_equal_accumulate_hessian(width, tokens, fresh_verdicts):
-    """A term of width >= MIN_WIDTH is computed as mirrored upper-triangle stripes once a check on random values of
-    its layout found them equal to the full matmul: the Hessian and count still equal accumulate_hessian's bit for bit."""
+    """A term of width >= MIN_WIDTH is computed as upper-triangle stripes once a check on random values of its layout
+    found them equal to the full matmul: made whole (term) or added into H's upper triangle and mirrored at the end
+    (SharedHessians, where the check found the full matmul symmetric too), the Hessian and count still equal
+    accumulate_hessian's bit for bit."""
     from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
 
     lin = nn.Linear(width, 4)
@@ -198,8 +212,50 @@ def test_wide_terms_as_verified_stripes_equal_accumulate_hessian(width, tokens, 
     for x in xs:
         ours += term(x, torch.device("cpu"))[0]
     assert torch.equal(h.view(torch.int32), ours.view(torch.int32))
-    (layout, count), = fresh_verdicts._verdicts.items()  # checked once for the three samples of one layout
-    assert layout[0] == (width, tokens) and count in fresh_verdicts.STRIPES  # this CPU's BLAS: equal (else 0)
+    (layout, (count, into)), = fresh_verdicts._verdicts.items()  # checked once for the three samples of one layout
+    assert layout[0] == (width, tokens) and count in fresh_verdicts.STRIPES and into  # this CPU's BLAS
+    got, sharer = _ours([[("m", x)] for x in xs], {"m": lin})
+    assert torch.equal(h.view(torch.int32), got._hessians[lin].view(torch.int32)) and torch.equal(n, got._num_samples[lin])
+    assert sharer.computed == 3
+
+
+@pytest.mark.parametrize("asymmetric", [(6,), (9,), (9, 6)], ids=["last whole", "first whole", "all whole"])
+def test_a_hessian_of_terms_added_whole_and_into_its_upper_triangle_equals_the_library(asymmetric, fresh_verdicts,
+                                                                                         monkeypatch):
+    """Samples of other lengths are other layouts, each checked on its own: where the check finds the full matmul not
+    symmetric (here: said so for the lengths in `asymmetric`), that sample's terms are added whole, after H is
+    mirrored if stripes had gone into its upper triangle, and every later term whole too; the Hessians still equal the
+    library's bit for bit."""
+    striped = fresh_verdicts
+    monkeypatch.setattr(striped, "MIN_WIDTH", 0)
+    real = striped._verify
+
+    def verify(inp):  # inp: [width, tokens]
+        count, into = real(inp)
+        return count, into and inp.shape[1] not in asymmetric
+
+    monkeypatch.setattr(striped, "_verify", verify)
+    g = torch.Generator().manual_seed(3)
+    mods = {n: nn.Linear(48, 8, bias=False) for n in "abc"}
+    calls = []
+    for length in (9, 9, 6, 9):
+        x, y = torch.randn(1, length, 48, generator=g), torch.randn(1, length, 48, generator=g)
+        calls.append([("a", x), ("b", x), ("c", y)])
+    lib = _library(calls, mods)
+    ours, _ = _ours(calls, mods)
+    _same(lib, ours)
+    intos = {layout[0][1]: into for layout, (count, into) in striped._verdicts.items()}
+    assert intos == {t: t not in asymmetric for t in (9, 6)}, intos
+
+
+def test_the_symmetry_check_sees_one_bit():
+    from child.backends import hessians
+
+    x = torch.randn(1100, 40)
+    full = x.matmul(x.t())
+    assert hessians._symmetric(full.view(torch.int32))  # this CPU's BLAS: the product is symmetric bit for bit
+    full[1050, 3] = torch.nextafter(full[1050, 3], torch.tensor(float("inf")))  # below the diagonal, past a chunk
+    assert not hessians._symmetric(full.view(torch.int32))
 
 
 def test_stripes_that_differ_by_one_bit_are_never_used(fresh_verdicts, monkeypatch):
