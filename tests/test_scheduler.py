@@ -150,3 +150,59 @@ def test_a_part_taken_back_is_exported_by_a_slot_with_no_attempt_charged():
     assert None not in written
     assert sorted(i for parts in written.values() for i, _ in parts) == sorted(PARTS)
     assert [e.attempt for e in events if isinstance(e, ev.LayerStarted) and e.index == NON_LAYER] == [1]
+
+
+def test_a_calibrated_rewind_waits_for_the_plan_judged_beside_and_restarts_where_the_journal_says():
+    """One calibrating worker, its plan judged beside the first layers: layer 2's first attempt fails (a lost worker,
+    retried) while layers 0 and 1 are written but held for the verdict. The fresh worker holds no inputs, so the
+    layers to redo come from the journal's boundaries: the retry waits for the verdict, which journals layers 0 and
+    1 (layer 0's record names layer 1's inputs; layer 2's were pending), and redoes layer 1 first, as a plan judged
+    before the layers would. The plan answers once the retry waits for it, or (the defect) once a layer is asked
+    again without waiting: then the journal was still empty and layer 0 would be redone too."""
+    from shared.messages import Boundary, Describe, Described, Failed
+
+    asked, journaled, failed_once = [], [], threading.Event()
+    waiting_or_asked_again = threading.Event()
+
+    class Worker(StandIn):
+        def request(self, msg, stopping, on_heartbeat, timeout=0.0):
+            if isinstance(msg, Describe):
+                assert waiting_or_asked_again.wait(60), "the retry neither waited for the plan nor asked a layer"
+                return Described(backend="stand-in", layer_prefix="model.layers.")
+            asked.append(msg.index)
+            if failed_once.is_set():
+                waiting_or_asked_again.set()
+            if msg.index == 2 and not failed_once.is_set():
+                failed_once.set()
+                return Failed(index=2, kind="WorkerLost", message="killed")
+            return LayerWritten(index=msg.index, file=f"part-{msg.index}", fence=msg.fence, digest="x:0", nbytes=1,
+                                seconds=0.0)
+
+    started = threading.Event()
+    started.set()
+
+    def start_worker(slot, on_hello):
+        slot.worker = Worker(slot, started)
+        on_hello()
+        return slot.worker
+
+    layer1_inputs = [Boundary(feeds=1, file="inputs-layer-00001.bin", digest="x:0", nbytes=1)]
+    s = Scheduler([Slot(0, "cpu")], max_attempts=3, part_timeout=0.0, retry_delay=0.0, sequential=True,
+                  cancel=threading.Event(), emit=lambda e: None, start_worker=start_worker,
+                  on_written=lambda reply, w, retries: journaled.append(reply.index), on_heartbeat=lambda hb: None,
+                  recycle=lambda w: False, boundary=lambda i: layer1_inputs if i == 1 and 0 in journaled else None,
+                  restart=lambda i: 1 if 0 in journaled and i >= 1 else 0)
+    awaited = s._await_verdict
+
+    def await_verdict():  # the retry waits for the plan: let it answer
+        waiting_or_asked_again.set()
+        awaited()
+
+    s._await_verdict = await_verdict
+    s.judge_beside(lambda slot: s.request(Describe(), Described, "the export plan", slot=slot))
+    try:
+        s.run([0, 1, 2, 3])
+    finally:
+        s.close()
+    assert asked == [0, 1, 2, 1, 2, 3]
+    assert journaled == [0, 1, 1, 2, 3]

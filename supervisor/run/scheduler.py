@@ -165,7 +165,9 @@ class Scheduler:
 
     def _await_verdict(self) -> None:
         """Before a part's failure ends the run: the plan's verdict, so that a refusal of the whole export is what
-        the run reports. Returns at once when not judging or when the run is cancelled."""
+        the run reports; and before a calibrated export reads the journal's boundaries (a rewind, a recycled worker's
+        settle), so that the layers written ahead of the verdict are in it. Returns at once when not judging or when
+        the run is cancelled."""
         if self._beside is not None:
             self._beside.wait(self.cancel)
 
@@ -329,9 +331,13 @@ class Scheduler:
     def _rewinds(self, slot: Slot, index: int) -> bool:
         """Calibrated: layer `index`'s inputs are neither journaled (their file was still being made durable) nor
         held by this slot's worker (a fresh one): the layers from the newest journaled boundary go first, again
-        (their shards are rewritten with the same bytes, no attempt charged). True: requeued, nothing sent."""
-        if not self.sequential or index <= 0 or self.boundary(index) or \
-                (slot.worker is not None and slot.holds == index):
+        (their shards are rewritten with the same bytes, no attempt charged). True: requeued, nothing sent. Parts
+        written ahead of the plan's verdict are journaled with it: it is awaited first, so the layers redone are those
+        a plan judged before the parts would redo."""
+        if not self.sequential or index <= 0 or (slot.worker is not None and slot.holds == index):
+            return False
+        self._await_verdict()
+        if self.boundary(index):
             return False
         start = self.restart(index)
         if start >= index:
@@ -381,6 +387,8 @@ class Scheduler:
                 self.on_written(reply, w, attempt - 1)
         self._done(slot, index, requeue=False)
         if self.recycle(w):
+            if self.sequential:  # a calibrated worker's pending inputs follow its layers into the journal
+                self._await_verdict()
             with self._record:  # what it journals (a calibrated worker's pending inputs) is journaled as a part is
                 self.settle(w)
             self._drop(slot, kill=False)
@@ -526,14 +534,16 @@ class _JudgedBeside:
         try:
             if refusal is not None:
                 s._fail(refusal)  # first: the run reports the refusal, not what it stops
-            with s._cond:
-                written, self._held = self._held, []
-                self.refused = refusal is not None
-                self.verdict.set()
-                s._cond.notify_all()
-            if refusal is None:
-                for reply, w, retries in written:
-                    with s._record:
+            # the record lock across the verdict and the held parts: a part written after the verdict is journaled
+            # after them (a calibrated layer's record names the inputs the one before it left pending)
+            with s._record:
+                with s._cond:
+                    written, self._held = self._held, []
+                    self.refused = refusal is not None
+                    self.verdict.set()
+                    s._cond.notify_all()
+                if refusal is None:
+                    for reply, w, retries in written:
                         s.on_written(reply, w, retries)
         except BaseException as exc:  # noqa: BLE001 - fatal, as from a slot
             s._fail(exc)

@@ -294,13 +294,15 @@ class Run:
     def _preflight(self) -> None:
         """Start the warm parent, and judge the export plan: a worker predicts every part's output on meta tensors
         and runs transformers' loader on it (supervisor.run.verdict). A data-free export is judged by a worker of
-        its own while the first parts run (Scheduler.judge_beside: none is journaled before the verdict). Judged
-        first, before any part, instead: a calibrated export (its parts run in order on one worker), one whose
-        workers are spawned rather than forked (each start is a full import: the parts would wait for the
-        planner's), and a CPU export whose host has no free memory for one more worker (devices.room_for_planner).
-        On the 2-core VM, beside the parts took 0.4-0.5 s off the time from the warm parent's readiness to the end
-        (3.07-3.62 s against 3.52-4.14 s, eight alternating runs each, 2026-12-01): judged first, one core idled
-        while the other judged the plan."""
+        its own while the first parts run (Scheduler.judge_beside: none is journaled before the verdict), a
+        calibrated export's too when one worker calibrates (its layers wait in order; the inputs a held layer left
+        pending are journaled with it). Judged first, before any part, instead: a calibrated export of a group or on
+        a cluster (its ranks start together), one whose workers are spawned rather than forked (each start is a full
+        import: the parts would wait for the planner's), and a CPU export whose host has no free memory for one more
+        worker (devices.room_for_planner). On the 2-core VM, beside the parts took 0.4-0.5 s off the time from the
+        warm parent's readiness to the end (3.07-3.62 s against 3.52-4.14 s, eight alternating runs each,
+        2026-12-01): judged first, one core idled while the other judged the plan. On an H200 a calibrated export's
+        plan took 0.44-0.83 s before its first layer (docs/benchmarks.md, twenty-seventh session)."""
         early, self._early = self._early, None
         self._launcher = Launcher(self.plan, self._emit, self._cancel, on_log=self._feed.on_log, lease=self._lease,
                                   progress=self._progress, check_ready=self._boundaries.settle_arithmetic, early=early)
@@ -315,7 +317,8 @@ class Run:
         forced = os.environ.get(PLAN_BESIDE_ENV)
         beside = forced == "1" if forced in ("0", "1") else self.plan.cluster is not None or \
             devices.room_for_planner([s.device for s in self._scheduler.slots], self._launcher.layer_bytes)
-        if self.plan.calibration is not None or not self._launcher.forkable or not beside:
+        ranks = self.plan.calibration is not None and (self.plan.world > 1 or self.plan.cluster is not None)
+        if ranks or not self._launcher.forkable or not beside:
             self._verdict.judge()
         else:
             self._scheduler.judge_beside(self._verdict.judge)

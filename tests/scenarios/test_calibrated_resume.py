@@ -49,6 +49,13 @@ def _fault(marker, **spec):
     return {"SUPERVISOR_TEST_FAULT": json.dumps({**spec, "once": str(marker)})}
 
 
+# The export plan judged before layer 0 (supervisor/run/sequence.py; by default one calibrating worker's plan is judged
+# beside its first layers, whose records wait for the verdict): for the runs a kill ends, whose journal the tests read
+# (the supervisor's copy of the non-layer part lands after the verdict, which a plan judged beside could give after
+# the kill). The plan judged beside: test_the_plan_judged_beside_the_first_layers_*.
+PLAN_FIRST = {"SUPERVISOR_TEST_PLAN_BESIDE": "0"}
+
+
 def _boundaries(out):
     """The boundary files left, each named for the layer it feeds (the attempt's fence in the name left out)."""
     names = sorted(os.listdir(os.path.join(out, layout.STATE_DIR, layout.BOUNDARY)))
@@ -80,8 +87,8 @@ def test_child_killed_while_calibrating_resumes_from_the_newest_durable_boundary
     recomputed from layer 0, and ends identical too."""
     out = tmp_path / "out"
     job = _job(tmp_path, model, dataset, out, max_attempts=1)
-    first = cli.run("run", job, "--json", env=_fault(tmp_path / "fired", point="calibrate", action="sigkill", index=2),
-                    check=False)
+    first = cli.run("run", job, "--json", check=False,
+                    env={**PLAN_FIRST, **_fault(tmp_path / "fired", point="calibrate", action="sigkill", index=2)})
     assert first.returncode == 1 and "layer 2" in first.stderr, first.stderr
     assert _journaled(out)[0] == [0]  # layer 0's record names layer 1's inputs; layer 1's names none yet
     assert "inputs-layer-00001.bin" in _boundaries(out)  # (layer 2's may be on disk too: never named, pruned)
@@ -123,7 +130,7 @@ def test_child_killed_before_the_next_inputs_are_durable_redoes_one_more_layer(m
               {"point": "forward", "action": "await", "index": 2, "path": str(held), "timeout": 60},
               {"point": "calibrate", "action": "sigkill", "index": 2, "once": str(tmp_path / "killed")}]
     first = cli.run("run", _job(tmp_path, model, dataset, out, max_attempts=1), "--json",
-                    env={"SUPERVISOR_TEST_FAULT": json.dumps(faults)}, check=False)
+                    env={**PLAN_FIRST, "SUPERVISOR_TEST_FAULT": json.dumps(faults)}, check=False)
     assert first.returncode == 1 and "layer 2" in first.stderr, first.stderr
     events = cli.events(first)
     # the non-layer part (the supervisor's copy), then layer 1 journaled before the kill
@@ -164,6 +171,40 @@ def test_a_recycled_worker_settles_its_pending_inputs_and_no_layer_is_redone(mod
     assert cli.output_bytes(out) == reference[0]
 
 
+def test_the_plan_judged_beside_the_first_layers_journals_them_after_its_verdict(model, dataset, reference, tmp_path):
+    """One calibrating worker: the export plan is judged on a worker of its own while the first layers run. Here the
+    plan answers only once layer 1's shard is on disk, so layers 0 and 1 are written ahead of the verdict: the run
+    finishes without a retry, each layer journaled once and in order (each record naming the inputs the one before it
+    left pending), the bytes the uninterrupted run's; `verify` passes."""
+    out = tmp_path / "out"
+    env = {"SUPERVISOR_TEST_PLAN_BESIDE": "1", **_fault(tmp_path / "plan.json", point="plan", action="await",
+                                                       path=str(out / layout.shard_name(1)), timeout=120)}
+    events = cli.events(cli.run("run", _job(tmp_path, model, dataset, out), "--json", env=env))
+    assert (tmp_path / "plan.json").exists()  # the plan did wait for layer 1
+    assert not [e for e in events if e["type"] == "Retrying"]
+    assert [e["index"] for e in events if e["type"] == "LayerStarted"] == [*range(LAYERS)]  # non-layer: copied
+    assert [e["index"] for e in events if e["type"] == "LayerWritten" and e["index"] >= 0] == [*range(LAYERS)]
+    assert cli.output_bytes(out) == reference[0]
+    assert cli.run("verify", out).returncode == 0
+
+
+def test_the_plan_judged_beside_the_first_layers_then_a_killed_child_rewinds_after_the_verdict(model, dataset,
+                                                                                              reference, tmp_path):
+    """The child SIGKILLed in layer 2 while the plan, judged beside, still waits (for that very kill): layers 0 and 1
+    are written but not yet journaled. The retry waits for the verdict, which journals them, and redoes layer 1 from
+    the newest durable inputs as a plan judged first would (layer 2's inputs were pending): identical bytes."""
+    out, killed = tmp_path / "out", tmp_path / "killed"
+    faults = [{"point": "plan", "action": "await", "path": str(killed), "timeout": 120},
+              {"point": "calibrate", "action": "sigkill", "index": 2, "once": str(killed)}]
+    env = {"SUPERVISOR_TEST_PLAN_BESIDE": "1", "SUPERVISOR_TEST_FAULT": json.dumps(faults)}
+    events = cli.events(cli.run("run", _job(tmp_path, model, dataset, out), "--json", env=env))
+    assert [e["index"] for e in events if e["type"] == "Retrying"] == [2]
+    assert [e["index"] for e in events if e["type"] == "LayerStarted"] == [0, 1, 2, 1, 2, 3]
+    assert [(e["index"], e["retries"]) for e in events if e["type"] == "LayerWritten" and e["index"] >= 0] == \
+        [(0, 0), (1, 0), (1, 0), (2, 1), (3, 0)]
+    assert cli.output_bytes(out) == reference[0]
+
+
 def test_supervisor_killed_during_propagation_resumes(model, dataset, reference, tmp_path):
     """SIGKILL the supervisor while its child propagates layer 2 (a stalled fault holds it there; the progress
     events say "layer 2: propagate"): the child exits by itself, and the re-run resumes from the newest durable
@@ -172,6 +213,8 @@ def test_supervisor_killed_during_propagation_resumes(model, dataset, reference,
     fault = _fault(marker, point="propagate", action="stall", index=2)
     with faultkit.LiveRun("run", _job(tmp_path, model, dataset, out), "--json", env=fault) as live:
         held = live.wait_for("Progress", where=lambda e: e["index"] == 2 and e["stage"] == "propagate")
+        # and layer 1 journaled (with the plan judged beside the first layers: once the plan's verdict is in)
+        assert live.wait_for("LayerWritten", where=lambda e: e["index"] == 1) is not None, live.stderr
         assert held is not None and faultkit.wait_marker(marker), live.stderr
         children = psutil.Process(live.pid).children(recursive=True)
         os.kill(live.pid, signal.SIGKILL)
@@ -203,8 +246,8 @@ def test_awq_on_cpu_equals_oneshot_resumes_identically_and_loads(tiny_models, tm
 
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     cli.run("run", job(whole), "--json")
-    first = cli.run("run", job(killed, max_attempts=1), "--json",
-                    env=_fault(tmp_path / "fired", point="calibrate", action="sigkill", index=2), check=False)
+    first = cli.run("run", job(killed, max_attempts=1), "--json", check=False,
+                    env={**PLAN_FIRST, **_fault(tmp_path / "fired", point="calibrate", action="sigkill", index=2)})
     assert first.returncode == 1, first.stderr
     assert cli.events(cli.run("run", job(killed), "--json"))[0]["resumed"] == 2  # layer 0 and the non-layer part
     assert cli.output_bytes(killed) == cli.output_bytes(whole)
