@@ -113,6 +113,31 @@ s28a)  # twenty-eighth session (issue 34 part 1): GPTQ's per-sample Hessian term
   timeout 240 python3 bench/accumulate_probe.py --device cuda --tokens 2048 --widths 4096:2,14336:4 --samples 16 2>&1 \
     | quiet | tee "$OUT/accumulate.txt"
   ;;
+s28b)  # twenty-eighth session (issue 34 part 1), bytecode for every process as s27b: GPTQ W4A16 default on 8 layers of
+  # the 8B shape, 128 x 2048: before (.whl/before = `git archive 8214df6 child shared supervisor`, the twenty-seventh
+  # session's code), after (the Hessians' stripes into H's upper triangle; the plan judged beside layer 0) and oneshot;
+  # then the per-sample accumulation probe
+  rm -rf /tmp/calib-bench /tmp/pyc-all
+  export PYTHONPYCACHEPREFIX=/tmp/pyc-all; unset PYTHONDONTWRITEBYTECODE
+  timeout 60 python3 -c "from llmcompressor import oneshot; import transformers, child.backends.calibrate" > /dev/null 2>&1
+  (cd .whl/before && timeout 60 python3 -c "import child.backends.calibrate" > /dev/null 2>&1)
+  timeout 400 python3 bench/calib_bench.py --layers 8 --before .whl/before --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"
+  grep -A12 "^| layer" "$OUT/floor_gptq.txt" | head -28; tail -14 "$OUT/floor_gptq.txt"; rm -rf /tmp/calib-bench
+  timeout 120 python3 bench/accumulate_probe.py --device cuda --tokens 2048 --widths 4096:2,14336:4 --samples 16 2>&1 \
+    | quiet | tee "$OUT/accumulate.txt"
+  ;;
+s28c)  # twenty-eighth session (issue 34 part 1): NVFP4 and FP8 static scales, ours against oneshot, bytecode for both
+  rm -rf /tmp/cb-nvfp4 /tmp/cb-fp8 /tmp/pyc-all
+  export PYTHONPYCACHEPREFIX=/tmp/pyc-all; unset PYTHONDONTWRITEBYTECODE
+  timeout 60 python3 -c "from llmcompressor import oneshot; import transformers, child.backends.calibrate" > /dev/null 2>&1
+  timeout 220 python3 bench/calib_bench.py --layers 8 --method rtn --scheme NVFP4 --workdir /tmp/cb-nvfp4 \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_nvfp4.txt"
+  tail -12 "$OUT/floor_nvfp4.txt"; rm -rf /tmp/cb-nvfp4
+  timeout 220 python3 bench/calib_bench.py --layers 8 --method rtn --scheme FP8 --workdir /tmp/cb-fp8 \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_fp8.txt"
+  tail -12 "$OUT/floor_fp8.txt"
+  CUDA_VISIBLE_DEVICES=0 t 200 calib_gpu tests/gpu/test_calibrated_gpu.py -k "llama-W4A16-gptq or kill_and_rerun or stripes"
+  ;;
 s27b)  # next session with a device (issue 34 part 1): GPTQ W4A16 default on 8 layers of the 8B shape, 128 x 2048, and
   # NVFP4 static scales, every process with bytecode (PYTHONPYCACHEPREFIX, writing on: what a plain pip install gives
   # both tools; our cache then stays off), each tool's imports compiled once before (the bench's warm-up steps)
