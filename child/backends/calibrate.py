@@ -391,18 +391,6 @@ class Calibrator:
         self._stage("forward")
         names = [n for n, _ in self._trunk.named_parameters()]
         full = {f"{self._trunk_name}.{n}" if self._trunk_name else n: n for n in names}
-        # On a GPU, the pinned host memory of these inputs (and of layer 0's outputs) is made on threads of their own
-        # while the embeddings are read and run (~0.2 s per GB otherwise on the layer's path): sized from the config's
-        # hidden size and the embedding table's dtype, what the embeddings have; BoundaryWriter makes its own if not
-        buffer = None
-        metas = self.source.meta(sorted(full)).values() if self._pin else ()
-        if metas:
-            guess = max(metas, key=lambda t: t.numel()).dtype
-            numel = sum(int(x.shape[1]) for x in ids) * self.config.get_text_config().hidden_size
-            if 2 * numel * guess.itemsize <= self._ram_budget:
-                buffer = host_buffer_meanwhile(numel, guess, self.device)
-                if self.num_layers > 1 and self._spare is None:
-                    self._spare = host_buffer_meanwhile(numel, guess, self.device)  # layer 0's outputs
         tensors = self.source.read(sorted(full))
         try:
             for key, value in tensors.items():
@@ -419,8 +407,7 @@ class Calibrator:
                     fits = 2 * size <= self._ram_budget
                     tmp = None if fits else layout.state_path(
                         self.output, layout.TMP, os.path.basename(self._boundary_name(0)) + ".tmp")
-                    writer = BoundaryWriter(0, shapes, hidden.dtype, tmp_path=tmp, keep_in_ram=fits, buffer=buffer,
-                                            pin=self._pin)
+                    writer = BoundaryWriter(0, shapes, hidden.dtype, tmp_path=tmp, keep_in_ram=fits, pin=self._pin)
                     if fits and self._pin and self.num_layers > 1 and self._spare is None:
                         # layer 0's outputs: as much pinned memory, made meanwhile
                         self._spare = host_buffer_meanwhile(size // hidden.dtype.itemsize, hidden.dtype, self.device)
