@@ -113,6 +113,21 @@ s28a)  # twenty-eighth session (issue 34 part 1): GPTQ's per-sample Hessian term
   timeout 240 python3 bench/accumulate_probe.py --device cuda --tokens 2048 --widths 4096:2,14336:4 --samples 16 2>&1 \
     | quiet | tee "$OUT/accumulate.txt"
   ;;
+s28d)  # twenty-eighth session, last call (issue 34 part 1), bytecode for every process as s27b: GPTQ W4A16 default
+  # before (.whl/before, 8214df6) / after / oneshot, then NVFP4 and FP8 static scales after / oneshot
+  rm -rf /tmp/calib-bench /tmp/cb-nvfp4 /tmp/cb-fp8 /tmp/pyc-all
+  export PYTHONPYCACHEPREFIX=/tmp/pyc-all; unset PYTHONDONTWRITEBYTECODE
+  timeout 60 python3 -c "from llmcompressor import oneshot; import transformers, child.backends.calibrate" > /dev/null 2>&1
+  (cd .whl/before && timeout 60 python3 -c "import child.backends.calibrate" > /dev/null 2>&1)
+  timeout 280 python3 bench/calib_bench.py --layers 8 --before .whl/before --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"
+  grep "^supervisor (W\|timeline" "$OUT/floor_gptq.txt" | head -3; tail -14 "$OUT/floor_gptq.txt"; rm -rf /tmp/calib-bench
+  timeout 150 python3 bench/calib_bench.py --layers 8 --method rtn --scheme NVFP4 --workdir /tmp/cb-nvfp4 \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_nvfp4.txt"
+  grep "^supervisor (W" "$OUT/floor_nvfp4.txt"; tail -8 "$OUT/floor_nvfp4.txt"; rm -rf /tmp/cb-nvfp4
+  timeout 150 python3 bench/calib_bench.py --layers 8 --method rtn --scheme FP8 --workdir /tmp/cb-fp8 \
+    --skip kill,retry 2>&1 | quiet > "$OUT/floor_fp8.txt"
+  grep "^supervisor (W" "$OUT/floor_fp8.txt"; tail -8 "$OUT/floor_fp8.txt"
+  ;;
 s28b)  # twenty-eighth session (issue 34 part 1), bytecode for every process as s27b: GPTQ W4A16 default on 8 layers of
   # the 8B shape, 128 x 2048: before (.whl/before = `git archive 8214df6 child shared supervisor`, the twenty-seventh
   # session's code), after (the Hessians' stripes into H's upper triangle; the plan judged beside layer 0) and oneshot;
