@@ -246,6 +246,11 @@ class BoundaryWriter:
         """Made for commit_later (held in RAM, a file to write afterwards)."""
         return self._later and self._tmp is not None
 
+    @property
+    def has_file(self) -> bool:
+        """Made with a file to write (else held in RAM only: commit(None))."""
+        return self._tmp is not None
+
     def _open(self) -> None:
         size = self._data_offset + self._layout.nbytes
         self._reused = self._spares is not None and durable.take_spare(self._spares, self._tmp, size)

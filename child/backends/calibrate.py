@@ -146,6 +146,9 @@ class Calibrator:
         r = job.resources
         self._ram_budget = int(r.activation_ram_gb * 2**30) if r.activation_ram_gb else \
             psutil.virtual_memory().total // 4
+        # the last layer's inputs need no file (_next_writer) where one worker calibrates and is never recycled (its
+        # successor would find no inputs: shared.messages' Settle could name none)
+        self._last_inputs_in_ram = self.world == 1 and not (r.recycle_after_layers or r.recycle_above_rss_mb)
 
     # ---- Backend -------------------------------------------------------------------------------------------
     def begin(self, index: int, boundary: Boundary | None, fence: str = "") -> None:
@@ -217,6 +220,9 @@ class Calibrator:
         self._drop_inputs()
         if writer is None:  # the last layer: nothing follows it
             self._spare = None
+            return None
+        if not writer.has_file:  # the last layer's inputs, in RAM only (see _next_writer): no boundary named
+            self._inputs, _, _ = writer.commit(None)
             return None
         name = self._boundary_name(index + 1)
         dest = os.path.join(self.output, name)
@@ -323,18 +329,25 @@ class Calibrator:
     def _next_writer(self, index: int, inputs: Activations) -> BoundaryWriter | None:
         if index + 1 >= self.num_layers:
             return None
-        tmp = layout.state_path(self.output, layout.TMP, os.path.basename(self._boundary_name(index + 1)) + ".tmp")
-        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        # the inputs are still held while the outputs are built: both count against the budget
+        in_ram = 2 * inputs.nbytes <= self._ram_budget
         # the host memory of the inputs released a layer ago, or (layer 0) the one made meanwhile
         spare, self._spare = self._spare, None
-        # the inputs are still held while the outputs are built: both count against the budget. One worker writes
-        # the file after the layer (commit_later), beside the next one; a group's ranks commit in step with each
-        # other, each as it propagates
+        if in_ram and self._last_inputs_in_ram and index + 1 == self.num_layers - 1:
+            # the last layer's inputs, held by the one worker that calibrates and is never recycled: in RAM only.
+            # Their file would be made durable beside the last layer only to be unlinked once it is journaled (~0.45
+            # s for a 2 GB file, after the last layer); without it a crash in the last layer redoes the one before
+            # it too (whose inputs are then the newest durable boundary): the one more layer any crash may cost
+            return BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=None, keep_in_ram=True,
+                                  buffer=spare, pin=self._pin)
+        tmp = layout.state_path(self.output, layout.TMP, os.path.basename(self._boundary_name(index + 1)) + ".tmp")
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        # One worker writes the file after the layer (commit_later), beside the next one; a group's ranks commit in
+        # step with each other, each as it propagates
         # the file: a spent one the supervisor left in the temp folder rewritten in place, where there is one
         # (supervisor/run/boundaries.py keeps them)
-        return BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=tmp,
-                              keep_in_ram=2 * inputs.nbytes <= self._ram_budget, buffer=spare, pin=self._pin,
-                              later=self.world == 1, spares=os.path.dirname(tmp))
+        return BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=tmp, keep_in_ram=in_ram,
+                              buffer=spare, pin=self._pin, later=self.world == 1, spares=os.path.dirname(tmp))
 
     def _boundary_name(self, feeds: int) -> str:
         return layout.boundary_name(feeds, self.rank if self.world > 1 else None, self._fence)

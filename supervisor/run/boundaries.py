@@ -1,7 +1,8 @@
 """A calibrated export's boundaries: a layer's input activations, crossing from one layer to the next on disk.
 
     layer i's LayerWritten ── check(reply) ──▶ layer i+1's inputs under this attempt's fence (or `pending`: made
-                                               durable beside layer i+1, named by the next reply's `settled`)
+                                               durable beside layer i+1, named by the next reply's `settled`; or,
+                                               the last layer's, none: in the one worker's RAM only)
     journaled with layer i ─▶ recorded(rec): the newest boundary; the one before is spent: kept in the temp folder
                                                as a spare while a boundary is still to be written (the workers
                                                rewrite it in place: durable.take_spare), else unlinked off the
@@ -39,6 +40,7 @@ class Boundaries:
         self.newest: list[Boundary] | None = None  # the newest journaled (durable) boundary: the next layer's inputs
         # one worker: (the layer whose inputs the last reply left pending, that reply's fence)
         self._pending: tuple[int, str] | None = None
+        self._last_in_ram = False  # the last layer's inputs were kept in the worker's RAM, no file (check)
         self._arithmetic: journal.Arithmetic | None = None  # what the layers were computed with
         self._had_layers = False  # the journal held a layer when the run began
         self._deleter: ThreadPoolExecutor | None = None  # unlinks spent boundary files off the critical path
@@ -88,6 +90,11 @@ class Boundaries:
             return settled
         if reply.pending and world == 1 and reply.boundary is None:
             self._pending = (reply.index + 1, reply.fence)
+            return settled
+        if reply.index == n - 2 and world == 1 and reply.boundary is None:
+            # the last layer's inputs, kept in the worker's RAM only (child/backends/calibrate.py): the newest
+            # boundary stays the one that fed this layer, and no more files will be written
+            self._last_in_ram = True
             return settled
         bs = reply.boundaries if world > 1 else [reply.boundary] if reply.boundary is not None else []
         names = [layout.boundary_name(reply.index + 1, r if world > 1 else None, reply.fence) for r in range(world)]
@@ -171,7 +178,7 @@ class Boundaries:
         once none is to be written, are unlinked. Only these files are named, never a newer one a worker is
         writing; one left behind by a crash is pruned when the export resumes (resume), a spare when the next run
         clears the temp folder."""
-        more = bool(self.newest) and self.newest[0].feeds < self.plan.source.num_layers - 1
+        more = bool(self.newest) and self.newest[0].feeds < self.plan.source.num_layers - 1 and not self._last_in_ram
         for b in spent or []:
             path = os.path.join(self.plan.output, b.file)
             if more and len(durable.spares(self._tmp)) < self.plan.world:

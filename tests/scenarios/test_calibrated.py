@@ -47,7 +47,8 @@ def test_cli_calibrated_export_equals_oneshot(kind, scheme, method, data, tiny_m
     with open(f"{ref}/config.json") as a, open(out / "config.json") as b:
         assert json.load(b) == json.load(a)
     assert torch.equal(loaded_logits(str(out), logits_input), loaded_logits(ref, logits_input))
-    assert not list((out / ".export" / "boundary").iterdir())  # no calibration state left once finished
+    boundary = out / ".export" / "boundary"  # no calibration state left once finished (none made at all with two
+    assert not boundary.exists() or not list(boundary.iterdir())  # layers: the last one's inputs stay in RAM)
     # the non-layer part was the supervisor's copy, made while the worker imported (supervisor/run/verbatim.py)
     assert not [e for e in events if e["type"] == "CopyDeclined"]
     with open(out / ".export" / "journal.jsonl") as f:

@@ -171,6 +171,26 @@ def test_a_recycled_worker_settles_its_pending_inputs_and_no_layer_is_redone(mod
     assert cli.output_bytes(out) == reference[0]
 
 
+def test_the_last_layers_inputs_stay_in_ram_and_a_kill_in_it_redoes_the_layer_before(model, dataset, reference,
+                                                                                       tmp_path):
+    """The last layer's inputs are kept in the worker's RAM only (no file to make durable beside it and unlink after
+    it): SIGKILL in the last layer's calibration (no retries left) leaves layer 2's inputs, named by layer 1's record,
+    the newest journaled boundary, and no file of layer 3's inputs anywhere in the folder's state; the re-run redoes
+    layers 2 and 3 (the one more layer a crash may cost) and ends identical."""
+    out = tmp_path / "out"
+    first = cli.run("run", _job(tmp_path, model, dataset, out, max_attempts=1), "--json", check=False,
+                    env={**PLAN_FIRST, **_fault(tmp_path / "fired", point="calibrate", action="sigkill",
+                                                index=LAYERS - 1)})
+    assert first.returncode == 1 and f"layer {LAYERS - 1}" in first.stderr, first.stderr
+    assert _journaled(out)[0] == [LAYERS - 4, LAYERS - 3]  # layers 0 and 1 name their outputs; layer 2's none
+    assert _boundaries(out) == [f"inputs-layer-{LAYERS - 2:05d}.bin"]
+    state = [f for _, _, files in os.walk(out / layout.STATE_DIR) for f in files]
+    assert not [f for f in state if f"layer-{LAYERS - 1:05d}" in f], state
+    second = cli.events(cli.run("run", _job(tmp_path, model, dataset, out), "--json"))
+    assert [e["index"] for e in second if e["type"] == "LayerStarted"] == [LAYERS - 2, LAYERS - 1]
+    assert cli.output_bytes(out) == reference[0]
+
+
 def test_the_plan_judged_beside_the_first_layers_journals_them_after_its_verdict(model, dataset, reference, tmp_path):
     """One calibrating worker: the export plan is judged on a worker of its own while the first layers run. Here the
     plan answers only once layer 1's shard is on disk, so layers 0 and 1 are written ahead of the verdict: the run
