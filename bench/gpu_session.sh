@@ -113,6 +113,14 @@ s28a)  # twenty-eighth session (issue 34 part 1): GPTQ's per-sample Hessian term
   timeout 240 python3 bench/accumulate_probe.py --device cuda --tokens 2048 --widths 4096:2,14336:4 --samples 16 2>&1 \
     | quiet | tee "$OUT/accumulate.txt"
   ;;
+s28f)  # twenty-eighth session, the shortest call (issue 34 part 1): GPTQ W4A16 default after / oneshot, bytecode for both
+  rm -rf /tmp/calib-bench /tmp/pyc-all
+  export PYTHONPYCACHEPREFIX=/tmp/pyc-all; unset PYTHONDONTWRITEBYTECODE
+  timeout 60 python3 -c "from llmcompressor import oneshot; import transformers, child.backends.calibrate" > /dev/null 2>&1
+  timeout 190 python3 bench/calib_bench.py --layers 8 --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"
+  grep "^supervisor (W" "$OUT/floor_gptq.txt"; grep -A11 "^| layer" "$OUT/floor_gptq.txt" | head -12
+  tail -8 "$OUT/floor_gptq.txt"
+  ;;
 s28e)  # twenty-eighth session, a short last call (issue 34 part 1), bytecode for every process as s27b: GPTQ W4A16
   # default after / oneshot, then NVFP4 static scales after / oneshot
   rm -rf /tmp/calib-bench /tmp/cb-nvfp4 /tmp/pyc-all
