@@ -5,10 +5,10 @@ then `H += term`)? And what the first use of each costs in a fresh process (the 
 
     python bench/accumulate_probe.py --device cuda --tokens 2048 --widths 4096:2,14336:4 --samples 16
 
-Variants, per sample (inp: sqrt(2) x^T in fp32, [d, tokens]):
+Variants, per sample (inp: sqrt(2) x^T in fp32, [d, tokens]); today's and into_h are child/backends/hessians.py's own:
 - library: term = inp @ inp^T; H += term (the first: H = term + 0.0)
 - today: term = stripes (each stripe's matmul into a d x d buffer, the block left of it mirrored); H += term
-- into_h: per stripe, H[a:b, a:] += inp[a:b] @ inp[a:]^T (the stripe's own matmul, then an add); mirrored once
+- into_h: per stripe, H[a:b, a:] += inp[a:b] @ inp[a:]^T (StripedTerm.add_upper); mirrored once (mirror_upper)
 - addmm: per stripe, addmm(H[a:b, a:], inp[a:b], inp[a:]^T, out=H[a:b, a:]) (the add in the GEMM's epilogue: another
   kernel may be chosen, so its bits must be checked); mirrored once
 """
@@ -27,18 +27,8 @@ def scaled(x: torch.Tensor) -> torch.Tensor:
     return math.sqrt(2) * x.t().to(torch.float32)
 
 
-def edges(d: int, count: int) -> list[int]:
-    return [d * k // count // 8 * 8 for k in range(count)] + [d]
-
-
-def mirror(h: torch.Tensor, count: int) -> None:
-    e = edges(h.shape[0], count)
-    for a, b in zip(e[:-1], e[1:]):
-        if b < h.shape[0]:
-            h[b:, a:b].copy_(h[a:b, b:].t())
-
-
 def library(xs):
+    """The reference: llm-compressor's accumulate_hessian, the first term added to zeros as `t + 0.0`."""
     h = None
     for x in xs:
         inp = scaled(x)
@@ -48,46 +38,47 @@ def library(xs):
 
 
 def today(xs, count):
+    """The twenty-seventh session's product: each term whole (child/backends/hessians.py's mirrored stripes), added."""
+    from child.backends import hessians
+
+    h = None
+    for x in xs:
+        t = hessians._stripes(scaled(x), count)
+        h = t.add_(0.0) if h is None else h.add_(t)
+    return h
+
+
+def upper(xs, add_stripe):
+    """Stripes added into H's upper triangle from zeros by add_stripe(h, inp, a, b), mirrored once at the end."""
+    from child.backends import hessians
+
     h = None
     for x in xs:
         inp = scaled(x)
         d = inp.shape[0]
-        out = torch.empty((d, d), dtype=inp.dtype, device=inp.device)
-        e = edges(d, count)
-        for a, b in zip(e[:-1], e[1:]):
-            torch.matmul(inp[a:b], inp[a:].t(), out=out[a:b, a:])
-            if b < d:
-                out[b:, a:b].copy_(out[a:b, b:].t())
-        h = out.add_(0.0) if h is None else h.add_(out)
+        h = torch.zeros((d, d), dtype=inp.dtype, device=inp.device) if h is None else h
+        add_stripe(h, inp)
+    hessians.mirror_upper(h)
     return h
 
 
 def into_h(xs, count):
-    h = None
-    for x in xs:
-        inp = scaled(x)
-        d = inp.shape[0]
-        if h is None:
-            h = torch.zeros((d, d), dtype=inp.dtype, device=inp.device)
-        e = edges(d, count)
-        for a, b in zip(e[:-1], e[1:]):
-            h[a:b, a:] += torch.matmul(inp[a:b], inp[a:].t())
-    mirror(h, count)
-    return h
+    """This change's product: hessians.StripedTerm.add_upper (each stripe's matmul, then an add into H)."""
+    from child.backends import hessians
+
+    return upper(xs, lambda h, inp: hessians.StripedTerm(inp, count).add_upper(h))
 
 
 def addmm(xs, count):
-    h = None
-    for x in xs:
-        inp = scaled(x)
-        d = inp.shape[0]
-        if h is None:
-            h = torch.zeros((d, d), dtype=inp.dtype, device=inp.device)
-        e = edges(d, count)
+    """The add in the GEMM's epilogue (not in the product: its bits with a nonzero C are not checked there)."""
+    from child.backends import hessians
+
+    def add(h, inp):
+        e = hessians._edges(inp.shape[0], count)
         for a, b in zip(e[:-1], e[1:]):
             torch.addmm(h[a:b, a:], inp[a:b], inp[a:].t(), out=h[a:b, a:])
-    mirror(h, count)
-    return h
+
+    return upper(xs, add)
 
 
 def timed(fn, sync):
