@@ -107,6 +107,25 @@ print(f"warm parent imports {seconds:.1f} s, forkable {forkable}, cuda initialis
       f"Triton key cached: {c.triton_key.cache_info().currsize == 1}")' 2>&1 | grep "warm parent" | tee "$OUT/triton_key.txt"
 }
 
+bytecode_both() {  # every process with bytecode (PYTHONPYCACHEPREFIX, writing on: what a plain pip install gives both
+  # tools; our own cache then stays off), each tool's imports compiled once first; with an argument, that tree's too
+  rm -rf /tmp/pyc-all
+  export PYTHONPYCACHEPREFIX=/tmp/pyc-all; unset PYTHONDONTWRITEBYTECODE
+  timeout 60 python3 -c "from llmcompressor import oneshot; import transformers, child.backends.calibrate" > /dev/null 2>&1
+  [ -n "${1:-}" ] && (cd "$1" && timeout 60 python3 -c "import child.backends.calibrate" > /dev/null 2>&1)
+  return 0
+}
+
+cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, no kill or retry runs) into
+  # $OUT/NAME.txt, in a work folder of its own removed after; shows the run's line, its stage clock and its table
+  local secs=$1 name=$2; shift 2
+  rm -rf "/tmp/cb-$name"
+  timeout "$secs" python3 bench/calib_bench.py --layers 8 --skip kill,retry --workdir "/tmp/cb-$name" "$@" 2>&1 \
+    | quiet > "$OUT/$name.txt"
+  grep "^supervisor (W" "$OUT/$name.txt"; grep -A11 "^| layer" "$OUT/$name.txt" | head -12; tail -14 "$OUT/$name.txt"
+  rm -rf "/tmp/cb-$name"
+}
+
 case "${1:-tests}" in
 s28a)  # twenty-eighth session (issue 34 part 1): GPTQ's per-sample Hessian terms accumulated into H as stripes (mirrored
   # once) against today's mirrored term per sample and the library's; the first use of each op in a fresh process
@@ -114,87 +133,41 @@ s28a)  # twenty-eighth session (issue 34 part 1): GPTQ's per-sample Hessian term
     | quiet | tee "$OUT/accumulate.txt"
   ;;
 s28f)  # twenty-eighth session, the shortest call (issue 34 part 1): GPTQ W4A16 default after / oneshot, bytecode for both
-  rm -rf /tmp/calib-bench /tmp/pyc-all
-  export PYTHONPYCACHEPREFIX=/tmp/pyc-all; unset PYTHONDONTWRITEBYTECODE
-  timeout 60 python3 -c "from llmcompressor import oneshot; import transformers, child.backends.calibrate" > /dev/null 2>&1
-  timeout 190 python3 bench/calib_bench.py --layers 8 --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"
-  grep "^supervisor (W" "$OUT/floor_gptq.txt"; grep -A11 "^| layer" "$OUT/floor_gptq.txt" | head -12
-  tail -8 "$OUT/floor_gptq.txt"
+  bytecode_both; cb 190 floor_gptq
   ;;
-s28e)  # twenty-eighth session, a short last call (issue 34 part 1), bytecode for every process as s27b: GPTQ W4A16
-  # default after / oneshot, then NVFP4 static scales after / oneshot
-  rm -rf /tmp/calib-bench /tmp/cb-nvfp4 /tmp/pyc-all
-  export PYTHONPYCACHEPREFIX=/tmp/pyc-all; unset PYTHONDONTWRITEBYTECODE
-  timeout 60 python3 -c "from llmcompressor import oneshot; import transformers, child.backends.calibrate" > /dev/null 2>&1
-  timeout 200 python3 bench/calib_bench.py --layers 8 --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"
-  grep "^supervisor (W" "$OUT/floor_gptq.txt"; grep -A11 "^| layer" "$OUT/floor_gptq.txt" | head -12
-  tail -8 "$OUT/floor_gptq.txt"; rm -rf /tmp/calib-bench
-  timeout 130 python3 bench/calib_bench.py --layers 8 --method rtn --scheme NVFP4 --workdir /tmp/cb-nvfp4 \
-    --skip kill,retry 2>&1 | quiet > "$OUT/floor_nvfp4.txt"
-  grep "^supervisor (W" "$OUT/floor_nvfp4.txt"; tail -8 "$OUT/floor_nvfp4.txt"
+s28d)  # twenty-eighth session, last call (issue 34 part 1), bytecode for every process: GPTQ W4A16 default before
+  # (.whl/before, 8214df6) / after / oneshot, then NVFP4 and FP8 static scales after / oneshot
+  bytecode_both .whl/before
+  cb 280 floor_gptq --before .whl/before
+  cb 150 floor_nvfp4 --method rtn --scheme NVFP4
+  cb 150 floor_fp8 --method rtn --scheme FP8
   ;;
-s28d)  # twenty-eighth session, last call (issue 34 part 1), bytecode for every process as s27b: GPTQ W4A16 default
-  # before (.whl/before, 8214df6) / after / oneshot, then NVFP4 and FP8 static scales after / oneshot
-  rm -rf /tmp/calib-bench /tmp/cb-nvfp4 /tmp/cb-fp8 /tmp/pyc-all
-  export PYTHONPYCACHEPREFIX=/tmp/pyc-all; unset PYTHONDONTWRITEBYTECODE
-  timeout 60 python3 -c "from llmcompressor import oneshot; import transformers, child.backends.calibrate" > /dev/null 2>&1
-  (cd .whl/before && timeout 60 python3 -c "import child.backends.calibrate" > /dev/null 2>&1)
-  timeout 280 python3 bench/calib_bench.py --layers 8 --before .whl/before --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"
-  grep "^supervisor (W\|timeline" "$OUT/floor_gptq.txt" | head -3; tail -14 "$OUT/floor_gptq.txt"; rm -rf /tmp/calib-bench
-  timeout 150 python3 bench/calib_bench.py --layers 8 --method rtn --scheme NVFP4 --workdir /tmp/cb-nvfp4 \
-    --skip kill,retry 2>&1 | quiet > "$OUT/floor_nvfp4.txt"
-  grep "^supervisor (W" "$OUT/floor_nvfp4.txt"; tail -8 "$OUT/floor_nvfp4.txt"; rm -rf /tmp/cb-nvfp4
-  timeout 150 python3 bench/calib_bench.py --layers 8 --method rtn --scheme FP8 --workdir /tmp/cb-fp8 \
-    --skip kill,retry 2>&1 | quiet > "$OUT/floor_fp8.txt"
-  grep "^supervisor (W" "$OUT/floor_fp8.txt"; tail -8 "$OUT/floor_fp8.txt"
-  ;;
-s28b)  # twenty-eighth session (issue 34 part 1), bytecode for every process as s27b: GPTQ W4A16 default on 8 layers of
-  # the 8B shape, 128 x 2048: before (.whl/before = `git archive 8214df6 child shared supervisor`, the twenty-seventh
-  # session's code), after (the Hessians' stripes into H's upper triangle; the plan judged beside layer 0) and oneshot;
-  # then the per-sample accumulation probe
-  rm -rf /tmp/calib-bench /tmp/pyc-all
-  export PYTHONPYCACHEPREFIX=/tmp/pyc-all; unset PYTHONDONTWRITEBYTECODE
-  timeout 60 python3 -c "from llmcompressor import oneshot; import transformers, child.backends.calibrate" > /dev/null 2>&1
-  (cd .whl/before && timeout 60 python3 -c "import child.backends.calibrate" > /dev/null 2>&1)
-  timeout 400 python3 bench/calib_bench.py --layers 8 --before .whl/before --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"
-  grep -A12 "^| layer" "$OUT/floor_gptq.txt" | head -28; tail -14 "$OUT/floor_gptq.txt"; rm -rf /tmp/calib-bench
+s28b)  # twenty-eighth session (issue 34 part 1), bytecode for every process: GPTQ W4A16 default on 8 layers of the 8B
+  # shape, 128 x 2048: before (.whl/before = `git archive 8214df6 child shared supervisor`, the twenty-seventh session's
+  # code), after (the Hessians' stripes into H's upper triangle; the plan judged beside layer 0) and oneshot; then the
+  # per-sample accumulation probe
+  bytecode_both .whl/before
+  cb 400 floor_gptq --before .whl/before
   timeout 120 python3 bench/accumulate_probe.py --device cuda --tokens 2048 --widths 4096:2,14336:4 --samples 16 2>&1 \
     | quiet | tee "$OUT/accumulate.txt"
   ;;
-s28c)  # twenty-eighth session (issue 34 part 1): NVFP4 and FP8 static scales, ours against oneshot, bytecode for both
-  rm -rf /tmp/cb-nvfp4 /tmp/cb-fp8 /tmp/pyc-all
-  export PYTHONPYCACHEPREFIX=/tmp/pyc-all; unset PYTHONDONTWRITEBYTECODE
-  timeout 60 python3 -c "from llmcompressor import oneshot; import transformers, child.backends.calibrate" > /dev/null 2>&1
-  timeout 220 python3 bench/calib_bench.py --layers 8 --method rtn --scheme NVFP4 --workdir /tmp/cb-nvfp4 \
-    --skip kill,retry 2>&1 | quiet > "$OUT/floor_nvfp4.txt"
-  tail -12 "$OUT/floor_nvfp4.txt"; rm -rf /tmp/cb-nvfp4
-  timeout 220 python3 bench/calib_bench.py --layers 8 --method rtn --scheme FP8 --workdir /tmp/cb-fp8 \
-    --skip kill,retry 2>&1 | quiet > "$OUT/floor_fp8.txt"
-  tail -12 "$OUT/floor_fp8.txt"
+s28c)  # twenty-eighth session (issue 34 part 1): NVFP4 and FP8 static scales, ours against oneshot, bytecode for both;
+  # then the calibrated GPU tests
+  bytecode_both
+  cb 220 floor_nvfp4 --method rtn --scheme NVFP4
+  cb 220 floor_fp8 --method rtn --scheme FP8
   CUDA_VISIBLE_DEVICES=0 t 200 calib_gpu tests/gpu/test_calibrated_gpu.py -k "llama-W4A16-gptq or kill_and_rerun or stripes"
   ;;
-s27b)  # next session with a device (issue 34 part 1): GPTQ W4A16 default on 8 layers of the 8B shape, 128 x 2048, and
-  # NVFP4 static scales, every process with bytecode (PYTHONPYCACHEPREFIX, writing on: what a plain pip install gives
-  # both tools; our cache then stays off), each tool's imports compiled once before (the bench's warm-up steps)
-  rm -rf /tmp/calib-bench /tmp/cb-nvfp4 /tmp/pyc-all
-  export PYTHONPYCACHEPREFIX=/tmp/pyc-all; unset PYTHONDONTWRITEBYTECODE
-  timeout 60 python3 -c "from llmcompressor import oneshot; import transformers, child.backends.calibrate" > /dev/null 2>&1
-  timeout 330 python3 bench/calib_bench.py --layers 8 --skip kill,retry 2>&1 | quiet > "$OUT/floor_gptq.txt"
-  grep -A12 "^| layer" "$OUT/floor_gptq.txt" | head -13; tail -12 "$OUT/floor_gptq.txt"; rm -rf /tmp/calib-bench
-  timeout 200 python3 bench/calib_bench.py --layers 8 --method rtn --scheme NVFP4 --workdir /tmp/cb-nvfp4 \
-    --skip kill,retry 2>&1 | quiet > "$OUT/floor_nvfp4.txt"
-  tail -12 "$OUT/floor_nvfp4.txt"
+s27b)  # twenty-seventh session (issue 34 part 1): GPTQ W4A16 default on 8 layers of the 8B shape, 128 x 2048, and
+  # NVFP4 static scales, every process with bytecode
+  bytecode_both
+  cb 330 floor_gptq
+  cb 200 floor_nvfp4 --method rtn --scheme NVFP4
   ;;
-s27d)  # next session (issue 34 part 1): FP8 static scales and AWQ W4A16 on 8 layers, every process with bytecode (as s27b)
-  rm -rf /tmp/cb-fp8 /tmp/cb-awq /tmp/pyc-all
-  export PYTHONPYCACHEPREFIX=/tmp/pyc-all; unset PYTHONDONTWRITEBYTECODE
-  timeout 60 python3 -c "from llmcompressor import oneshot; import transformers, child.backends.calibrate" > /dev/null 2>&1
-  timeout 200 python3 bench/calib_bench.py --layers 8 --method rtn --scheme FP8 --workdir /tmp/cb-fp8 \
-    --skip kill,retry 2>&1 | quiet > "$OUT/floor_fp8.txt"
-  tail -12 "$OUT/floor_fp8.txt"; rm -rf /tmp/cb-fp8
-  timeout 330 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cb-awq \
-    --skip kill,retry 2>&1 | quiet > "$OUT/floor_awq.txt"
-  grep -A12 "^| layer" "$OUT/floor_awq.txt" | head -13; tail -12 "$OUT/floor_awq.txt"
+s27d)  # twenty-seventh session (issue 34 part 1): FP8 static scales and AWQ W4A16 on 8 layers, bytecode as s27b
+  bytecode_both
+  cb 200 floor_fp8 --method rtn --scheme FP8
+  cb 330 floor_awq --method awq
   ;;
 s27c)  # next session (issue 34 parts 1/3), the image as it is (no bytecode for oneshot; ours from its cache, filled
   # first): GPTQ W4A16 default on 8 layers against oneshot
