@@ -191,7 +191,9 @@ def fidelity(default: dict, fast: dict) -> str:
             + " ".join(f"{t:.5f}" for t in totals))
 
 
-CLOCK = ["forward", "calibrate", "solve", "propagate", "quantize"]  # the calibrated stages (LayerWritten.ranks)
+# the calibrated stages (LayerWritten.ranks); layer 0's inputs first: the embedding table read onto the device, then
+# every sample through it (child/backends/calibrate.py _first_inputs); setup: the layer onto the device, its session
+CLOCK = ["embed-read", "embed", "setup", "forward", "calibrate", "solve", "propagate", "quantize"]
 PART = ["read", "inputs", "error", "save", "hash", "sync", "boundary", "cleanup"]  # the worker's own (LayerWritten.stages)
 
 

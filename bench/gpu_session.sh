@@ -127,6 +127,13 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
+s29a)  # twenty-ninth session (issue 34 part 1), bytecode for every process: GPTQ W4A16 default, 8 layers of the 8B shape;
+  # after (a calibrated export's plan judged on the host beside layer 0) / oneshot / before (.whl/before = HEAD 2f6d383:
+  # judged on the GPU beside layer 0); then after with the plan judged first, before any layer
+  bytecode_both .whl/before
+  cb 330 floor_gptq --before .whl/before
+  SUPERVISOR_TEST_PLAN_BESIDE=0 cb 150 floor_gptq_first --skip oneshot,kill,retry
+  ;;
 s28a)  # twenty-eighth session (issue 34 part 1): GPTQ's per-sample Hessian terms accumulated into H as stripes (mirrored
   # once) against today's mirrored term per sample and the library's; the first use of each op in a fresh process
   timeout 240 python3 bench/accumulate_probe.py --device cuda --tokens 2048 --widths 4096:2,14336:4 --samples 16 2>&1 \

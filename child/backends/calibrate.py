@@ -6,7 +6,9 @@ session, modifiers, hooks and contexts, so the result is oneshot's by constructi
 
     begin(i, boundary)   inputs of layer i: kept in memory from layer i-1, or read from the journaled boundary file
                          (hash checked), or for layer 0 computed from the samples through the model's own forward
-    quantize_layer(i)    layer i materialised on the device, rooted at its checkpoint path ("model.layers.i")
+    quantize_layer(i)    in timed stages (layer 0's begin has two before them: embed-read, the embedding table onto
+                         the device; embed, every sample through it into host memory)
+      setup              layer i materialised on the device, rooted at its checkpoint path ("model.layers.i")
       forward            a fresh llm-compressor session on that layer (the recipe oneshot builds, initialized on it);
                          every sample through the layer with the modifiers' hooks (Hessians, observers, AWQ stats;
                          GPTQ's Hessians once per distinct input, child/backends/hessians.py)
@@ -174,6 +176,7 @@ class Calibrator:
         if self._inputs is None or self._inputs.feeds != index:
             raise RuntimeError(f"layer {index}: begin() did not prepare its inputs")
         path = f"{self.layer_prefix}{index}"
+        self._stage("setup")  # its weights onto the device, the library's session and hooks on it
         # loaded as the data-free quantizer loads a layer (checkpoint names mapped to the model's)
         mapped, layer, root = self._plain.materialise(path, self._layers[index], tensors, self.device)
         root.config = self.config  # norm_calibration_context reads model.config
@@ -401,7 +404,7 @@ class Calibrator:
         c = self.job.calibration
         ids = calibration_ids(c.dataset, c.samples, c.seq_len, self.job.source.path, self._calibration_sha256,
                               self.config.get_text_config().vocab_size, rank=self.rank, world=self.world)
-        self._stage("forward")
+        self._stage("embed-read")  # the embedding table (and whatever else precedes the layers) onto the device
         names = [n for n, _ in self._trunk.named_parameters()]
         full = {f"{self._trunk_name}.{n}" if self._trunk_name else n: n for n in names}
         tensors = self.source.read(sorted(full))
@@ -409,6 +412,7 @@ class Calibrator:
             for key, value in tensors.items():
                 # the checkpoint's dtype, as oneshot loads it (accelerate would cast to the skeleton's otherwise)
                 set_module_tensor_to_device(self._trunk, full[key], self.device, value=value, dtype=value.dtype)
+            self._stage("embed")  # every sample through it, into host memory (layer 0's, made here)
             writer = None
             for j, x in enumerate(ids):
                 sink = self._run_trunk(0, input_ids=x.to(self.device),
