@@ -359,7 +359,7 @@ def main() -> None:
     if args.before:  # last: the run that matters most comes first when the time is short
         before = run_supervisor(args, src, data, "sup-before", keep_warm=0, code=args.before)
         print(f"supervisor before ({args.before}): wall {before['wall']:.1f} s, start-up {before['startup']:.1f} s, "
-              f"{before['per_layer']:.2f} s per layer", flush=True)
+              f"{before['per_layer']:.2f} s per layer; " + timeline(before["events"], before["wall"]), flush=True)
         rows.insert(0, ("supervisor (before)", before))
         if one is None:  # no oneshot this time: the two trees' outputs against each other
             print(f"supervisor before / after: tensors: {compare(sup['out'], before['out'])}", flush=True)
