@@ -127,6 +127,11 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
+s29b)  # s29a without oneshot (the device time left was short): after / before, then after with the plan judged first
+  bytecode_both .whl/before
+  cb 200 floor_gptq --before .whl/before --skip oneshot,kill,retry
+  SUPERVISOR_TEST_PLAN_BESIDE=0 cb 120 floor_gptq_first --skip oneshot,kill,retry
+  ;;
 s29a)  # twenty-ninth session (issue 34 part 1), bytecode for every process: GPTQ W4A16 default, 8 layers of the 8B shape;
   # after (a calibrated export's plan judged on the host beside layer 0) / oneshot / before (.whl/before = HEAD 2f6d383:
   # judged on the GPU beside layer 0); then after with the plan judged first, before any layer
