@@ -127,6 +127,11 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
+s29c)  # s29b on 4 layers (device time short): after / before, then after with the plan judged first
+  bytecode_both .whl/before
+  cb 150 floor_gptq --layers 4 --before .whl/before --skip oneshot,kill,retry
+  SUPERVISOR_TEST_PLAN_BESIDE=0 cb 90 floor_gptq_first --layers 4 --skip oneshot,kill,retry
+  ;;
 s29b)  # s29a without oneshot (the device time left was short): after / before, then after with the plan judged first
   bytecode_both .whl/before
   cb 200 floor_gptq --before .whl/before --skip oneshot,kill,retry
