@@ -279,25 +279,3 @@ def test_warm_parent_answers_gpu_capability_from_nvml_only_while_importing(monke
     assert torch.cuda.get_device_capability is torch_own
     monkeypatch.undo()
     assert torch.cuda.get_device_capability is original
-
-
-def test_a_calibrated_exports_plan_is_judged_on_the_host_with_a_few_threads_beside_gpu_workers(monkeypatch):
-    """The calibrated worker holds its GPU for every layer: the planner beside it runs on the host (no CUDA context
-    of its own there), on PLANNER_CORES threads of a 16-core host, and only where the host's free memory holds one
-    worker; a data-free export's planner stays on the first GPU."""
-    import psutil
-
-    assert devices.planner_device(["cuda:0"], calibrated=True) == "cpu"
-    assert devices.planner_device(["cuda:1", "cuda:0"], calibrated=False) == "cuda:1"
-    assert devices.planner_device(["cpu", "cpu"], calibrated=True) == "cpu"
-    sharing = devices.planner_sharing(16)
-    assert devices.worker_threads(0, "cpu", sharing, 16) == devices.PLANNER_CORES == 4
-    assert devices.worker_threads(0, "cpu", devices.planner_sharing(2), 2) == 1
-    assert devices.worker_threads(6, "cpu", sharing, 16) == 6  # [resources] torch_threads as set
-    need = devices.worker_bytes(1 << 30)
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": need})())
-    assert devices.room_for_planner(["cuda:0"], 1 << 30, "cpu")
-    assert not devices.room_for_planner(["cpu"], 1 << 30, "cpu")  # one CPU worker and the planner: two
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": need - 1})())
-    assert not devices.room_for_planner(["cuda:0"], 1 << 30, "cpu")
-    assert devices.room_for_planner(["cuda:0"], 1 << 30)  # a data-free export's planner, on the GPU

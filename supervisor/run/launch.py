@@ -193,13 +193,9 @@ class Launcher:
             sharing, cores = (cluster.on_node(agent) if device == "cpu" else 1), agent.cpus
         else:
             # the slots on this slot's device: CPU workers split the cores; GPU workers may take turns on their GPU
-            from supervisor.workers import devices
-
-            cores = os.cpu_count() or 1
             if sharing is None:
                 sharing = sum(s.device == device for s in self.slots) if self.slots else 1
-                if slot.planner and device == "cpu" and not sharing:  # the plan judged on the host beside GPU workers
-                    sharing = devices.planner_sharing(cores)
+            cores = os.cpu_count() or 1
         hello = self._hello(device, worker_id, sharing, cores, group, agent is not None)
         log = layout.state_path(plan.output, layout.LOGS,
                                 f"rank-{worker_id}.log" if group is not None else f"worker-{slot.id}.log")

@@ -119,8 +119,7 @@ class Scheduler:
                  place: Callable[[LayerWritten], None] = lambda reply: None,
                  settle: Callable[[Worker], None] = lambda worker: None,
                  boundary: Callable[[int], list[Boundary] | None] = lambda index: None,
-                 restart: Callable[[int], int] = lambda index: index, room_timeout: float = 0.0,
-                 planner_device: str | None = None):
+                 restart: Callable[[int], int] = lambda index: index, room_timeout: float = 0.0):
         if sequential and len(slots) != 1:
             raise ValueError("a sequential export runs on exactly one slot")
         self.slots = slots
@@ -137,9 +136,7 @@ class Scheduler:
         self._q = _Queue(non_layer_first=len(slots) > 1 and not sequential)
         self._abort = threading.Event()
         self._error: BaseException | None = None
-        # the export plan's worker, when judged beside the parts: on the first slot's device unless told
-        # (supervisor.workers.devices.planner_device)
-        self.planner = Slot(id=len(slots), device=planner_device or slots[0].device, planner=True)
+        self.planner = Slot(id=len(slots), device=slots[0].device, planner=True)
         self._beside: _JudgedBeside | None = None  # the export plan judged while the first parts run
         self._handed: set[int] = set()  # parts handed off to the caller (hand_off)
 

@@ -316,8 +316,7 @@ class Run:
 
         forced = os.environ.get(PLAN_BESIDE_ENV)
         beside = forced == "1" if forced in ("0", "1") else self.plan.cluster is not None or \
-            devices.room_for_planner([s.device for s in self._scheduler.slots], self._launcher.layer_bytes,
-                                     self._scheduler.planner.device)
+            devices.room_for_planner([s.device for s in self._scheduler.slots], self._launcher.layer_bytes)
         ranks = self.plan.calibration is not None and (self.plan.world > 1 or self.plan.cluster is not None)
         if ranks or not self._launcher.forkable or not beside:
             self._verdict.judge()
@@ -325,19 +324,14 @@ class Run:
             self._scheduler.judge_beside(self._verdict.judge)
 
     def _make_scheduler(self) -> Scheduler:
-        from supervisor.workers import devices
-
         r, b = self.job.resources, self._boundaries
-        slots = self._launcher.make_slots()
-        return Scheduler(slots, max_attempts=r.max_attempts, part_timeout=r.part_timeout,
+        return Scheduler(self._launcher.make_slots(), max_attempts=r.max_attempts, part_timeout=r.part_timeout,
                          retry_delay=self.retry_delay, sequential=self.plan.calibration is not None,
                          cancel=self._cancel, emit=self._emit, start_worker=self._launcher.start_worker,
                          on_written=self._record, on_heartbeat=self._launcher.on_heartbeat,
                          recycle=functools.partial(should_recycle, r), settle=b.settle_before_stop,
                          place=functools.partial(place_staged, self.plan.output), boundary=b.boundary_for,
-                         restart=b.restart_for, room_timeout=r.startup_timeout if self.plan.cluster is not None else 0.0,
-                         planner_device=devices.planner_device([s.device for s in slots],
-                                                               calibrated=self.plan.calibration is not None))
+                         restart=b.restart_for, room_timeout=r.startup_timeout if self.plan.cluster is not None else 0.0)
 
     def _verified(self, st: journal.State, n: int) -> tuple[dict[int, journal.Shard], list[int]]:
         """The journaled parts that stand and those to redo (a calibrated export: from its newest good boundary,

@@ -103,7 +103,6 @@ GPU_WORKERS_BIG_LAYERS = 2
 # 2.83-3.07 s with two of one thread each.
 CPU_WORKERS = 2
 CPU_CORES_PER_WORKER = 4
-PLANNER_CORES = 4  # the threads of a planner on the host beside GPU workers (planner_sharing)
 
 
 def worker_slots(devices: list[str], workers: int, layer_bytes: int) -> list[str]:
@@ -133,31 +132,15 @@ def worker_threads(torch_threads: int, device: str, sharing: int, cores: int) ->
     return max(1, cores // sharing)
 
 
-def planner_device(slots: list[str], calibrated: bool) -> str:
-    """Where the export plan is judged beside the parts (Scheduler.judge_beside). A calibrated export's on the host:
-    its one worker holds the GPU for every layer in turn, and a planner on that GPU (its CUDA context made, its
-    modules' probes run there) slowed the first layer, on one H200 by 0.6 s, about what judging beside it saved
-    (docs/benchmarks.md, twenty-ninth session); a preview's names, shapes and dtypes do not depend on the device
-    (child/backends/quantize.py _probe). A data-free export's on the first slot's device, where a GPU does the probes
-    in milliseconds."""
-    return "cpu" if calibrated else slots[0]
-
-
-def planner_sharing(cores: int) -> int:
-    """The share of the host's cores a planner on the host takes beside GPU workers (the `sharing` of
-    worker_threads): PLANNER_CORES of them, so that its probes leave the workers' own threads their cores."""
-    return max(2, cores // PLANNER_CORES)
-
-
-def room_for_planner(slots: list[str], layer_bytes: int, planner: str | None = None) -> bool:
-    """Whether the export plan's worker may run beside the parts' workers (Scheduler.judge_beside): always on a GPU
-    (`planner`, default the first slot's device: it holds a CUDA context and one module's probe there); on the host
-    when its free memory holds one worker more than the CPU workers of `slots`, each wanting worker_bytes."""
-    if (planner or slots[0]) != "cpu":
+def room_for_planner(slots: list[str], layer_bytes: int) -> bool:
+    """Whether the export plan's worker may run beside the parts' workers (Scheduler.judge_beside): always on GPUs (it
+    holds a CUDA context and one module's probe there); on a CPU when the host's free memory holds one worker more
+    than `slots` has, each wanting worker_bytes."""
+    if any(d != "cpu" for d in slots):
         return True
     import psutil
 
-    return psutil.virtual_memory().available // worker_bytes(layer_bytes) > sum(d == "cpu" for d in slots)
+    return psutil.virtual_memory().available // worker_bytes(layer_bytes) > len(slots)
 
 
 def worker_bytes(layer_bytes: int) -> int:
