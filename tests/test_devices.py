@@ -253,6 +253,33 @@ def test_the_plan_is_judged_beside_cpu_parts_only_when_memory_holds_one_worker_m
     assert devices.room_for_planner(["cuda:0", "cuda:0", "cuda:0"], 1 << 30)
 
 
+
+def test_a_calibrated_export_on_a_gpu_judges_its_plan_first_and_on_the_cpu_beside_its_first_layers(monkeypatch):
+    """On one H200 a planner beside the first calibrated layer slowed it by more than judging first costs (on the
+    same GPU or on the host: docs/benchmarks.md, twenty-ninth session); on the CPU beside is faster. A group, a
+    cluster or spawned workers judge first whatever the setting; the test setting pins either where both are
+    possible; a data-free export on GPUs is judged beside."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    from supervisor.run.sequence import PLAN_BESIDE_ENV, judged_beside
+
+    monkeypatch.delenv(PLAN_BESIDE_ENV, raising=False)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 64 << 30})())
+    calibrated = SimpleNamespace(calibration=object(), world=1, cluster=None)
+    data_free = SimpleNamespace(calibration=None, world=1, cluster=None)
+    assert not judged_beside(calibrated, ["cuda:0"], True, 1 << 20)
+    assert judged_beside(calibrated, ["cpu"], True, 1 << 20)
+    assert judged_beside(data_free, ["cuda:0", "cuda:0", "cuda:0"], True, 1 << 20)
+    assert not judged_beside(data_free, ["cpu"], False, 1 << 20)  # spawned workers
+    assert not judged_beside(SimpleNamespace(calibration=object(), world=2, cluster=None), ["cpu"], True, 1 << 20)
+    monkeypatch.setenv(PLAN_BESIDE_ENV, "1")
+    assert judged_beside(calibrated, ["cuda:0"], True, 1 << 20)
+    assert not judged_beside(SimpleNamespace(calibration=object(), world=2, cluster=None), ["cuda:0"], True, 1 << 20)
+    monkeypatch.setenv(PLAN_BESIDE_ENV, "0")
+    assert not judged_beside(calibrated, ["cpu"], True, 1 << 20)
+
 def test_warm_parent_answers_gpu_capability_from_nvml_only_while_importing(monkeypatch):
     """child.zygote: while the backend's libraries import, torch.cuda.get_device_capability answers from NVML (no
     CUDA context; torchao asks at import), falls back to torch's own function where NVML cannot answer, and is

@@ -295,14 +295,16 @@ class Run:
         """Start the warm parent, and judge the export plan: a worker predicts every part's output on meta tensors
         and runs transformers' loader on it (supervisor.run.verdict). A data-free export is judged by a worker of
         its own while the first parts run (Scheduler.judge_beside: none is journaled before the verdict), a
-        calibrated export's too when one worker calibrates (its layers wait in order; the inputs a held layer left
-        pending are journaled with it). Judged first, before any part, instead: a calibrated export of a group or on
-        a cluster (its ranks start together), one whose workers are spawned rather than forked (each start is a full
-        import: the parts would wait for the planner's), and a CPU export whose host has no free memory for one more
-        worker (devices.room_for_planner). On the 2-core VM, beside the parts took 0.4-0.5 s off the time from the
-        warm parent's readiness to the end (3.07-3.62 s against 3.52-4.14 s, eight alternating runs each,
-        2026-12-01): judged first, one core idled while the other judged the plan. On an H200 a calibrated export's
-        plan took 0.44-0.83 s before its first layer (docs/benchmarks.md, twenty-seventh session)."""
+        calibrated export's too when one worker calibrates on the CPU (its layers wait in order; the inputs a held
+        layer left pending are journaled with it). Judged first, before any part, instead: a calibrated export on a
+        GPU, of a group or on a cluster (its ranks start together), one whose workers are spawned rather than forked
+        (each start is a full import: the parts would wait for the planner's), and a CPU export whose host has no
+        free memory for one more worker (devices.room_for_planner). On the 2-core VM, beside the parts took 0.4-0.5 s
+        off the time from the warm parent's readiness to the end (3.07-3.62 s against 3.52-4.14 s, eight alternating
+        runs each, 2026-12-01): judged first, one core idled while the other judged the plan. On one H200 a calibrated
+        export's plan took 0.46 s before its first layer, and beside it made that layer slower by more: 5.24 s with
+        the planner on the same GPU, 6.25 s with it on the host, 4.90 s judged first (GPTQ, the 8B shape; wall
+        23.0, 24.3 and 22.7 s; docs/benchmarks.md, twenty-ninth session)."""
         early, self._early = self._early, None
         self._launcher = Launcher(self.plan, self._emit, self._cancel, on_log=self._feed.on_log, lease=self._lease,
                                   progress=self._progress, check_ready=self._boundaries.settle_arithmetic, early=early)
@@ -312,16 +314,11 @@ class Run:
         self._verdict.attach(self._scheduler)
         if self._verdict.copying:
             self._scheduler.hand_off(NON_LAYER)
-        from supervisor.workers import devices
-
-        forced = os.environ.get(PLAN_BESIDE_ENV)
-        beside = forced == "1" if forced in ("0", "1") else self.plan.cluster is not None or \
-            devices.room_for_planner([s.device for s in self._scheduler.slots], self._launcher.layer_bytes)
-        ranks = self.plan.calibration is not None and (self.plan.world > 1 or self.plan.cluster is not None)
-        if ranks or not self._launcher.forkable or not beside:
-            self._verdict.judge()
-        else:
+        if judged_beside(self.plan, [s.device for s in self._scheduler.slots], self._launcher.forkable,
+                         self._launcher.layer_bytes):
             self._scheduler.judge_beside(self._verdict.judge)
+        else:
+            self._verdict.judge()
 
     def _make_scheduler(self) -> Scheduler:
         r, b = self.job.resources, self._boundaries
@@ -427,6 +424,23 @@ class Run:
         finalize.write_done(out, files)
         lap("journal")
         return stages
+
+
+def judged_beside(plan: Plan, slots: list[str], forkable: bool, layer_bytes: int) -> bool:
+    """Whether the export plan is judged by a worker of its own beside the first parts (Scheduler.judge_beside), the
+    parts' workers on `slots`, rather than first (Sequence._preflight says when and why). SUPERVISOR_TEST_PLAN_BESIDE
+    = 1 or 0 pins it where either is possible."""
+    from supervisor.workers import devices
+
+    calibrated = plan.calibration is not None
+    if (calibrated and (plan.world > 1 or plan.cluster is not None)) or not forkable:
+        return False
+    forced = os.environ.get(PLAN_BESIDE_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    if calibrated and any(d != "cpu" for d in slots):
+        return False
+    return plan.cluster is not None or devices.room_for_planner(slots, layer_bytes)
 
 
 def place_staged(output: str, reply: LayerWritten) -> None:
