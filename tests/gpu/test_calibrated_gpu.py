@@ -59,8 +59,8 @@ def test_cuda_kill_and_rerun_is_byte_identical(tiny_models, tmp_path):
                              calibration={"dataset": dataset, "samples": N, "seq_len": SEQ}, **resources)
 
     cli.run("run", job("whole"), "--json")
-    # the plan judged before layer 0 (judged beside, its verdict could come after the kill, and the non-layer part's
-    # copy, which lands after it, with it: tests/scenarios/test_calibrated_resume.py's PLAN_FIRST)
+    # the plan judged before layer 0, a calibrated GPU export's default, pinned (judged beside, its verdict could come
+    # after the kill, and the non-layer part's copy, which lands after it, with it: test_calibrated_resume.py's PLAN_FIRST)
     fault = {"SUPERVISOR_TEST_FAULT": json.dumps({"point": "calibrate", "action": "sigkill", "index": 2,
                                                   "once": str(tmp_path / "fired")}),
              "SUPERVISOR_TEST_PLAN_BESIDE": "0"}
