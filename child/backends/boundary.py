@@ -193,8 +193,9 @@ class BoundaryWriter:
         """`buffer`: a released RAM buffer to reuse (fresh host memory costs a page fault per 4 KiB on first
         touch, ~1.6 GB/s measured), or a Future of one being made (host_buffer_meanwhile), waited for only when the
         boundary is kept in RAM; `pin`: allocate page-locked memory for faster copies to and from a GPU.
-        `later` (in RAM): the file is written after the samples, by commit_later, so the samples are copied into
-        pinned memory without waiting; otherwise a thread writes it while the samples come, as on disk.
+        `later` (in RAM): no file is written while the samples come (one is after them, by commit_later, or none
+        without `tmp_path`), so the samples are copied into pinned memory without waiting; otherwise a thread writes
+        the file while the samples come, as on disk.
         `sync` False: the file is written and renamed but never fsynced (it survives any process's death in the
         page cache, not a machine's crash: the caller re-hashes it before trusting it after one).
         `stream` (with `later` and without `sync`): each sample is written as soon as it is in the host buffer (see

@@ -341,8 +341,9 @@ class Calibrator:
             # Their file would be made durable beside the last layer only to be unlinked once it is journaled (~0.45
             # s for a 2 GB file, after the last layer); without it a crash in the last layer redoes the one before
             # it too (whose inputs are then the newest durable boundary): the one more layer any crash may cost
+            # (later: no file comes while the samples do, so each is copied into pinned memory without a wait)
             return BoundaryWriter(index + 1, inputs.shapes, inputs.dtype, tmp_path=None, keep_in_ram=True,
-                                  buffer=spare, pin=self._pin)
+                                  buffer=spare, pin=self._pin, later=True)
         tmp = layout.state_path(self.output, layout.TMP, os.path.basename(self._boundary_name(index + 1)) + ".tmp")
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
         # One worker writes the file after the layer (commit_later), beside the next one; a group's ranks commit in
@@ -424,7 +425,9 @@ class Calibrator:
                     fits = 2 * size <= self._ram_budget
                     tmp = None if fits else layout.state_path(
                         self.output, layout.TMP, os.path.basename(self._boundary_name(0)) + ".tmp")
-                    writer = BoundaryWriter(0, shapes, hidden.dtype, tmp_path=tmp, keep_in_ram=fits, pin=self._pin)
+                    # in RAM: each sample copied into pinned memory without a wait (later: no file while they come)
+                    writer = BoundaryWriter(0, shapes, hidden.dtype, tmp_path=tmp, keep_in_ram=fits, pin=self._pin,
+                                            later=fits)
                     if fits and self._pin and self.num_layers > 1 and self._spare is None:
                         # layer 0's outputs: as much pinned memory, made meanwhile
                         self._spare = host_buffer_meanwhile(size // hidden.dtype.itemsize, hidden.dtype, self.device)
