@@ -127,6 +127,14 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
+s30a)  # next session (issue 34 part 1), bytecode for every process: GPTQ W4A16 default on 8 layers of the 8B shape,
+  # after / oneshot / before (.whl/before: make it `git archive 2f6d383 child shared supervisor`, the code of s28d:
+  # the plan beside layer 0 on its GPU, layer n-2's outputs copied synchronously); then NVFP4 and FP8 static scales
+  bytecode_both .whl/before
+  cb 280 floor_gptq --before .whl/before
+  cb 150 floor_nvfp4 --method rtn --scheme NVFP4
+  cb 150 floor_fp8 --method rtn --scheme FP8
+  ;;
 s29c)  # s29b on 4 layers (device time short): after / before, then after with the plan judged first
   bytecode_both .whl/before
   cb 150 floor_gptq --layers 4 --before .whl/before --skip oneshot,kill,retry
