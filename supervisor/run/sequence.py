@@ -428,7 +428,7 @@ class Run:
 
 def judged_beside(plan: Plan, slots: list[str], forkable: bool, layer_bytes: int) -> bool:
     """Whether the export plan is judged by a worker of its own beside the first parts (Scheduler.judge_beside), the
-    parts' workers on `slots`, rather than first (Sequence._preflight says when and why). SUPERVISOR_TEST_PLAN_BESIDE
+    parts' workers on `slots`, rather than first (Run._preflight says when and why). SUPERVISOR_TEST_PLAN_BESIDE
     = 1 or 0 pins it where either is possible."""
     from supervisor.workers import devices
 
