@@ -135,22 +135,12 @@ s30a)  # next session (issue 34 part 1), bytecode for every process: GPTQ W4A16 
   cb 150 floor_nvfp4 --method rtn --scheme NVFP4
   cb 150 floor_fp8 --method rtn --scheme FP8
   ;;
-s29c)  # s29b on 4 layers (device time short): after / before, then after with the plan judged first
+s29c)  # twenty-ninth session (issue 34 part 1), bytecode for every process: where a calibrated plan is judged. GPTQ
+  # W4A16 on 4 layers of the 8B shape: after (then: beside layer 0 on the host), before (.whl/before = 2f6d383: beside
+  # it on its GPU), then after with the plan judged first (SUPERVISOR_TEST_PLAN_BESIDE=0)
   bytecode_both .whl/before
   cb 150 floor_gptq --layers 4 --before .whl/before --skip oneshot,kill,retry
   SUPERVISOR_TEST_PLAN_BESIDE=0 cb 90 floor_gptq_first --layers 4 --skip oneshot,kill,retry
-  ;;
-s29b)  # s29a without oneshot (the device time left was short): after / before, then after with the plan judged first
-  bytecode_both .whl/before
-  cb 200 floor_gptq --before .whl/before --skip oneshot,kill,retry
-  SUPERVISOR_TEST_PLAN_BESIDE=0 cb 120 floor_gptq_first --skip oneshot,kill,retry
-  ;;
-s29a)  # twenty-ninth session (issue 34 part 1), bytecode for every process: GPTQ W4A16 default, 8 layers of the 8B shape;
-  # after (a calibrated export's plan judged on the host beside layer 0) / oneshot / before (.whl/before = HEAD 2f6d383:
-  # judged on the GPU beside layer 0); then after with the plan judged first, before any layer
-  bytecode_both .whl/before
-  cb 330 floor_gptq --before .whl/before
-  SUPERVISOR_TEST_PLAN_BESIDE=0 cb 150 floor_gptq_first --skip oneshot,kill,retry
   ;;
 s28a)  # twenty-eighth session (issue 34 part 1): GPTQ's per-sample Hessian terms accumulated into H as stripes (mirrored
   # once) against today's mirrored term per sample and the library's; the first use of each op in a fresh process
