@@ -129,11 +129,16 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 case "${1:-tests}" in
 s30a)  # next session (issue 34 part 1), bytecode for every process: GPTQ W4A16 default on 8 layers of the 8B shape,
   # after / oneshot / before (.whl/before: make it `git archive 2f6d383 child shared supervisor`, the code of s28d:
-  # the plan beside layer 0 on its GPU, layer n-2's outputs copied synchronously); then NVFP4 and FP8 static scales
+  # the plan beside layer 0 on its GPU, layer n-2's outputs copied synchronously); then NVFP4 and FP8 static scales,
+  # then bench/pin_probe.py (s30b)
   bytecode_both .whl/before
   cb 280 floor_gptq --before .whl/before
   cb 150 floor_nvfp4 --method rtn --scheme NVFP4
   cb 150 floor_fp8 --method rtn --scheme FP8
+  timeout 90 python3 bench/pin_probe.py --device cuda --gib 2.1 2>&1 | quiet | tee "$OUT/pin.txt"
+  ;;
+s30b)  # does a boundary's pinned memory made on a thread slow the GPU's products beside it? (layer 0; ~30 s)
+  timeout 90 python3 bench/pin_probe.py --device cuda --gib 2.1 2>&1 | quiet | tee "$OUT/pin.txt"
   ;;
 s29c)  # twenty-ninth session (issue 34 part 1), bytecode for every process: where a calibrated plan is judged. GPTQ
   # W4A16 on 4 layers of the 8B shape: after (then: beside layer 0 on the host), before (.whl/before = 2f6d383: beside
