@@ -293,10 +293,7 @@ class Exporter:
             self.beat.set(index, "plan")
             process.parent_alive()
 
-        faults.hit("plan", msg.then, writer)
-        prepare = getattr(self.backend, "prepare", None)  # optional (Backend.prepare)
-        if msg.then is not None and prepare is not None:
-            prepare(msg.then)  # beside the verdict: what the first layer needs that does not depend on it
+        faults.hit("plan", None, writer)
         described = describe(self.source, self.backend, os.path.join(self.config_dir, "config.json"),
                              self._trust_remote_code, on_part)
         self.beat.set(None, "idle")

@@ -9,8 +9,7 @@ reach it. The value is one fault object or a list of them::
 
 point:  start | read | device | quantize | write_tmp | staged | boundary | config | plan | any | zygote
         (action "unforkable"); device fires inside a worker's turn on a GPU it shares (Hello.device_lock), lock held;
-        plan fires as a worker starts describing the export (Describe; index: the layer it is told comes next,
-        Describe.then, None when it is told none); evaluate fires in a quality worker
+        plan fires as a worker starts describing the export (Describe); evaluate fires in a quality worker
         (`verify --quality`, child/backends/evaluate.py) once both models' layer `index` is loaded, before it runs
         calibrated methods also: forward | calibrate | propagate (stages inside quantize), and boundary fires
         after the next layer's inputs were committed (durable, or being made durable), before the supervisor hears

@@ -167,9 +167,7 @@ class WriteConfig(msgspec.Struct, tag=True, kw_only=True):
 
 
 class Describe(msgspec.Struct, tag=True, kw_only=True):
-    # the first decoder layer this worker will be asked for once the plan is judged (the plan judged first, on the
-    # layers' worker): its backend may make ready meanwhile what does not depend on the verdict; None: no hint
-    then: int | None = None
+    pass
 
 
 class CheckLoad(msgspec.Struct, tag=True, kw_only=True):

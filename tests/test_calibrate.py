@@ -12,10 +12,8 @@ from tests.ref_calib import make_tiny_dense, make_tiny_gemma, oneshot_calibrated
 N, SEQ = 20, 40  # more than 16 samples: torch's unstable argsort permutes equal lengths
 
 
-def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0, landed=None):
-    """Drive the Calibrator as the worker does (begin, quantize, shard, commit) without a child process. `landed`: a
-    list; the plan's hint (prepare(0)) is given first, as to a worker on a GPU, and the host memory layer 0's inputs
-    and then its outputs landed in is appended (their data pointers)."""
+def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0):
+    """Drive the Calibrator as the worker does (begin, quantize, shard, commit) without a child process."""
     from child.backends.calibrate import Calibrator
     from child.sources.checkpoint import Checkpoint
     from child.writer import stage_shard
@@ -31,15 +29,9 @@ def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0, landed=
     os.makedirs(tmp)
     src = Checkpoint(source)
     cal = Calibrator(job, source, "cpu", output=str(out), source=src)
-    if landed is not None:  # a Calibrator on the CPU pins nothing: it is told it does for the hint alone
-        cal._pin = True
-        cal.prepare(0)
-        cal._pin = False
     boundary = None
     for i in [*range(cal.num_layers), NON_LAYER]:
         cal.begin(i, boundary)
-        if landed is not None and i in (0, 1):
-            landed.append(cal._inputs._flat.data_ptr())
         names = src.non_layer_names(cal.layer_prefix) if i == NON_LAYER else src.layer_names(cal.layer_prefix, i)
         tensors = src.read(names)
         shard = cal.quantize_non_layer(tensors) if i == NON_LAYER else cal.quantize_layer(i, tensors)
@@ -125,39 +117,6 @@ def test_other_dense_architectures_equal_oneshot(kind, scheme, method, ids_datas
     with threads(1):
         ref = oneshot_calibrated(source, scheme, method, rows, SEQ, str(tmp_path / "ref"), fix_masks=True)
         ours = _export_in_process(source, scheme, method, ids_dataset, tmp_path / "ours")
-    _assert_same_export(ref, ours)
-
-
-@pytest.mark.parametrize("kind", ["llama", "gemma", "gptneox"])
-def test_layer_0s_host_memory_made_while_the_plan_is_judged_is_where_its_samples_land(kind, tiny_models, ids_dataset,
-                                                                                       tmp_path, monkeypatch):
-    """Told while the plan is judged that layer 0 comes next (Describe.then), a Calibrator on a GPU makes the host
-    memory of layer 0's inputs and outputs ahead, sized by a guess (the samples' lengths, hidden_size, the
-    embedding table's dtype): for these architectures (Gemma scales its embeddings, GPT-NeoX's layers sit under
-    gpt_neox) the guess is right, so layer 0's inputs and outputs land in that memory, and the export is oneshot's."""
-    from concurrent.futures import Future
-
-    from child.backends import calibrate
-
-    made = []
-
-    def ahead(numels, dtype, device):  # host_buffers_meanwhile's memory, unpinned (no GPU here)
-        futures = []
-        for numel in numels:
-            made.append(torch.zeros(numel, dtype=dtype))
-            futures.append(Future())
-            futures[-1].set_result(made[-1])
-        return futures
-
-    monkeypatch.setattr(calibrate, "host_buffers_meanwhile", ahead)
-    source = {"llama": lambda: tiny_models("llama"), "gemma": lambda: make_tiny_gemma(str(tmp_path / "gemma")),
-              "gptneox": lambda: make_tiny_dense("gptneox", str(tmp_path / "gptneox"))}[kind]()
-    rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
-    landed = []
-    with threads(1):
-        ref = oneshot_calibrated(source, "W4A16", "gptq", rows, SEQ, str(tmp_path / "ref"), fix_masks=kind == "gptneox")
-        ours = _export_in_process(source, "W4A16", "gptq", ids_dataset, tmp_path / "ours", landed=landed)
-    assert len(made) == 2 and landed == [t.data_ptr() for t in made]
     _assert_same_export(ref, ours)
 
 

@@ -41,10 +41,6 @@ class Backend(Protocol):
     previews: bool  # quantize_* accept meta tensors (shapes and dtypes only) and return meta tensors
     checks_loading: bool  # transformers' loader check (child/loadcheck.py) applies to this format's output
 
-    # optional: def prepare(self, index: int) -> None: while the plan is judged on this worker, layer `index` comes
-    # first after it (Describe.then): make ready meanwhile what does not depend on the verdict, touching nothing
-    # on disk (calibrated on a GPU: layer 0's pinned host memory). Backends without it ignore the hint.
-
     def begin(self, index: int, boundary: Boundary | None, fence: str = "") -> None:
         """Before part `index` (NON_LAYER included): `boundary` is the journaled input of layer `index` when the
         supervisor knows one (calibrated methods); a backend that keeps it in memory may ignore it. `fence`: the

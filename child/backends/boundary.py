@@ -543,22 +543,15 @@ def host_buffer_meanwhile(numel: int, dtype: torch.dtype, device: torch.device) 
     """A pinned host_buffer made on a thread of its own (`device` current there) while the caller goes on: the
     first layer's outputs need one as large as its inputs, and making it (page faults, registration: ~0.2 s per
     GB) need not wait for the layer. A Future of the buffer."""
-    return host_buffers_meanwhile([numel], dtype, device)[0]
-
-
-def host_buffers_meanwhile(numels: list[int], dtype: torch.dtype,
-                           device: torch.device) -> list[concurrent.futures.Future]:
-    """host_buffer_meanwhile for several buffers, made one after the other on one thread (the first is ready
-    first): a Future of each."""
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="boundary-alloc")
 
-    def make(numel: int) -> torch.Tensor:
+    def make():
         with torch.cuda.device(device):
             return host_buffer(numel, dtype, True)
 
-    futures = [pool.submit(make, numel) for numel in numels]
-    pool.shutdown(wait=False)  # the thread ends with its tasks
-    return futures
+    future = pool.submit(make)
+    pool.shutdown(wait=False)  # the thread ends with its one task
+    return future
 
 
 _SIDE_STREAMS: dict = {}

@@ -67,8 +67,7 @@ from child.errors import Refused
 
 from child.backends import factorize, group, quant_error
 from child.backends.hessians import SharedHessians
-from child.backends.boundary import Activations, BoundaryWriter, PendingWrite, host_buffer_meanwhile, \
-    host_buffers_meanwhile
+from child.backends.boundary import Activations, BoundaryWriter, PendingWrite, host_buffer_meanwhile
 from child.backends.naming import LayerStub, find_decoder_layers
 from child.backends.quantize import LayerQuantizer, linearize_meta_experts, load_config, materialise, rooted
 from child.backends.samples import calibration_ids
@@ -142,8 +141,6 @@ class Calibrator:
         # the RAM of the last released inputs, reused by the next outputs; before layer 0's outputs, a Future of
         # their pinned memory, made while layer 0 calibrates (BoundaryWriter takes either)
         self._spare: torch.Tensor | Future | None = None
-        self._first: Future | None = None  # layer 0's inputs' pinned memory, made while the plan is judged (prepare)
-        self._ids: list[torch.Tensor] | None = None  # this rank's calibration samples (token ids), once read
         self._pin = self.device.type == "cuda"
         self._args_key = None
         self._args = None
@@ -156,25 +153,6 @@ class Calibrator:
         self._last_inputs_in_ram = self.world == 1 and not (r.recycle_after_layers or r.recycle_above_rss_mb)
 
     # ---- Backend -------------------------------------------------------------------------------------------
-    def prepare(self, index: int) -> None:
-        """Layer `index` comes first once the plan is judged (Describe.then). Layer 0 on a GPU: the pinned host
-        memory of its inputs, and as much for its outputs, is made meanwhile on a thread (page faults and
-        registration, ~0.2 s per GB: 2.1 GB each at the 8B shape with 128 x 2048 samples), while the verdict's
-        ~0.5 s of host work (meta tensors, the loader) leaves the GPU idle; otherwise layer 0's embeddings wait for
-        the first and its forward runs beside the second. Sized by a guess (every sample `hidden_size` wide, in the
-        embedding table's dtype, as the model's own forward gives them): memory that does not fit is left unused
-        (BoundaryWriter), never wrong."""
-        if index != 0 or not self._pin or self._first is not None:
-            return
-        numel = sum(int(x.shape[1]) for x in self._calibration_ids()) * self.config.get_text_config().hidden_size
-        table = max(self.source.meta(self._trunk_names()).values(), key=lambda t: t.numel(), default=None)
-        if table is None or not table.dtype.is_floating_point or 2 * numel * table.dtype.itemsize > self._ram_budget:
-            return  # nothing to guess from, or layer 0's inputs go to a file (_first_inputs)
-        made = host_buffers_meanwhile([numel] * (2 if self.num_layers > 1 else 1), table.dtype, self.device)
-        self._first = made[0]
-        if len(made) > 1 and self._spare is None:
-            self._spare = made[1]  # layer 0's outputs (_next_writer takes it)
-
     def begin(self, index: int, boundary: Boundary | None, fence: str = "") -> None:
         """Make sure the inputs of layer `index` are at hand (the non-layer part needs none); every file this
         attempt writes carries `fence` in its name."""
@@ -424,12 +402,13 @@ class Calibrator:
 
     def _first_inputs(self) -> Activations:
         """Layer 0's inputs: every sample's embeddings, computed by the model's own forward on the device."""
-        ids = self._calibration_ids()
+        c = self.job.calibration
+        ids = calibration_ids(c.dataset, c.samples, c.seq_len, self.job.source.path, self._calibration_sha256,
+                              self.config.get_text_config().vocab_size, rank=self.rank, world=self.world)
         self._stage("embed-read")  # the embedding table (and whatever else precedes the layers) onto the device
         names = [n for n, _ in self._trunk.named_parameters()]
-        full = dict(zip(self._trunk_names(), names))
+        full = {f"{self._trunk_name}.{n}" if self._trunk_name else n: n for n in names}
         tensors = self.source.read(sorted(full))
-        first, self._first = self._first, None  # prepare's memory for these samples, if it made some
         try:
             for key, value in tensors.items():
                 # the checkpoint's dtype, as oneshot loads it (accelerate would cast to the skeleton's otherwise)
@@ -448,7 +427,7 @@ class Calibrator:
                         self.output, layout.TMP, os.path.basename(self._boundary_name(0)) + ".tmp")
                     # in RAM: each sample copied into pinned memory without a wait (later: no file while they come)
                     writer = BoundaryWriter(0, shapes, hidden.dtype, tmp_path=tmp, keep_in_ram=fits, pin=self._pin,
-                                            later=fits, buffer=first)
+                                            later=fits)
                     if fits and self._pin and self.num_layers > 1 and self._spare is None:
                         # layer 0's outputs: as much pinned memory, made meanwhile
                         self._spare = host_buffer_meanwhile(size // hidden.dtype.itemsize, hidden.dtype, self.device)
@@ -459,21 +438,6 @@ class Calibrator:
             self._sink.clear()
             for n in names:  # the embedding table is needed for layer 0's inputs only
                 set_module_tensor_to_device(self._trunk, n, "meta")
-
-
-    def _calibration_ids(self) -> list[torch.Tensor]:
-        """This rank's calibration samples (token ids, [1, length] each, in the order oneshot runs them)."""
-        if self._ids is None:
-            c = self.job.calibration
-            self._ids = calibration_ids(c.dataset, c.samples, c.seq_len, self.job.source.path,
-                                        self._calibration_sha256, self.config.get_text_config().vocab_size,
-                                        rank=self.rank, world=self.world)
-        return self._ids
-
-    def _trunk_names(self) -> list[str]:
-        """The checkpoint names of the parameters outside the decoder layers that run before them (the embedding
-        table...), in the order of the trunk's named_parameters."""
-        return [f"{self._trunk_name}.{n}" if self._trunk_name else n for n, _ in self._trunk.named_parameters()]
 
 
 class _Reached(Exception):

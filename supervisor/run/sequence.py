@@ -268,7 +268,7 @@ class Run:
         self._done.update(done)  # the one dict the run and its boundaries journal into
         done = self._done
         self._verdict.copy_ahead(todo, self._lease)
-        self._preflight(todo)
+        self._preflight()
         self._scheduler.run(todo)
         stages = self._finalize(done)
         t = time.monotonic()
@@ -291,7 +291,7 @@ class Run:
         quality.measure(self.plan.output, e.dataset, e.samples, e.seq_len, on_event=self._emit, locked=True,
                         cancelled=self._cancel.is_set)
 
-    def _preflight(self, todo: list[int]) -> None:
+    def _preflight(self) -> None:
         """Start the warm parent, and judge the export plan: a worker predicts every part's output on meta tensors
         and runs transformers' loader on it (supervisor.run.verdict). A data-free export is judged by a worker of
         its own while the first parts run (Scheduler.judge_beside: none is journaled before the verdict), a
@@ -304,8 +304,7 @@ class Run:
         runs each, 2026-12-01): judged first, one core idled while the other judged the plan. On one H200 a calibrated
         export's plan took 0.46 s before its first layer, and beside it made that layer slower by more: 5.24 s with
         the planner on the same GPU, 6.25 s with it on the host, 4.90 s judged first (GPTQ, the 8B shape; wall
-        23.0, 24.3 and 22.7 s; docs/benchmarks.md, twenty-ninth session). Judged first, the worker is told the
-        first layer it exports next (Describe.then: a calibrated one makes that layer's host memory meanwhile)."""
+        23.0, 24.3 and 22.7 s; docs/benchmarks.md, twenty-ninth session)."""
         early, self._early = self._early, None
         self._launcher = Launcher(self.plan, self._emit, self._cancel, on_log=self._feed.on_log, lease=self._lease,
                                   progress=self._progress, check_ready=self._boundaries.settle_arithmetic, early=early)
@@ -319,7 +318,7 @@ class Run:
                          self._launcher.layer_bytes):
             self._scheduler.judge_beside(self._verdict.judge)
         else:
-            self._verdict.judge(then=min((p for p in todo if p >= 0), default=None))
+            self._verdict.judge()
 
     def _make_scheduler(self) -> Scheduler:
         r, b = self.job.resources, self._boundaries

@@ -46,10 +46,9 @@ class Verdict:
         """`[export] consumer = "vllm"` and the loader's only problem is transformers' own (README: consumer)."""
         return self.job.export.consumer == "vllm" and transformers_only(load)
 
-    def judge(self, slot: Slot | None = None, then: int | None = None) -> None:
-        """The export plan, on `slot`'s worker (default slot 0's); raises SourceError to refuse the export. `then`:
-        the first layer that worker exports after the verdict (judged first), a hint it may prepare meanwhile."""
-        described = self.scheduler.request(Describe(then=then), Described, "the export plan", slot=slot)
+    def judge(self, slot: Slot | None = None) -> None:
+        """The export plan, on `slot`'s worker (default slot 0's); raises SourceError to refuse the export."""
+        described = self.scheduler.request(Describe(), Described, "the export plan", slot=slot)
         self.predicted_load = described.load  # the end-of-export check reuses it when the files match
         what = f"{self.job.export.scheme} export of " + (
             repr(self.job.source.path) if self.job.source is not None else "the live model")

@@ -84,19 +84,12 @@ def test_child_killed_while_calibrating_resumes_from_the_newest_durable_boundary
     of layer 1 the newest journaled boundary (layer 2's were being made durable beside layer 2, named in no reply
     yet); re-running (activations on disk this time; two workers, a group of two ranks, refused as another W) redoes
     layer 1 from it on one worker and ends identical. A copy whose boundary file was corrupted is detected and
-    recomputed from layer 0, and ends identical too. Each plan judged first tells its worker the first layer it
-    exports next (Describe.then: 0, then 1), as the plan's fault point sees it."""
+    recomputed from layer 0, and ends identical too."""
     out = tmp_path / "out"
     job = _job(tmp_path, model, dataset, out, max_attempts=1)
-
-    def told(run):  # the plan's worker records the layer it was told comes next, and goes on
-        return {"point": "plan", "action": "await", "path": str(tmp_path), "once": str(tmp_path / f"told{run}")}
-
-    kill = {"point": "calibrate", "action": "sigkill", "index": 2, "once": str(tmp_path / "fired")}
     first = cli.run("run", job, "--json", check=False,
-                    env={**PLAN_FIRST, "SUPERVISOR_TEST_FAULT": json.dumps([told(1), kill])})
+                    env={**PLAN_FIRST, **_fault(tmp_path / "fired", point="calibrate", action="sigkill", index=2)})
     assert first.returncode == 1 and "layer 2" in first.stderr, first.stderr
-    assert json.loads((tmp_path / "told1").read_text())["index"] == 0
     assert _journaled(out)[0] == [0]  # layer 0's record names layer 1's inputs; layer 1's names none yet
     assert "inputs-layer-00001.bin" in _boundaries(out)  # (layer 2's may be on disk too: never named, pruned)
     # the non-layer part is the supervisor's copy, journaled once the plan was judged (supervisor/run/verbatim.py)
@@ -113,8 +106,7 @@ def test_child_killed_while_calibrating_resumes_from_the_newest_durable_boundary
     refused = cli.run("run", _job(tmp_path, model, dataset, out, workers=2), check=False)
     assert refused.returncode == 2 and "started with W = 1" in refused.stderr, refused.stderr
     second = cli.events(cli.run("run", _job(tmp_path, model, dataset, out, activation_ram_gb=1e-6, workers=1),
-                                "--json", env={**PLAN_FIRST, "SUPERVISOR_TEST_FAULT": json.dumps(told(2))}))
-    assert json.loads((tmp_path / "told2").read_text())["index"] == 1
+                                "--json"))
     assert second[0]["type"] == "Started" and second[0]["resumed"] == 2 and second[0]["todo"] == 3
     assert [e["index"] for e in second if e["type"] == "LayerStarted"] == [1, 2, 3]
     assert {e["worker"] for e in second if e["type"] == "WorkerStarted"} == {0}
