@@ -127,6 +127,20 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
+s31b)  # thirtieth session: the GPU tests of the calibrated engine and of the boundaries' copies (334421e: layer n-2's
+  # and layer 0's outputs copied into pinned memory asynchronously), then bench/pin_probe.py (its thread's device fixed)
+  t 420 calibrated tests/gpu/test_calibrated_gpu.py tests/test_staging.py tests/test_calibrate.py -m gpu
+  timeout 60 python3 bench/pin_probe.py --device cuda --gib 2.1 --rounds 2 2>&1 | quiet | tee "$OUT/pin.txt"
+  ;;
+s31a)  # thirtieth session (issue 34 part 1), bytecode for every process: GPTQ W4A16 default on 8 layers of the 8B shape,
+  # after (a42b7de: layer 0's host memory made while the plan is judged; reverted in af97fa6, as measured slower) /
+  # oneshot / before (.whl/before = `git archive 3cf689a child shared supervisor`: made while layer 0 embeds and
+  # computes), then NVFP4 static, then bench/pin_probe.py (whose thread failed: fixed since)
+  bytecode_both .whl/before
+  cb 280 floor_gptq --before .whl/before
+  cb 150 floor_nvfp4 --method rtn --scheme NVFP4
+  timeout 90 python3 bench/pin_probe.py --device cuda --gib 2.1 2>&1 | quiet | tee "$OUT/pin.txt"
+  ;;
 s30a)  # next session (issue 34 part 1), bytecode for every process: GPTQ W4A16 default on 8 layers of the 8B shape,
   # after / oneshot / before (.whl/before: make it `git archive 2f6d383 child shared supervisor`, the code of s28d:
   # the plan beside layer 0 on its GPU, layer n-2's outputs copied synchronously); then NVFP4 and FP8 static scales,

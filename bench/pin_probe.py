@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     dev = torch.device(a.device)
+    if dev.type == "cuda" and dev.index is None:  # a thread of its own needs the index (torch.cuda.set_device)
+        dev = torch.device("cuda", torch.cuda.current_device())
     cuda = dev.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
     nbytes = int(a.gib * 2**30) // 4096 * 4096
