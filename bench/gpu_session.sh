@@ -127,8 +127,17 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
-s31b)  # thirtieth session: the GPU tests of the calibrated engine and of the boundaries' copies (334421e: layer n-2's
-  # and layer 0's outputs copied into pinned memory asynchronously), then bench/pin_probe.py (its thread's device fixed)
+s31c)  # thirtieth session: GPU tests of the boundaries' copies (334421e: layer n-2's and layer 0's outputs into pinned
+  # memory asynchronously), of each calibrated module's error measured beside its shard's write (equal to transformers'
+  # loading), and of the calibrated engine (GPTQ and AWQ equal oneshot, a kill); then GPTQ W4A16 on 8 layers of the 8B
+  # shape after / before (.whl/before = `git archive 3cf689a child shared supervisor`: the error measured before the
+  # write), no oneshot
+  t 300 gpu_tests tests/test_staging.py tests/test_quant_error.py tests/gpu/test_calibrated_gpu.py -m gpu \
+    -k "staging or quant_error or llama-W4A16 or kill"
+  bytecode_both .whl/before
+  cb 200 floor_gptq --before .whl/before --skip oneshot,kill,retry
+  ;;
+s31b)  # (never run) the GPU tests of the calibrated engine and of the boundaries' copies, then bench/pin_probe.py
   t 420 calibrated tests/gpu/test_calibrated_gpu.py tests/test_staging.py tests/test_calibrate.py -m gpu
   timeout 60 python3 bench/pin_probe.py --device cuda --gib 2.1 --rounds 2 2>&1 | quiet | tee "$OUT/pin.txt"
   ;;

@@ -190,7 +190,7 @@ class Exporter:
         index, t0 = msg.index, time.perf_counter()
         fence = msg.fence or secrets.token_hex(8)  # every file of this attempt is named by it (messages: Fencing)
         self._index, self._writer = index, writer
-        quant_error.take()  # drop what a failed earlier part may have left
+        quant_error.discard()  # drop what a failed earlier part may have left
         quant_error.take_losses()
         process.reset_peak_rss()
         gpu = self._gpu_reset()
@@ -219,8 +219,7 @@ class Exporter:
             return self._rank_done(index, fence, t0, {"read": t_read - t0, "inputs": t1 - t_read,
                                                       "quantize": t2 - t1}, source_bytes, gpu, digest, substages)
         self._prefetch_onto_device(msg.prefetch)
-        error_seconds = quant_error.spent
-        errors = quant_error.take()
+        error_seconds = quant_error.spent  # measured on this thread; a calibrated layer's beside its write (below)
         losses = quant_error.take_losses()
         faults.hit("quantize", index, writer)
         self.beat.set(index, "write")
@@ -238,6 +237,9 @@ class Exporter:
         del out
         if index == NON_LAYER and self._staging.capacity > staged_before:
             self._staging.release()  # grown for a one-off part (a quantized lm_head): keep no more than a layer's
+        t = time.perf_counter()
+        errors = quant_error.take()  # a measure beside the write: waited for (its time past the write)
+        stages["error"] += time.perf_counter() - t
         t3 = time.perf_counter()
         settled = self.backend.settle()  # calibrated: this layer's inputs, whose file was written beside it
         boundary = self.backend.commit(index)  # calibrated: the next layer's inputs, durable now or `pending`

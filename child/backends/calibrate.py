@@ -180,6 +180,12 @@ class Calibrator:
         # loaded as the data-free quantizer loads a layer (checkpoint names mapped to the model's)
         mapped, layer, root = self._plain.materialise(path, self._layers[index], tensors, self.device)
         root.config = self.config  # norm_calibration_context reads model.config
+        # the source weights each module's error is measured against, under the model's names: where the layer's
+        # parameters are the source tensors themselves (already on the device: the CPU), a copy, since calibration
+        # changes them in place (GPTQ's updates, AWQ's scaling)
+        held = {_storage(p) for p in root.parameters()}
+        sources = {m.key: tensors[k].clone() if quant_error.enabled and _storage(tensors[k]) in held else tensors[k]
+                   for k, m in mapped.items() if m.fused is None} if self.rank == 0 else {}
         try:
             self._calibrate(index, layer, root)
             if self.rank > 0:
@@ -190,12 +196,14 @@ class Calibrator:
                              if is_module_quantized(m)]
                 for _, m in quantized:
                     compress_module(m)
-                # against the source weights (AWQ's scaling included), under the model's names
-                quant_error.measure(quantized, {m.key: tensors[k] for k, m in mapped.items() if m.fused is None})
                 # off the device into fresh host memory, not the worker's pinned staging buffer (child/staging.py):
                 # measured on an H200 (docs/benchmarks.md, 2026-12-02), that buffer took the quantize stage from
                 # 0.22 to 0.18 s but, kept across layers, raised the worker's peak RSS per layer by 0.07 GiB
-                return plain_to_host(_back_to_checkpoint_names(root.state_dict(), mapped))
+                shard = plain_to_host(_back_to_checkpoint_names(root.state_dict(), mapped))
+                # against the source weights (AWQ's scaling included), under the model's names: on the device while
+                # the worker writes the shard (the Exporter's quant_error.take() waits for it)
+                quant_error.measure_later(quantized, sources)
+                return shard
         except BaseException:
             if self._writer is not None:
                 self._writer.abort()
@@ -438,6 +446,11 @@ class Calibrator:
             self._sink.clear()
             for n in names:  # the embedding table is needed for layer 0's inputs only
                 set_module_tensor_to_device(self._trunk, n, "meta")
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Where a tensor's memory starts (views of one tensor share it)."""
+    return t.untyped_storage().data_ptr()
 
 
 class _Reached(Exception):

@@ -45,6 +45,24 @@ def test_cuda_calibrated_export_equals_oneshot(kind, scheme, method, data, tiny_
     assert_same_tensors(load_tensors(ref), load_tensors(str(out)))
     with open(f"{ref}/config.json") as a, open(out / "config.json") as b:
         assert json.load(b) == json.load(a)
+    if (kind, scheme) == ("llama", "W4A16"):
+        _assert_errors_equal_loading(events, source, out)
+
+
+def _assert_errors_equal_loading(events, source, out) -> None:
+    """Each module's error (measured on the GPU by default, while the worker writes its layer's shard) equals
+    ||W_loaded - W_source|| / ||W_source||, W_loaded from transformers' from_pretrained of the export."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    dense = CompressedTensorsConfig(run_compressed=False)
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16,
+                                                  quantization_config=dense).state_dict()
+    weights = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).state_dict()
+    errors = {k: v for e in events if e["type"] == "LayerWritten" for k, v in e["quant_error"].items()}
+    assert len(errors) == 7 * sum(e["type"] == "LayerWritten" and e["index"] >= 0 for e in events), sorted(errors)
+    for name, err in errors.items():
+        w, w0 = loaded[f"{name}.weight"].float(), weights[f"{name}.weight"].float()
+        assert err == pytest.approx(((w - w0).norm() / w0.norm()).item(), rel=1e-5), name
 
 
 def test_cuda_kill_and_rerun_is_byte_identical(tiny_models, tmp_path):

@@ -32,17 +32,35 @@ def dataset(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("calib") / "ids.jsonl", token_rows(N, seed=5))
 
 
-def _job(tmp_path, model, dataset, out, **resources):
-    return cli.write_job(tmp_path / "job.toml", model, out, "W4A16", method="gptq", torch_threads=1,
+def _job(tmp_path, model, dataset, out, export=None, **resources):
+    return cli.write_job(tmp_path / "job.toml", model, out, "W4A16", method="gptq", torch_threads=1, export=export,
                          calibration={"dataset": dataset, "samples": N, "seq_len": SEQ}, **resources)
 
 
 @pytest.fixture(scope="module")
 def reference(model, dataset, tmp_path_factory):
-    """An uninterrupted GPTQ export: its files' bytes and its events."""
+    """An uninterrupted GPTQ export (each module's quantization error measured, as on a GPU by default): its
+    files' bytes, its events and its folder."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    proc = cli.run("run", _job(tmp, model, dataset, tmp / "out"), "--json")
-    return cli.output_bytes(tmp / "out"), cli.events(proc)
+    proc = cli.run("run", _job(tmp, model, dataset, tmp / "out", export={"measure_error": True}), "--json")
+    return cli.output_bytes(tmp / "out"), cli.events(proc), tmp / "out"
+
+
+def test_a_calibrated_layers_errors_equal_transformers_loading_of_the_export(model, reference):
+    """Each calibrated module's error (measured on the device while the worker writes its layer's shard) equals
+    ||W_loaded - W_source|| / ||W_source||, W_loaded from transformers' from_pretrained of the export."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    dense = CompressedTensorsConfig(run_compressed=False)  # decompressed on load, as a CPU user's load does
+    loaded = AutoModelForCausalLM.from_pretrained(str(reference[2]), dtype=torch.bfloat16,
+                                                  quantization_config=dense).state_dict()
+    source = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).state_dict()
+    errors = {k: v for e in reference[1] if e["type"] == "LayerWritten" for k, v in e["quant_error"].items()}
+    assert len(errors) == LAYERS * 7, sorted(errors)
+    for name, err in errors.items():
+        w, w0 = loaded[f"{name}.weight"].float(), source[f"{name}.weight"].float()
+        assert not torch.equal(w, w0)  # really the dequantized weight, not the source
+        assert err == pytest.approx(((w - w0).norm() / w0.norm()).item(), rel=1e-5), name
 
 
 def _fault(marker, **spec):
