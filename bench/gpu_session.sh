@@ -132,10 +132,10 @@ s31c)  # thirtieth session: GPU tests of the boundaries' copies (334421e: layer 
   # loading), and of the calibrated engine (GPTQ and AWQ equal oneshot, a kill); then GPTQ W4A16 on 8 layers of the 8B
   # shape after / before (.whl/before = `git archive 3cf689a child shared supervisor`: the error measured before the
   # write), no oneshot
-  t 300 gpu_tests tests/test_staging.py tests/test_quant_error.py tests/gpu/test_calibrated_gpu.py -m gpu \
+  t 240 gpu_tests tests/test_staging.py tests/test_quant_error.py tests/gpu/test_calibrated_gpu.py -m gpu \
     -k "staging or quant_error or llama-W4A16 or kill"
   bytecode_both .whl/before
-  cb 200 floor_gptq --before .whl/before --skip oneshot,kill,retry
+  cb 170 floor_gptq --before .whl/before --skip oneshot,kill,retry
   ;;
 s31b)  # (never run) the GPU tests of the calibrated engine and of the boundaries' copies, then bench/pin_probe.py
   t 420 calibrated tests/gpu/test_calibrated_gpu.py tests/test_staging.py tests/test_calibrate.py -m gpu
