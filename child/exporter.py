@@ -213,6 +213,8 @@ class Exporter:
             del tensors
             if out is not None:  # pass-through tensors may still be on the device
                 out = {k: v.to("cpu") for k, v in out.items()}
+            if self.device_lock:  # a turn on a shared GPU ends with this part's work there (its errors measured)
+                quant_error.wait()
         t2 = time.perf_counter()
         substages = self._take_substages()
         if out is None:  # a group's rank other than 0: calibrated with the others, rank 0 writes the shard

@@ -122,6 +122,13 @@ def take() -> dict[str, float]:
         spent = 0.0
 
 
+def wait() -> None:
+    """Until a measure_later is done (what it raised, the next take() raises)."""
+    later = _later
+    if later is not None:
+        concurrent.futures.wait([later])  # bounded: one layer's modules decompressed and compared
+
+
 def discard() -> None:
     """Drop whatever an earlier part left (a failed part's figures, its measure_later once done, failed or not)."""
     try:
