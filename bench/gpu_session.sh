@@ -137,6 +137,12 @@ s31c)  # thirtieth session: GPU tests of the boundaries' copies (334421e: layer 
   bytecode_both .whl/before
   cb 170 floor_gptq --before .whl/before --skip oneshot,kill,retry
   ;;
+s31d)  # s31c in less device time: the GPTQ cases of the GPU tests only, then 6 layers after / before, no oneshot
+  t 160 gpu_tests tests/test_staging.py tests/test_quant_error.py tests/gpu/test_calibrated_gpu.py -m gpu \
+    -k "staging or quant_error or llama-W4A16-gptq or kill"
+  bytecode_both .whl/before
+  cb 150 floor_gptq --layers 6 --before .whl/before --skip oneshot,kill,retry
+  ;;
 s31b)  # (never run) the GPU tests of the calibrated engine and of the boundaries' copies, then bench/pin_probe.py
   t 420 calibrated tests/gpu/test_calibrated_gpu.py tests/test_staging.py tests/test_calibrate.py -m gpu
   timeout 60 python3 bench/pin_probe.py --device cuda --gib 2.1 --rounds 2 2>&1 | quiet | tee "$OUT/pin.txt"
