@@ -190,7 +190,7 @@ class Exporter:
         index, t0 = msg.index, time.perf_counter()
         fence = msg.fence or secrets.token_hex(8)  # every file of this attempt is named by it (messages: Fencing)
         self._index, self._writer = index, writer
-        quant_error.discard()  # drop what a failed earlier part may have left
+        quant_error.take()  # drop what a failed earlier part may have left
         quant_error.take_losses()
         process.reset_peak_rss()
         gpu = self._gpu_reset()
@@ -213,15 +213,14 @@ class Exporter:
             del tensors
             if out is not None:  # pass-through tensors may still be on the device
                 out = {k: v.to("cpu") for k, v in out.items()}
-            if self.device_lock:  # a turn on a shared GPU ends with this part's work there (its errors measured)
-                quant_error.wait()
         t2 = time.perf_counter()
         substages = self._take_substages()
         if out is None:  # a group's rank other than 0: calibrated with the others, rank 0 writes the shard
             return self._rank_done(index, fence, t0, {"read": t_read - t0, "inputs": t1 - t_read,
                                                       "quantize": t2 - t1}, source_bytes, gpu, digest, substages)
         self._prefetch_onto_device(msg.prefetch)
-        error_seconds = quant_error.spent  # measured on this thread; a calibrated layer's beside its write (below)
+        error_seconds = quant_error.spent
+        errors = quant_error.take()
         losses = quant_error.take_losses()
         faults.hit("quantize", index, writer)
         self.beat.set(index, "write")
@@ -239,9 +238,6 @@ class Exporter:
         del out
         if index == NON_LAYER and self._staging.capacity > staged_before:
             self._staging.release()  # grown for a one-off part (a quantized lm_head): keep no more than a layer's
-        t = time.perf_counter()
-        errors = quant_error.take()  # a measure beside the write: waited for (its time past the write)
-        stages["error"] += time.perf_counter() - t
         t3 = time.perf_counter()
         settled = self.backend.settle()  # calibrated: this layer's inputs, whose file was written beside it
         boundary = self.backend.commit(index)  # calibrated: the next layer's inputs, durable now or `pending`

@@ -93,33 +93,3 @@ def test_the_error_summed_on_the_device_is_the_python_sum(shape, device):
     assert relative_error(got, ref) == _by_hand(got, ref)
     assert (relative_error(got, ref) is None) == (ref.numel() == 0)
 
-
-def test_a_measure_beside_the_write_hands_its_figures_or_its_failure_to_the_next_take(monkeypatch):
-    """measure_later runs on a thread of its own: take() waits for it and returns its figures; one that failed makes
-    take() raise (the layer is then retried), and discard() (a part's start) drops it either way."""
-    import threading
-
-    from child.backends import quant_error
-
-    go = threading.Event()
-
-    def measure_one(label, module, weight):
-        assert go.wait(30)
-        if label == "bad":
-            raise RuntimeError("decompress failed")
-        quant_error._tally[label] = float(weight.sum())
-
-    monkeypatch.setattr(quant_error, "_measure_one", measure_one)
-    quant_error.discard()
-    quant_error.measure_later([("a", None), ("b", None), ("c", None)], {"a.weight": torch.ones(3),
-                                                                         "b.weight": torch.ones(2)})
-    assert quant_error._tally == {}  # still waiting on its thread
-    go.set()
-    assert quant_error.take() == {"a": 3.0, "b": 2.0}  # c has no source weight: not measured
-    quant_error.measure_later([("bad", None)], {"bad.weight": torch.ones(1)})
-    with pytest.raises(RuntimeError, match="decompress failed"):
-        quant_error.take()
-    assert quant_error.take() == {}
-    quant_error.measure_later([("bad", None)], {"bad.weight": torch.ones(1)})
-    quant_error.discard()
-    assert quant_error.take() == {}

@@ -196,14 +196,14 @@ class Calibrator:
                              if is_module_quantized(m)]
                 for _, m in quantized:
                     compress_module(m)
+                # against the source weights (AWQ's scaling included), under the model's names. Measured on the
+                # device while the worker wrote the shard instead (a thread, 5910414): no faster on an H100, the
+                # write slowed by as much (docs/benchmarks.md, thirtieth session)
+                quant_error.measure(quantized, sources)
                 # off the device into fresh host memory, not the worker's pinned staging buffer (child/staging.py):
                 # measured on an H200 (docs/benchmarks.md, 2026-12-02), that buffer took the quantize stage from
                 # 0.22 to 0.18 s but, kept across layers, raised the worker's peak RSS per layer by 0.07 GiB
-                shard = plain_to_host(_back_to_checkpoint_names(root.state_dict(), mapped))
-                # against the source weights (AWQ's scaling included), under the model's names: on the device while
-                # the worker writes the shard (the Exporter's quant_error.take() waits for it)
-                quant_error.measure_later(quantized, sources)
-                return shard
+                return plain_to_host(_back_to_checkpoint_names(root.state_dict(), mapped))
         except BaseException:
             if self._writer is not None:
                 self._writer.abort()

@@ -15,7 +15,6 @@ to either after returning.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from collections.abc import Iterable, Mapping
 
@@ -29,8 +28,7 @@ ROWS = 1024  # rows per float32 block: 16 MiB per temporary for a 4096-wide weig
 _tally: dict[str, float] = {}
 _losses: dict[str, float] = {}  # module -> the calibration's own loss for it (GPTQ's), where the method has one
 enabled = True  # the job's [export] measure_error; the worker sets it once
-spent = 0.0  # seconds measuring on the caller's thread since the last take(), reported as their own stage
-_later: concurrent.futures.Future | None = None  # measure_later's, until take() or discard() waits for it
+spent = 0.0  # seconds measuring since the last take(), so the worker can report them as their own stage
 
 
 def measure(modules: Iterable[tuple[str, nn.Module]], source: Mapping[str, torch.Tensor]) -> None:
@@ -41,38 +39,12 @@ def measure(modules: Iterable[tuple[str, nn.Module]], source: Mapping[str, torch
             record(name, module, weight)
 
 
-def measure_later(modules: Iterable[tuple[str, nn.Module]], source: Mapping[str, torch.Tensor]) -> None:
-    """measure() on a thread of its own while the caller goes on (a calibrated layer's shard is serialized, written
-    and fsynced on the host while its device decompresses and compares: on an H100 the measure took 0.07-0.11 s of an
-    8B-shaped layer and the write 0.12, one after the other); the next take() waits for it and raises what it
-    raised. Holds the modules and the source tensors until it is done, never longer."""
-    global _later
-    if not enabled:
-        return
-    discard()  # one at a time
-    pairs = [(name, module, source[f"{name}.weight"]) for name, module in modules if f"{name}.weight" in source]
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="quant-error")
-
-    def run() -> None:
-        for name, module, weight in pairs:
-            _measure_one(name, module, weight)
-        pairs.clear()  # the modules and tensors are the caller's again
-
-    _later = pool.submit(run)
-    pool.shutdown(wait=False)  # the thread ends with its one task
-
-
 def record(label: str, module: nn.Module, weight: torch.Tensor) -> None:
     """Record rel_error for one module just compressed, against `weight`, its weight before compression."""
     global spent
     if not enabled:
         return
     t = time.perf_counter()
-    _measure_one(label, module, weight)
-    spent += time.perf_counter() - t
-
-
-def _measure_one(label: str, module: nn.Module, weight: torch.Tensor) -> None:
     scheme = getattr(module, "quantization_scheme", None)
     if scheme is not None and scheme.format is not None:
         compressor = BaseCompressor.get_value_from_registry(scheme.format.value)
@@ -81,6 +53,7 @@ def _measure_one(label: str, module: nn.Module, weight: torch.Tensor) -> None:
         del dequantized
         if error is not None:
             _tally[label] = error
+    spent += time.perf_counter() - t
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float | None:
@@ -109,32 +82,12 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float | None:
 
 
 def take() -> dict[str, float]:
-    """The figures recorded since the last take() (a measure_later's once it is done, raising what it raised),
-    and an empty tally (and time spent)."""
-    global spent, _later
-    later, _later = _later, None
-    try:
-        if later is not None:
-            later.result()  # bounded: one layer's modules decompressed and compared
-        return dict(_tally)
-    finally:
-        _tally.clear()
-        spent = 0.0
-
-
-def wait() -> None:
-    """Until a measure_later is done (what it raised, the next take() raises)."""
-    later = _later
-    if later is not None:
-        concurrent.futures.wait([later])  # bounded: one layer's modules decompressed and compared
-
-
-def discard() -> None:
-    """Drop whatever an earlier part left (a failed part's figures, its measure_later once done, failed or not)."""
-    try:
-        take()
-    except Exception:  # noqa: BLE001 - the part it belonged to has failed already
-        pass
+    """The figures recorded since the last take(), and an empty tally (and time spent)."""
+    global spent
+    out = dict(_tally)
+    _tally.clear()
+    spent = 0.0
+    return out
 
 
 def record_loss(name: str, loss: float) -> None:
