@@ -92,4 +92,3 @@ def test_the_error_summed_on_the_device_is_the_python_sum(shape, device):
     got = (ref.float() + 0.01 * torch.randn(shape, generator=g)).to(torch.bfloat16).to(device)
     assert relative_error(got, ref) == _by_hand(got, ref)
     assert (relative_error(got, ref) is None) == (ref.numel() == 0)
-
