@@ -180,3 +180,20 @@ def loaded_logits(folder: str, ids: torch.Tensor) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     with torch.no_grad():
         return model(ids).logits
+
+
+def assert_errors_equal_loading(errors: dict[str, float], source: str, export: str) -> None:
+    """Each recorded quantization error (module -> figure) equals ||W_loaded - W_source|| / ||W_source||, W_loaded
+    from transformers' from_pretrained of the export (compressed-tensors decompressing the shards as any user's load
+    does), W_source from its load of the source checkpoint."""
+    import pytest
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    dense = CompressedTensorsConfig(run_compressed=False)  # decompress on load, as a CPU user's load does
+    loaded = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16, quantization_config=dense).state_dict()
+    ref = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).state_dict()
+    for name, err in errors.items():
+        w, w0 = loaded[f"{name}.weight"].float(), ref[f"{name}.weight"].float()
+        assert not torch.equal(w, w0), name  # really the dequantized weight, not the source
+        expected = ((w - w0).norm() / w0.norm()).item()
+        assert err == pytest.approx(expected, rel=1e-5), name

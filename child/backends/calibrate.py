@@ -183,9 +183,10 @@ class Calibrator:
         # the source weights each module's error is measured against, under the model's names: where the layer's
         # parameters are the source tensors themselves (already on the device: the CPU), a copy, since calibration
         # changes them in place (GPTQ's updates, AWQ's scaling)
-        held = {_storage(p) for p in root.parameters()}
-        sources = {m.key: tensors[k].clone() if quant_error.enabled and _storage(tensors[k]) in held else tensors[k]
-                   for k, m in mapped.items() if m.fused is None} if self.rank == 0 else {}
+        sources = {m.key: tensors[k] for k, m in mapped.items() if m.fused is None}
+        if quant_error.enabled and self.rank == 0:
+            held = {_storage(p) for p in root.parameters()}
+            sources = {k: t.clone() if _storage(t) in held else t for k, t in sources.items()}
         try:
             self._calibrate(index, layer, root)
             if self.rank > 0:
@@ -196,9 +197,8 @@ class Calibrator:
                              if is_module_quantized(m)]
                 for _, m in quantized:
                     compress_module(m)
-                # against the source weights (AWQ's scaling included), under the model's names. Measured on the
-                # device while the worker wrote the shard instead (a thread, 5910414): no faster on an H100, the
-                # write slowed by as much (docs/benchmarks.md, thirtieth session)
+                # against the source weights (AWQ's scaling included); beside the shard's write it was no faster
+                # (docs/performance.md, "Quantization error")
                 quant_error.measure(quantized, sources)
                 # off the device into fresh host memory, not the worker's pinned staging buffer (child/staging.py):
                 # measured on an H200 (docs/benchmarks.md, 2026-12-02), that buffer took the quantize stage from

@@ -236,19 +236,9 @@ def test_journal_figures_match_the_files(export):
 def test_quant_error_equals_transformers_loading_of_the_export(export):
     """Each journaled error equals ||W_loaded - W_source|| / ||W_source||, W_loaded from transformers'
     from_pretrained of the export (compressed-tensors decompressing the shards as any user's load does)."""
-    import torch
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    from tests.models import assert_errors_equal_loading
 
     source, out, _, _ = export
-    dense = CompressedTensorsConfig(run_compressed=False)  # decompress on load, as a CPU user's load does
-    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, quantization_config=dense).state_dict()
-    ref = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).state_dict()
-    checked = 0
-    for rec in _journal(out).values():
-        for name, err in rec["quant_error"].items():
-            w, w0 = loaded[f"{name}.weight"].float(), ref[f"{name}.weight"].float()
-            assert not torch.equal(w, w0)  # really the dequantized weight, not the source
-            expected = ((w - w0).norm() / w0.norm()).item()
-            assert err == pytest.approx(expected, rel=1e-5), name
-            checked += 1
-    assert checked == LAYERS * len(MODULES)
+    errors = {name: err for rec in _journal(out).values() for name, err in rec["quant_error"].items()}
+    assert len(errors) == LAYERS * len(MODULES)
+    assert_errors_equal_loading(errors, source, str(out))
