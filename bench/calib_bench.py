@@ -158,6 +158,11 @@ def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None
     full_env = dict(os.environ)
     full_env.pop("SUPERVISOR_TEST_FAULT", None)
     full_env.update(env or {})
+    peaks = os.path.join(args.workdir, f"peaks-{name}.jsonl")
+    if args.stage_peaks:  # each layer's peak GPU memory so far as each stage ends (child/faults.py)
+        full_env["SUPERVISOR_BENCH_STAGE_PEAKS"] = peaks
+        if os.path.exists(peaks):
+            os.remove(peaks)
     if code is not None:  # its code first, this checkout's not at all (`python -m` also puts the cwd first: cwd)
         keep = [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != ROOT]
         full_env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(code), *keep])
@@ -172,7 +177,24 @@ def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None
             "reused": pool.get("reused", False),
             "stages": mean_stages(layers),
             "per_layer": sum(e["seconds"] for e in layers) / max(len(layers), 1), "layers": layers,
-            "peak_gpu": max((e["peak_gpu"] for e in layers), default=0), "tree": tree, "out": out, "world": world}
+            "peak_gpu": max((e["peak_gpu"] for e in layers), default=0), "tree": tree, "out": out, "world": world,
+            "peaks": [json.loads(x) for x in open(peaks)] if os.path.exists(peaks) else []}
+
+
+def peak_table(sup: dict) -> list[str]:
+    """Per layer: its peak GPU memory allocated so far as each calibration stage ended (GiB), the layer's own peak
+    (LayerWritten.peak_gpu: until its reply), and the stage that first reached it ("after": the write, beside which
+    the next layer is read ahead onto the GPU)."""
+    gib, whole = 2**30, {e["index"]: e["peak_gpu"] for e in sup["layers"]}
+    stages = [k for k in CLOCK if any(k in p["peaks"] for p in sup.get("peaks", []))]
+    lines = ["| layer | " + " | ".join(stages) + " | layer's peak | reached in |",
+             "| --- | " + " | ".join("---" for _ in stages) + " | --- | --- |"]
+    for p in sup.get("peaks", []):
+        top = whole.get(p["index"], 0)
+        where = next((k for k in stages if p["peaks"].get(k, -1) >= top), "after")
+        lines.append(f"| {p['index']} | " + " | ".join(f"{p['peaks'][k] / gib:.4f}" if k in p["peaks"] else ""
+                                                       for k in stages) + f" | {top / gib:.4f} | {where} |")
+    return lines if len(lines) > 2 else []
 
 
 def fidelity(default: dict, fast: dict) -> str:
@@ -281,6 +303,9 @@ def main() -> None:
     ap.add_argument("--sync-stages", action="store_true",
                     help="every worker waits for its GPU at each stage change (SUPERVISOR_BENCH_SYNC_STAGES): each "
                          "stage's seconds are its own kernels'; a tree before it ignores the setting")
+    ap.add_argument("--stage-peaks", action="store_true",
+                    help="print each layer's peak GPU memory as each stage ended (SUPERVISOR_BENCH_STAGE_PEAKS): "
+                         "the stage in which the peak is reached; a tree before it ignores the setting")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both tools")
     ap.add_argument("--kill-at", type=int, default=20, help="the layer whose calibration the kill interrupts")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "calib-bench"))
@@ -334,6 +359,8 @@ def main() -> None:
     rows.append((f"supervisor W={sup.get('world', 1)}", sup))
     print("stage clock (seconds per layer; calibration stages of rank 0, then the worker's):\n"
           + "\n".join(stage_clock(sup)), flush=True)
+    if peak_table(sup):
+        print("peak GPU GiB allocated as each stage ended:\n" + "\n".join(peak_table(sup)), flush=True)
     if args.world > 1 and "w1" not in skip:
         w1 = run_supervisor(args, src, data, "sup-w1", keep_warm=0, world=1)
         rows.append(("supervisor W=1", w1))
@@ -392,6 +419,8 @@ def main() -> None:
         if name.startswith("supervisor") and r.get("layers") and r is not sup:
             print(f"\nstage clock, {name} (seconds per layer; calibration stages of rank 0, then the worker's):")
             print("\n".join(stage_clock(r)))
+            if peak_table(r):
+                print("peak GPU GiB allocated as each stage ended:\n" + "\n".join(peak_table(r)))
     table = rank_table(sup)
     if table:
         print("\nper rank, mean seconds per layer (ours, W = %d):" % sup.get("world", 1))

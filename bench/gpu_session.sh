@@ -127,6 +127,15 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
+s32a)  # thirty-first session (issue 34 part 1): a calibrated layer read ahead onto the GPU beside the previous layer's
+  # write (setup copies nothing from pageable memory; each module's error measured against the host source). The GPU
+  # tests that run it (equality with oneshot, errors against transformers' loading, MoE, kill and rerun), then GPTQ
+  # W4A16 on 8 layers after / oneshot / before (.whl/before = `git archive cd40885 child shared supervisor`), with each
+  # layer's peak GPU memory as each stage ended (where the 3.78 GiB is reached)
+  t 200 gpu_tests tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-gptq or llama-W4A16-awq or qwen3moe or kill"
+  bytecode_both .whl/before
+  cb 320 floor_gptq --before .whl/before --stage-peaks
+  ;;
 s31c)  # thirtieth session: GPU tests of the boundaries' copies (334421e: layer n-2's and layer 0's outputs into pinned
   # memory asynchronously), of each calibrated module's error measured beside its shard's write (equal to transformers'
   # loading), and of the calibrated engine (GPTQ and AWQ equal oneshot, a kill); then GPTQ W4A16 on 8 layers of the 8B

@@ -21,6 +21,7 @@ import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from child import faults, process
+from child.backends.backend import ReadAhead
 from child.process import Beat
 from shared import layout
 from shared.arithmetic import device_model
@@ -65,6 +66,7 @@ class Exporter:
         # the output's way off the GPU, reused part after part
         self._staging = HostStaging(hello.device, stage_host=faults.stage_host())
         self._sync_stages = faults.sync_stages() and self.device.startswith("cuda")  # a bench's stage clock
+        self._stage_peaks = {} if faults.stage_peaks() and self.device.startswith("cuda") else None  # a bench's
         # a live model has no checkpoint folder: the supervisor wrote its config.json beside the pool
         self.config_dir = hello.pool.config_dir if hello.pool is not None else job.source.path
         self._trust_remote_code = job.source is not None and job.source.allow_remote_code
@@ -99,7 +101,7 @@ class Exporter:
     def _onto_device(self, index: int, tensors: dict) -> dict:
         if index != NON_LAYER and self.device.startswith("cuda") and self.backend.reads_to_device \
                 and not self.device_lock and self.source.nbytes(tensors) <= DEVICE_READ_AHEAD_MAX:
-            return {k: v.to(self.device) for k, v in tensors.items()}
+            return ReadAhead({k: v.to(self.device) for k, v in tensors.items()}, host=tensors)
         return tensors
 
     def _prefetch(self, index: int | None) -> None:
@@ -176,11 +178,18 @@ class Exporter:
         if self._clock is not None:
             self._stage_end()
         out, self._substages = self._substages, {}
+        if self._stage_peaks:
+            faults.log_stage_peaks(self._index, self._stage_peaks)
+            self._stage_peaks = {}
         return {str(self.rank): {k: round(v, 4) for k, v in out.items()}} if out else {}
 
     def _stage_end(self) -> None:
         last, since = self._clock
         self._substages[last] = self._substages.get(last, 0.0) + time.perf_counter() - since
+        if self._stage_peaks is not None:
+            import torch
+
+            self._stage_peaks[last] = torch.cuda.max_memory_allocated(self.device)
         self._clock = None
 
     def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:

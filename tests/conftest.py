@@ -24,6 +24,18 @@ os.environ["SUPERVISOR_KEEP_WARM"] = "0"
 from tests.models import make_tiny_model, oneshot_reference
 
 
+@pytest.fixture(autouse=True)
+def _quant_error_default():
+    """An Exporter built in this process sets child.backends.quant_error.enabled from its job, as a worker does once
+    (off for a CPU job that leaves measure_error unset): each test starts from the module's default again."""
+    yield
+    import sys
+
+    module = sys.modules.get("child.backends.quant_error")
+    if module is not None:
+        module.enabled = True
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """tiny_models(kind, **options) -> path of a tiny checkpoint, built once per session per (kind, options)."""

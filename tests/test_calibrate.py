@@ -12,8 +12,11 @@ from tests.ref_calib import make_tiny_dense, make_tiny_gemma, oneshot_calibrated
 N, SEQ = 20, 40  # more than 16 samples: torch's unstable argsort permutes equal lengths
 
 
-def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0):
-    """Drive the Calibrator as the worker does (begin, quantize, shard, commit) without a child process."""
+def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0, read_ahead=None):
+    """Drive the Calibrator as the worker does (begin, quantize, shard, commit) without a child process.
+    `read_ahead` (a list): each layer's tensors come as a GPU worker's read-ahead hands them over (child/exporter.py):
+    copies of what the source read, those in `host` (on the CPU the copies stand for the device's), appended to it."""
+    from child.backends.backend import ReadAhead
     from child.backends.calibrate import Calibrator
     from child.sources.checkpoint import Checkpoint
     from child.writer import stage_shard
@@ -34,6 +37,9 @@ def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0):
         cal.begin(i, boundary)
         names = src.non_layer_names(cal.layer_prefix) if i == NON_LAYER else src.layer_names(cal.layer_prefix, i)
         tensors = src.read(names)
+        if read_ahead is not None and i != NON_LAYER:
+            tensors = ReadAhead({k: v.clone() for k, v in tensors.items()}, host=tensors)
+            read_ahead.append(tensors.host)
         shard = cal.quantize_non_layer(tensors) if i == NON_LAYER else cal.quantize_layer(i, tensors)
         stage_shard(shard, os.path.join(out, layout.shard_name(i)))
         boundary = cal.commit(i) or boundary
@@ -96,6 +102,36 @@ def test_calibrator_equals_oneshot(kind, scheme, method, tiny_models, moe_models
     _assert_same_export(ref, ours)
     if method == "gptq":
         assert len(served) == 2 and all(served), served  # each layer served some module from another's input
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_layer_read_ahead_to_the_device_is_oneshots_and_its_errors_are_against_the_source(
+        method, tiny_models, ids_dataset, tmp_path, monkeypatch):
+    """A GPU worker's read-ahead hands the layer over already copied to the device, and the layer's parameters are
+    those copies, which calibration changes in place: the export is still oneshot's, and each module's error is
+    measured against the source as read (`ReadAhead.host`: no copy of it beside the layer on the device), equal to
+    transformers' loading of the export, never 0."""
+    from child.backends import quant_error
+    from tests.models import assert_errors_equal_loading
+
+    source = tiny_models("llama")
+    rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
+    errors, measured, hosts = {}, [], []
+    take, measure = quant_error.take, quant_error.measure
+    monkeypatch.setattr(quant_error, "enabled", True)
+    quant_error.take()  # what earlier tests in this process left
+    monkeypatch.setattr(quant_error, "take", lambda: (errors.update(quant_error._tally), take())[1])
+    monkeypatch.setattr(quant_error, "measure", lambda modules, src: (measured.append(src), measure(modules, src)))
+    with threads(1):
+        ref = oneshot_calibrated(source, "W4A16", method, rows, SEQ, str(tmp_path / "ref"))
+        ours = _export_in_process(source, "W4A16", method, ids_dataset, tmp_path / "ours", read_ahead=hosts)
+        errors.update(quant_error.take())
+    _assert_same_export(ref, ours)
+    assert len(measured) == len(hosts) == 2
+    for src, host in zip(measured, hosts):  # the very tensors the source read
+        assert {t.data_ptr() for t in src.values()} == {t.data_ptr() for t in host.values()}
+    assert len(errors) == 7 * 2 and min(errors.values()) > 0, errors  # every Linear of both layers
+    assert_errors_equal_loading(errors, source, str(ours))
 
 
 @pytest.mark.parametrize("kind,scheme,method", [

@@ -36,7 +36,8 @@ class Backend(Protocol):
     layer_prefix: str  # e.g. "model.layers."
     num_layers: int
     ignore: list[str]  # the ignore list in effect
-    # a GPU worker's read-ahead copies the next layer to the device (False: it stays on the host until used)
+    # a GPU worker's read-ahead copies the next layer to the device (False: it stays on the host until used); the
+    # part's tensors then come as a ReadAhead, the host tensors they were copied from in its `host`
     reads_to_device: bool
     previews: bool  # quantize_* accept meta tensors (shapes and dtypes only) and return meta tensors
     checks_loading: bool  # transformers' loader check (child/loadcheck.py) applies to this format's output
@@ -73,6 +74,16 @@ class Backend(Protocol):
 
     def describe(self) -> str:
         """What drives the export, for `supervisor plan`: the model class, or the tensor-name rules."""
+
+
+class ReadAhead(dict):
+    """A part's tensors copied to the device by the worker's read-ahead (name -> device tensor), and in `host` the
+    tensors they were copied from, as the source read them. A backend whose layer changes its parameters in place
+    (calibration) measures errors against `host` instead of keeping a device copy of the source beside the layer."""
+
+    def __init__(self, tensors: dict, host: dict) -> None:
+        super().__init__(tensors)
+        self.host = host
 
 
 def make_backend(job: Job, config_dir: str, device: str, *, output: str = "", source=None,
