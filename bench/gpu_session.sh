@@ -127,6 +127,15 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
+s32b)  # s32a's changes measured again after two fixes it showed: a part not read ahead (layer 0) stays on the host
+  # (its device copy in the read moved its pages into layer 0's embedding peak: RSS 6.46 against 5.98 GiB), and the
+  # last sample's device copy no longer outlives the forward loop into the solve (where the layer's peak is). GPTQ
+  # equal oneshot on cuda, then GPTQ 8 layers after / oneshot / before (cd40885), then NVFP4 static (after, oneshot)
+  t 100 gpu_tests tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-gptq"
+  bytecode_both .whl/before
+  cb 330 floor_gptq --before .whl/before --stage-peaks
+  cb 130 floor_nvfp4 --method rtn --scheme NVFP4
+  ;;
 s32a)  # thirty-first session (issue 34 part 1): a calibrated layer read ahead onto the GPU beside the previous layer's
   # write (setup copies nothing from pageable memory; each module's error measured against the host source). The GPU
   # tests that run it (equality with oneshot, errors against transformers' loading, MoE, kill and rerun), then GPTQ
