@@ -182,18 +182,19 @@ def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None
 
 
 def peak_table(sup: dict) -> list[str]:
-    """Per layer: its peak GPU memory allocated so far as each calibration stage ended (GiB), the layer's own peak
-    (LayerWritten.peak_gpu: until its reply), and the stage that first reached it ("after": the write, beside which
-    the next layer is read ahead onto the GPU)."""
+    """Per layer: its peak GPU memory allocated so far as each calibration stage last ended (GiB), the layer's own
+    peak (LayerWritten.peak_gpu: until its reply), and the stage in which it was first reached, in the order the
+    stages ran ("after": the write, beside which the next layer is read ahead onto the GPU)."""
     gib, whole = 2**30, {e["index"]: e["peak_gpu"] for e in sup["layers"]}
-    stages = [k for k in CLOCK if any(k in p["peaks"] for p in sup.get("peaks", []))]
+    logged = sup.get("peaks", [])
+    stages = [k for k in CLOCK if any(k == s for p in logged for s, _ in p["peaks"])]
     lines = ["| layer | " + " | ".join(stages) + " | layer's peak | reached in |",
              "| --- | " + " | ".join("---" for _ in stages) + " | --- | --- |"]
-    for p in sup.get("peaks", []):
-        top = whole.get(p["index"], 0)
-        where = next((k for k in stages if p["peaks"].get(k, -1) >= top), "after")
-        lines.append(f"| {p['index']} | " + " | ".join(f"{p['peaks'][k] / gib:.4f}" if k in p["peaks"] else ""
-                                                       for k in stages) + f" | {top / gib:.4f} | {where} |")
+    for p in logged:
+        top, last = whole.get(p["index"], 0), dict(p["peaks"])
+        where = next((s for s, v in p["peaks"] if v >= top), "after")
+        lines.append(f"| {p['index']} | " + " | ".join(f"{last[k] / gib:.4f}" if k in last else "" for k in stages)
+                     + f" | {top / gib:.4f} | {where} |")
     return lines if len(lines) > 2 else []
 
 

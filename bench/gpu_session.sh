@@ -127,6 +127,11 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
+s32c)  # s32b on the issue's card (an H200): GPTQ 8 layers after / oneshot / before (cd40885), then NVFP4 static
+  bytecode_both .whl/before
+  cb 330 floor_gptq --before .whl/before --stage-peaks
+  cb 130 floor_nvfp4 --method rtn --scheme NVFP4
+  ;;
 s32b)  # s32a's changes measured again after two fixes it showed: a part not read ahead (layer 0) stays on the host
   # (its device copy in the read moved its pages into layer 0's embedding peak: RSS 6.46 against 5.98 GiB), and the
   # last sample's device copy no longer outlives the forward loop into the solve (where the layer's peak is). GPTQ

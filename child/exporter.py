@@ -66,7 +66,7 @@ class Exporter:
         # the output's way off the GPU, reused part after part
         self._staging = HostStaging(hello.device, stage_host=faults.stage_host())
         self._sync_stages = faults.sync_stages() and self.device.startswith("cuda")  # a bench's stage clock
-        self._stage_peaks = {} if faults.stage_peaks() and self.device.startswith("cuda") else None  # a bench's
+        self._stage_peaks = [] if faults.stage_peaks() and self.device.startswith("cuda") else None  # a bench's
         # a live model has no checkpoint folder: the supervisor wrote its config.json beside the pool
         self.config_dir = hello.pool.config_dir if hello.pool is not None else job.source.path
         self._trust_remote_code = job.source is not None and job.source.allow_remote_code
@@ -182,7 +182,7 @@ class Exporter:
         out, self._substages = self._substages, {}
         if self._stage_peaks:
             faults.log_stage_peaks(self._index, self._stage_peaks)
-            self._stage_peaks = {}
+            self._stage_peaks = []
         return {str(self.rank): {k: round(v, 4) for k, v in out.items()}} if out else {}
 
     def _stage_end(self) -> None:
@@ -191,7 +191,7 @@ class Exporter:
         if self._stage_peaks is not None:
             import torch
 
-            self._stage_peaks[last] = torch.cuda.max_memory_allocated(self.device)
+            self._stage_peaks.append((last, torch.cuda.max_memory_allocated(self.device)))
         self._clock = None
 
     def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:

@@ -44,8 +44,9 @@ And SUPERVISOR_TEST_STAGE_HOST=1 makes a CPU worker copy its outputs through its
 And SUPERVISOR_BENCH_SYNC_STAGES=1 (bench/calib_bench.py --sync-stages) makes the worker wait for its GPU at
 every stage change, so each stage's seconds are its own kernels' rather than whatever the queue held when the
 clock read (slower: the launch queue drains each time). SUPERVISOR_BENCH_STAGE_PEAKS names a file to which a GPU
-worker appends, after each calibrated part, {index, peaks: {stage: the part's peak GPU memory allocated so far, in
-bytes, when that stage ended}}: the stage in which a layer's peak is reached (bench/calib_bench.py --stage-peaks).
+worker appends, after each calibrated part, {index, peaks: [[stage, the part's peak GPU memory allocated so far, in
+bytes], ...] as each stage ended, in order}: the stage in which a layer's peak is reached (bench/calib_bench.py
+--stage-peaks).
 
 Owns nothing else; it must never be consulted by anything but the child's main loop, its writer and the boundary
 thread (child/backends/calibrate.py hands the last its point).
@@ -208,7 +209,7 @@ def stage_peaks() -> str:
     return os.environ.get(STAGE_PEAKS, "")
 
 
-def log_stage_peaks(index: int, peaks: dict[str, int]) -> None:
+def log_stage_peaks(index: int, peaks: list[tuple[str, int]]) -> None:
     """Append one part's {index, peaks} to $SUPERVISOR_BENCH_STAGE_PEAKS (see the docstring)."""
     with open(stage_peaks(), "a") as f:
         f.write(json.dumps({"index": index, "peaks": peaks}) + "\n")
