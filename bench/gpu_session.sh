@@ -127,6 +127,11 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
+s32d)  # two more after / before pairs (no oneshot), the machine warm for the second: is the steady layers' gain real?
+  bytecode_both .whl/before
+  cb 140 floor_pair1 --before .whl/before --skip oneshot,kill,retry
+  cb 140 floor_pair2 --before .whl/before --skip oneshot,kill,retry
+  ;;
 s32c)  # s32b on the issue's card (an H200): GPTQ 8 layers after / oneshot / before (cd40885), then NVFP4 static
   bytecode_both .whl/before
   cb 330 floor_gptq --before .whl/before --stage-peaks
