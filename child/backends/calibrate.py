@@ -8,7 +8,8 @@ session, modifiers, hooks and contexts, so the result is oneshot's by constructi
                          (hash checked), or for layer 0 computed from the samples through the model's own forward
     quantize_layer(i)    in timed stages (layer 0's begin has two before them: embed-read, the embedding table onto
                          the device; embed, every sample through it into host memory)
-      setup              layer i materialised on the device, rooted at its checkpoint path ("model.layers.i")
+      setup              layer i materialised on the device, rooted at its checkpoint path ("model.layers.i"), from
+                         the copy the worker's read-ahead made there beside layer i-1's write (a GPU worker's)
       forward            a fresh llm-compressor session on that layer (the recipe oneshot builds, initialized on it);
                          every sample through the layer with the modifiers' hooks (Hessians, observers, AWQ stats;
                          GPTQ's Hessians once per distinct input, child/backends/hessians.py)
