@@ -67,7 +67,6 @@ from child import faults
 from child.errors import Refused
 
 from child.backends import factorize, group, quant_error
-from child.backends.backend import ReadAhead
 from child.backends.hessians import SharedHessians
 from child.backends.boundary import Activations, BoundaryWriter, PendingWrite, host_buffer_meanwhile
 from child.backends.naming import LayerStub, find_decoder_layers
@@ -187,7 +186,7 @@ class Calibrator:
         # read (on the host, where the read-ahead copied the layer to the GPU), and where the layer's parameters are
         # those tensors themselves (the CPU), a copy, since calibration changes them in place (GPTQ's updates, AWQ's
         # scaling)
-        host = tensors.host if isinstance(tensors, ReadAhead) else tensors
+        host = getattr(tensors, "host", tensors)  # a ReadAhead's (child/backends/backend.py), or these
         sources = {m.key: host[k] for k, m in mapped.items() if m.fused is None}
         if quant_error.enabled and self.rank == 0:
             held = {_storage(p) for p in root.parameters()}
