@@ -21,6 +21,7 @@ import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from child import faults, process
+from child.ahead import LayerAhead
 from child.backends.backend import ReadAhead
 from child.process import Beat
 from shared import layout
@@ -79,6 +80,7 @@ class Exporter:
         self._reached: set[str] = set()
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self._ahead: dict[int, Future] = {}
+        self._layer_ahead: LayerAhead | None = None  # the next calibrated layer, started beside this one's write
 
     def _names(self, index: int) -> list[str]:
         if index == NON_LAYER:
@@ -163,7 +165,11 @@ class Exporter:
     def _stage(self, name: str) -> None:
         """A stage inside the part in progress (calibrated: forward, calibrate, and inside it a group's reduce, solve
         and broadcast, then propagate, quantize): shown in heartbeats, timed (LayerWritten.ranks), and a fault point
-        for tests ("quantize" fires once, after the part, as for every backend)."""
+        for tests ("quantize" fires once, after the part, as for every backend). A layer started ahead clocks its
+        first stages itself, until the worker takes it over (child/ahead.py)."""
+        ahead = self._layer_ahead
+        if ahead is not None and ahead.runs_here() and ahead.stage(name, self._reading):
+            return
         if self._clock is not None:
             if self._sync_stages:
                 import torch
@@ -174,6 +180,17 @@ class Exporter:
         if name != "quantize" and name not in self._reached:  # a stage entered again (calibrate, after a reduce)
             self._reached.add(name)
             faults.hit(name, self._index, self._writer)
+
+    def _reading(self) -> int | None:
+        """A stage ends (of a layer started ahead): its kernels waited for (a bench's stage clock); the peak GPU
+        memory so far (a bench's), or None."""
+        if self._sync_stages:
+            import torch
+            torch.cuda.synchronize(self.device)
+        if self._stage_peaks is None:
+            return None
+        import torch
+        return torch.cuda.max_memory_allocated(self.device)
 
     def _take_substages(self) -> dict[str, dict[str, float]]:
         """The calibrated stages' seconds in the part just done, under this worker's rank ({} for data-free)."""
@@ -195,6 +212,17 @@ class Exporter:
         self._clock = None
 
     def export(self, msg: ExportLayer, writer: Writer) -> LayerWritten:
+        ahead = self._layer_ahead
+        if ahead is not None and ahead.index != msg.index:
+            self.drop_ahead()  # started for another request (after a failure the supervisor retries the failed part)
+            ahead = None
+        try:
+            return self._export(msg, writer, ahead)
+        except BaseException:
+            self.drop_ahead()  # this part's (it failed before it was taken over), or the next one's, started beside
+            raise
+
+    def _export(self, msg: ExportLayer, writer: Writer, ahead: LayerAhead | None) -> LayerWritten:
         from child.backends import quant_error
         from child.writer import stage_shard
 
@@ -204,20 +232,31 @@ class Exporter:
         quant_error.take()  # drop what a failed earlier part may have left
         quant_error.take_losses()
         process.reset_peak_rss()
-        gpu = self._gpu_reset()
+        # a layer started ahead: its peak GPU memory counts from its start (_start_ahead)
+        gpu = self._gpu_reset() if ahead is None else self._gpu()
         self._clock, self._substages, self._reached = None, {}, set()
         self.beat.set(index, "read")
-        tensors, digest = self._read(index)
+        facts = ahead.read_facts() if ahead is not None else None
+        if ahead is not None and facts is None:  # its read failed: read here, as without it
+            self.drop_ahead()
+            ahead = None
+        if ahead is None:
+            tensors, digest = self._read(index)
+            source_bytes = self.source.nbytes(tensors)
+        else:
+            tensors, (digest, source_bytes) = None, facts
         self._prefetch(msg.prefetch)
-        source_bytes = self.source.nbytes(tensors)
         faults.hit("read", index, writer)
         t_read = time.perf_counter()
         self.backend.begin(index, msg.boundary, fence)  # calibrated: this layer's inputs (from memory, a file, or computed)
         self.beat.set(index, "quantize")
         staged_before = self._staging.capacity
         t1 = time.perf_counter()
+        ahead_s = 0.0  # how long before its request the layer was started (child/ahead.py)
         with self._device_stage(index) as turn:
-            if index == NON_LAYER:
+            if ahead is not None:
+                out, ahead_s = self._take_ahead(ahead, index, t0)
+            elif index == NON_LAYER:
                 out = self.backend.quantize_non_layer(tensors)
             else:
                 out = self.backend.quantize_layer(index, tensors)
@@ -234,6 +273,8 @@ class Exporter:
         errors = quant_error.take()
         losses = quant_error.take_losses()
         faults.hit("quantize", index, writer)
+        peak_gpu = self._gpu_peak(gpu)  # this part's, before the next one starts beside its write
+        self._start_ahead(index, msg.prefetch)
         self.beat.set(index, "write")
         process.parent_alive()
 
@@ -244,6 +285,8 @@ class Exporter:
         out, metadata = self.backend.serialize(out)
         stages = {"read": t_read - t0, "inputs": t1 - t_read, "wait": turn["wait"],
                   "quantize": t2 - t1 - turn["wait"] - error_seconds, "error": error_seconds}
+        if ahead_s:
+            stages["ahead"] = ahead_s
         w = stage_shard(out, os.path.join(self.output, layout.staged_name(index, fence)), checkpoint,
                         metadata=metadata, timings=stages)
         del out
@@ -256,17 +299,72 @@ class Exporter:
         t4 = time.perf_counter()
         gc.collect()
         process.malloc_trim()
-        self.source.trim()
+        self.source.trim()  # the layer ahead only reads its weights until it is taken over (child/ahead.py)
         stages["boundary"] = t4 - t3
         stages["cleanup"] = time.perf_counter() - t4
-        faults.log_live_tensors(index, settle=lambda: [f.result() for f in self._ahead.values()])
+        faults.log_live_tensors(index, settle=self._settle_in_flight)
         self.beat.set(None, "idle")
         return LayerWritten(index=index, file=layout.shard_name(index), fence=fence, digest=w.digest, nbytes=w.nbytes, ino=w.ino, mtime_ns=w.mtime_ns,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
-                            peak_rss=process.peak_rss(), rss=process.rss(), peak_gpu=self._gpu_peak(gpu), quant_error=errors,
+                            peak_rss=process.peak_rss(), rss=process.rss(), peak_gpu=peak_gpu, quant_error=errors,
                             stages={k: round(v, 4) for k, v in stages.items()}, boundary=boundary,
                             pending=self.backend.pending, settled=settled,
                             source_digest=digest, rank=self.rank, losses=losses, ranks=substages)
+
+    def _start_ahead(self, index: int, following: int | None) -> None:
+        """Start layer `following` beside this layer's write, on a thread of its own (child/ahead.py), when the
+        supervisor will ask for it next (ExportLayer.prefetch is index + 1) and the backend has its inputs whole in
+        RAM (a calibrated worker alone: Calibrator.inputs_ahead), its read-ahead in flight."""
+        inputs_ahead = getattr(self.backend, "inputs_ahead", None)
+        if inputs_ahead is None or index == NON_LAYER or following != index + 1 or self.device_lock \
+                or following not in self._ahead:
+            return
+        inputs = inputs_ahead(following)
+        if inputs is None:
+            return
+        read = self._ahead.pop(following)
+        gc.collect()  # a reference cycle must not keep this layer's device memory beside the next one's
+        self._gpu_reset()
+
+        def run(tensors: dict) -> dict | None:
+            out = self.backend.quantize_layer(following, tensors, inputs=inputs)
+            return None if out is None else {k: v.to("cpu") for k, v in out.items()}
+
+        self._layer_ahead = LayerAhead(following, read, run, self.source.nbytes)
+
+    def _take_ahead(self, ahead: LayerAhead, index: int, asked: float) -> tuple[dict | None, float]:
+        """Layer `index`, started ahead, taken over: the heartbeats and fault points of the stages it ran ahead fire
+        here in order, the worker's stage clock goes on from its own, and its thread goes on to the end. Its output,
+        and how long before `asked` (its request's arrival) it started. One that failed ahead runs here as it would
+        have (those points fired already)."""
+        def replay(name: str) -> None:
+            self.beat.set(index, name)
+            self._reached.add(name)
+            faults.hit(name, index, self._writer)
+
+        def hand_over(clock, substages: dict, peaks: list) -> None:
+            self._clock, self._substages = clock, substages
+            if self._stage_peaks is not None:
+                self._stage_peaks = peaks
+
+        if not ahead.take(replay, hand_over):
+            self.drop_ahead()
+            tensors, _ = self._load(index)
+            return self.backend.quantize_layer(index, tensors), 0.0
+        self._layer_ahead = None  # its thread is the layer's now; this one waits for it
+        return ahead.result(), max(asked - ahead.started, 0.0)
+
+    def drop_ahead(self) -> None:
+        """A layer started ahead that will not be asked for (another message came): ended before anything else."""
+        ahead, self._layer_ahead = self._layer_ahead, None
+        if ahead is not None:
+            ahead.drop()
+
+    def _settle_in_flight(self) -> None:
+        for f in self._ahead.values():
+            f.result()
+        if self._layer_ahead is not None:
+            self._layer_ahead.parked()
 
     def _rank_done(self, index: int, fence: str, t0: float, stages: dict, source_bytes: int, gpu, digest: str,
                    substages: dict) -> LayerWritten:
@@ -322,10 +420,15 @@ class Exporter:
         return LoadChecked(load=report)
 
     def _gpu_reset(self):
+        torch = self._gpu()
+        if torch is not None:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return torch
+
+    def _gpu(self):
         if not self.device.startswith("cuda"):
             return None
         import torch
-        torch.cuda.reset_peak_memory_stats(self.device)
         return torch
 
     def _gpu_peak(self, torch) -> int:
@@ -385,11 +488,15 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
                       versions=process.versions(), gpu_free=free, gpu_total=total, threads=torch.get_num_threads(),
                       device_model=device_model(hello.device)))
     beat.set(None, "idle")
+    drop_ahead = getattr(exporter, "drop_ahead", lambda: None)
     while True:
         try:
             msg = reader.recv()  # bounded: the parent check ends an orphan
         except EndOfStream:
+            drop_ahead()
             return 0
+        if not isinstance(msg, ExportLayer):
+            drop_ahead()  # a layer started ahead is asked for by the next ExportLayer or by nothing (child/ahead.py)
         match msg:
             case ExportLayer():
                 try:

@@ -347,6 +347,14 @@ class BoundaryWriter:
         flat, self._flat = self._flat, None
         return Activations(self.feeds, self.shapes, self.dtype, flat=flat), PendingWrite(self, dest, flat, before_sync)
 
+    def peek(self) -> Activations | None:
+        """Every sample, once all have come and are held in RAM, as Activations over the same memory (None
+        otherwise): read-only, for a reader beside the commit, which still makes them durable and hands them over."""
+        if self._flat is None or self._next != len(self.shapes):
+            return None
+        self._complete()
+        return Activations(self.feeds, self.shapes, self.dtype, flat=self._flat)
+
     def _finish_thread(self) -> None:
         if self._thread is not None:
             self._queue.put(None)

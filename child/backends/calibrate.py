@@ -172,10 +172,21 @@ class Calibrator:
             raise RuntimeError(f"layer {index} needs the calibration inputs left by layer {index - 1}, "
                                "and no boundary was named for it")
 
-    def quantize_layer(self, index: int, tensors: dict) -> dict:
+    def inputs_ahead(self, index: int) -> Activations | None:
+        """Layer `index`'s inputs while the layer before it is still being written (the outputs it propagated), for
+        the worker to start layer `index` ahead (child/ahead.py): when one worker calibrates, holding them whole in
+        RAM; None otherwise. Read-only: commit() of the layer before makes them its inputs, over the same memory."""
+        writer = self._writer
+        if self.world > 1 or writer is None or writer.feeds != index:
+            return None
+        return writer.peek()
+
+    def quantize_layer(self, index: int, tensors: dict, inputs: Activations | None = None) -> dict:
+        """`inputs`: layer `index`'s (inputs_ahead), for a layer started before begin(); else begin()'s."""
         if any(t.is_meta for t in tensors.values()):
             return self._plain.quantize_layer(index, tensors)  # a preview (see `previews`)
-        if self._inputs is None or self._inputs.feeds != index:
+        inputs = inputs if inputs is not None else self._inputs
+        if inputs is None or inputs.feeds != index:
             raise RuntimeError(f"layer {index}: begin() did not prepare its inputs")
         path = f"{self.layer_prefix}{index}"
         self._stage("setup")  # its weights onto the device, the library's session and hooks on it
@@ -192,7 +203,7 @@ class Calibrator:
             held = {_storage(p) for p in root.parameters()}
             sources = {k: t.clone() if _storage(t) in held else t for k, t in sources.items()}
         try:
-            self._calibrate(index, layer, root)
+            self._calibrate(index, layer, root, inputs)
             if self.rank > 0:
                 return None  # rank 0 writes the shard: after the broadcasts every rank holds the same layer
             self._stage("quantize")
@@ -209,7 +220,9 @@ class Calibrator:
                 # 0.22 to 0.18 s but, kept across layers, raised the worker's peak RSS per layer by 0.07 GiB
                 return plain_to_host(_back_to_checkpoint_names(root.state_dict(), mapped))
         except BaseException:
-            if self._writer is not None:
+            # this layer's outputs, if it got that far (not those of the layer before, which a layer started ahead
+            # finds still being written)
+            if self._writer is not None and self._writer.feeds == index + 1:
                 self._writer.abort()
                 self._writer = None
             raise
@@ -291,8 +304,7 @@ class Calibrator:
         return self._plain.write_config(source_config_json, dest_dir)
 
     # ---- one layer's calibration ---------------------------------------------------------------------------
-    def _calibrate(self, index: int, layer: nn.Module, root: nn.Module) -> None:
-        inputs = self._inputs
+    def _calibrate(self, index: int, layer: nn.Module, root: nn.Module, inputs: Activations) -> None:
         with contextlib.ExitStack() as outer:
             outer.enter_context(group.collectives())  # a group's ranks: the library's own reductions and broadcasts
             outer.enter_context(_recorded_losses(root))

@@ -257,6 +257,51 @@ def test_supervisor_killed_during_propagation_resumes(model, dataset, reference,
     assert cli.output_bytes(out) == reference[0]
 
 
+# ---- layers started ahead (child/ahead.py): beside the write of the layer before, until their request comes -----
+
+def test_each_layer_after_the_first_starts_ahead_and_the_export_equals_oneshot(model, dataset, reference, tmp_path):
+    """One calibrating worker starts each layer after the first beside the write of the one before (its setup and
+    forward run before its request: LayerWritten.stages["ahead"]); the export is oneshot's, tensor for tensor."""
+    written = {e["index"]: e for e in reference[1] if e["type"] == "LayerWritten" and e["index"] >= 0}
+    assert sorted(written) == list(range(LAYERS))
+    assert "ahead" not in written[0]["stages"]  # nothing before it to start beside
+    assert all(written[i]["stages"]["ahead"] > 0 for i in range(1, LAYERS)), [written[i]["stages"] for i in written]
+    with open(dataset) as f:
+        rows = [json.loads(line)["input_ids"] for line in f]
+    ref = oneshot_calibrated(model, "W4A16", "gptq", rows, SEQ, str(tmp_path / "oneshot"))
+    assert_same_tensors(load_tensors(ref), load_tensors(str(reference[2])))
+
+
+def test_a_layer_started_ahead_is_dropped_when_the_layer_before_fails_its_write(model, dataset, reference, tmp_path):
+    """Layer 1's shard fails after it was written (a RuntimeError at "staged"), while layer 2 runs ahead: layer 2 is
+    dropped, and the export goes on from the newest journaled inputs (layer 0's: layer 1's were to be named in its
+    reply), each layer after the first started ahead again: the uninterrupted bytes."""
+    out = tmp_path / "out"
+    events = cli.events(cli.run("run", _job(tmp_path, model, dataset, out), "--json",
+                                env=_fault(tmp_path / "fired", point="staged", action="raise", index=1)))
+    assert [e["index"] for e in events if e["type"] == "Retrying"] == [1]
+    assert [e["index"] for e in events if e["type"] == "LayerStarted"] == [0, 1, 0, 1, 2, 3]
+    written = [e for e in events if e["type"] == "LayerWritten" and e["index"] >= 0]
+    assert [e["index"] for e in written] == [0, 0, 1, 2, 3]
+    assert all(e["stages"]["ahead"] > 0 for e in written[2:])
+    assert cli.output_bytes(out) == reference[0]
+
+
+@pytest.mark.parametrize("action", ["raise", "sigkill"])
+def test_a_fault_in_a_stage_run_ahead_fires_once_the_layer_is_asked_for(model, dataset, reference, tmp_path, action):
+    """A fault at layer 2's forward (a stage it runs ahead) fires when layer 2's request has come, after layer 1's
+    reply, as it did before layers started ahead (fired ahead, it would fail layer 1): layer 2 is retried in the same
+    run, from layer 1's journaled inputs (layer 2's were to be named in layer 2's reply), and the bytes are the
+    uninterrupted run's."""
+    out = tmp_path / "out"
+    events = cli.events(cli.run("run", _job(tmp_path, model, dataset, out), "--json",
+                                env=_fault(tmp_path / "fired", point="forward", action=action, index=2)))
+    order = [(e["type"], e["index"]) for e in events if e["type"] in ("LayerWritten", "Retrying") and e["index"] >= 0]
+    assert order[:3] == [("LayerWritten", 0), ("LayerWritten", 1), ("Retrying", 2)], order
+    assert [e["index"] for e in events if e["type"] == "LayerStarted"] == [0, 1, 2, 1, 2, 3]
+    assert cli.output_bytes(out) == reference[0]
+
+
 # ---- AWQ: llm-compressor 0.14.0.1's AWQ needs an accelerator for pinning; the exporter runs it on CPU ----------
 
 AWQ_N, AWQ_SEQ = 8, 32

@@ -1,0 +1,142 @@
+"""child/ahead.py's LayerAhead on its own: the stages run ahead are clocked there and replayed in order when the
+layer is taken over; nothing past the gate runs before that; a drop ends the thread at the gate; a failure before
+the takeover hands the layer back, one after it is the layer's. Every ordering is made by events, never a sleep."""
+import threading
+from concurrent.futures import Future
+
+import pytest
+
+from child.ahead import LayerAhead
+
+TIMEOUT = 60  # seconds a test waits for an event before it fails (never reached unless something is broken)
+
+
+class Harness:
+    """A backend's quantize_layer as the worker's thread sees it: stages through the worker's `_stage`, which hands
+    them to the layer ahead while it runs ahead (as child/exporter.py does)."""
+
+    def __init__(self, fail_in: str | None = None):
+        self.log: list[tuple[str, str]] = []  # (who clocked it: "ahead" | "worker", stage)
+        self.in_forward = threading.Event()
+        self.finish_forward = threading.Event()
+        self.fail_in = fail_in
+        self.ahead: LayerAhead | None = None
+        self.started = threading.Event()  # self.ahead is set
+        self.clock = None  # the worker's (handed over)
+
+    def stage(self, name: str) -> None:
+        if self.ahead.runs_here() and self.ahead.stage(name, lambda: None):
+            self.log.append(("ahead", name))
+        else:
+            self.log.append(("worker", name))
+        if name == self.fail_in:
+            raise RuntimeError(f"failed in {name}")
+
+    def run(self, tensors: dict) -> dict:
+        assert self.started.wait(TIMEOUT)
+        self.stage("setup")
+        self.stage("forward")
+        self.in_forward.set()
+        assert self.finish_forward.wait(TIMEOUT)
+        self.stage("calibrate")
+        self.stage("propagate")
+        self.stage("quantize")
+        return {"out": tensors["w"] * 2}
+
+    def start(self) -> LayerAhead:
+        read = Future()
+        read.set_result(({"w": 21}, "digest:1"))
+        self.ahead = LayerAhead(3, read, self.run, nbytes=lambda t: 8)
+        self.started.set()
+        return self.ahead
+
+
+def hand_over_to(h: Harness):
+    def hand_over(clock, substages, peaks):
+        h.clock = (clock, substages)
+    return hand_over
+
+
+def test_stages_run_ahead_up_to_the_gate_and_are_replayed_in_order_when_taken():
+    h = Harness()
+    ahead = h.start()
+    assert ahead.read_facts() == ("digest:1", 8)
+    h.finish_forward.set()
+    ahead.parked()  # at the gate: nothing past it ran
+    assert h.log == [("ahead", "setup"), ("ahead", "forward")]
+    replayed = []
+    assert ahead.take(replayed.append, hand_over_to(h))
+    assert replayed == ["setup", "forward"]
+    assert ahead.result() == {"out": 42}
+    # the gate's stage and the rest on the worker's clock, which got the stages run ahead
+    assert h.log == [("ahead", "setup"), ("ahead", "forward"), ("worker", "calibrate"), ("worker", "propagate"),
+                     ("worker", "quantize")]
+    clock, substages = h.clock
+    assert clock is None and set(substages) == {"setup", "forward"}  # forward ended at the gate
+
+
+def test_taken_mid_stage_the_worker_clock_goes_on_from_the_stage_in_progress():
+    h = Harness()
+    ahead = h.start()
+    assert h.in_forward.wait(TIMEOUT)
+    replayed = []
+    assert ahead.take(replayed.append, hand_over_to(h))  # while forward runs
+    assert replayed == ["setup", "forward"]
+    clock, substages = h.clock
+    assert clock[0] == "forward" and set(substages) == {"setup"}
+    h.finish_forward.set()
+    assert ahead.result() == {"out": 42}
+    assert [who for who, name in h.log if name in ("calibrate", "propagate", "quantize")] == ["worker"] * 3
+
+
+def test_a_drop_ends_it_at_the_gate_and_nothing_past_it_runs():
+    h = Harness()
+    ahead = h.start()
+    assert h.in_forward.wait(TIMEOUT)
+    h.finish_forward.set()
+    ahead.drop()  # returns once the thread has ended
+    assert h.log == [("ahead", "setup"), ("ahead", "forward")]
+    assert not ahead._thread.is_alive()
+
+
+def test_a_failure_before_the_takeover_hands_the_layer_back():
+    h = Harness(fail_in="forward")
+    ahead = h.start()
+    ahead._thread.join(TIMEOUT)
+    replayed = []
+    assert not ahead.take(replayed.append, hand_over_to(h))  # the caller runs the layer itself
+    assert replayed == ["setup", "forward"]  # their points fired: the caller's run does not fire them again
+    assert h.clock is None
+
+
+def test_a_failure_after_the_takeover_is_the_layers():
+    h = Harness(fail_in="propagate")
+    ahead = h.start()
+    h.finish_forward.set()
+    assert ahead.take(lambda name: None, hand_over_to(h))
+    with pytest.raises(RuntimeError, match="failed in propagate"):
+        ahead.result()
+
+
+def test_a_replayed_point_that_raises_leaves_the_gate_shut():
+    h = Harness()
+    ahead = h.start()
+    assert h.in_forward.wait(TIMEOUT)
+    h.finish_forward.set()
+
+    def replay(name):
+        if name == "forward":
+            raise RuntimeError("injected at forward")
+
+    with pytest.raises(RuntimeError, match="injected"):
+        ahead.take(replay, hand_over_to(h))
+    ahead.drop()
+    assert h.log == [("ahead", "setup"), ("ahead", "forward")] and h.clock is None
+
+
+def test_a_failed_read_is_reported_as_no_facts():
+    read = Future()
+    read.set_exception(OSError("disk gone"))
+    ahead = LayerAhead(1, read, lambda tensors: {}, nbytes=lambda t: 0)
+    assert ahead.read_facts() is None
+    assert not ahead.take(lambda name: None, lambda *a: None)
