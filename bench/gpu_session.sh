@@ -127,6 +127,19 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
+s33a)  # thirty-second session (issue 34 part 1): the next calibrated layer started ahead (child/ahead.py), its setup
+  # and forward beside the previous layer's shard write. GPU tests (GPTQ and AWQ equal oneshot on cuda, kill and
+  # rerun byte-identical), then GPTQ 8 layers after / oneshot / before (6a3d967, last stop) with the stage peaks
+  t 200 gpu_tests tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-gptq or llama-W4A16-awq or kill"
+  bytecode_both .whl/before
+  cb 330 floor_gptq --before .whl/before --stage-peaks
+  ;;
+s33b)  # s33a again without oneshot (two after / before pairs), then NVFP4 static scales after / oneshot
+  bytecode_both .whl/before
+  cb 140 floor_pair1 --before .whl/before --skip oneshot,kill,retry
+  cb 140 floor_pair2 --before .whl/before --skip oneshot,kill,retry
+  cb 130 floor_nvfp4 --method rtn --scheme NVFP4
+  ;;
 s32d)  # two more after / before pairs (no oneshot), the machine warm for the second: is the steady layers' gain real?
   bytecode_both .whl/before
   cb 140 floor_pair1 --before .whl/before --skip oneshot,kill,retry
