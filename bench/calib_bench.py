@@ -216,7 +216,8 @@ def fidelity(default: dict, fast: dict) -> str:
 
 # the calibrated stages (LayerWritten.ranks); layer 0's inputs first: the embedding table read onto the device, then
 # every sample through it (child/backends/calibrate.py _first_inputs); setup: the layer onto the device, its session
-CLOCK = ["embed-read", "embed", "setup", "forward", "calibrate", "solve", "propagate", "quantize"]
+# onto-device: a layer started ahead (child/ahead.py) waiting for the read-ahead's copy of it onto the GPU
+CLOCK = ["embed-read", "embed", "onto-device", "setup", "forward", "calibrate", "solve", "propagate", "quantize"]
 # the worker's own (LayerWritten.stages); ahead: how long before its request the layer started (child/ahead.py)
 PART = ["ahead", "read", "inputs", "error", "save", "hash", "sync", "boundary", "cleanup"]
 

@@ -134,6 +134,13 @@ s33a)  # thirty-second session (issue 34 part 1): the next calibrated layer star
   bytecode_both .whl/before
   cb 330 floor_gptq --before .whl/before --stage-peaks
   ;;
+s33c)  # s33a's layer ahead, with the next layer copied onto the GPU as the previous one's propagate stage starts,
+  # through pinned chunks on a side stream (DeviceStaging: it waited 0.1 s for a pageable copy), and the cuBLAS
+  # workspace of the main thread given back (two of them held every layer's peak 32 MiB higher in s33a)
+  t 200 gpu_tests tests/test_staging.py tests/gpu/test_calibrated_gpu.py -m gpu -k "staging or chunks or llama-W4A16-gptq or kill"
+  bytecode_both .whl/before
+  cb 330 floor_gptq --before .whl/before --stage-peaks
+  ;;
 s33b)  # s33a again without oneshot (two after / before pairs), then NVFP4 static scales after / oneshot
   bytecode_both .whl/before
   cb 140 floor_pair1 --before .whl/before --skip oneshot,kill,retry

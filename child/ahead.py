@@ -59,6 +59,8 @@ class LayerAhead:
             tensors, digest = read.result()  # bounded: the read-ahead's read and copy of one part
             with self._cond:
                 self._read_facts = (digest, nbytes(tensors))
+                # the wait for the read-ahead's copy onto the device, clocked as a stage run ahead
+                self.substages["onto-device"] = time.perf_counter() - self.started
                 self._cond.notify_all()
             out = run(tensors)
             del tensors

@@ -61,11 +61,12 @@ class Exporter:
         self._writer: Writer | None = None
         measure = job.export.measure_error
         quant_error.enabled = hello.device.startswith("cuda") if measure is None else measure
-        from child.staging import HostStaging
+        from child.staging import DeviceStaging, HostStaging
 
         self.source = open_source(job, hello.pool)
-        # the output's way off the GPU, reused part after part
+        # the output's way off the GPU, reused part after part; and the way onto it for the parts read ahead
         self._staging = HostStaging(hello.device, stage_host=faults.stage_host())
+        self._onto = DeviceStaging(hello.device) if hello.device.startswith("cuda") else None
         self._sync_stages = faults.sync_stages() and self.device.startswith("cuda")  # a bench's stage clock
         self._stage_peaks = [] if faults.stage_peaks() and self.device.startswith("cuda") else None  # a bench's
         # a live model has no checkpoint folder: the supervisor wrote its config.json beside the pool
@@ -80,6 +81,8 @@ class Exporter:
         self._reached: set[str] = set()
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self._ahead: dict[int, Future] = {}
+        self._copying: int | None = None  # the part whose copy onto the device _prefetch_onto_device started
+        self._following: int | None = None  # the part the supervisor asks for next (ExportLayer.prefetch)
         self._layer_ahead: LayerAhead | None = None  # the next calibrated layer, started beside this one's write
 
     def _names(self, index: int) -> list[str]:
@@ -105,7 +108,7 @@ class Exporter:
     def _onto_device(self, index: int, tensors: dict) -> dict:
         if index != NON_LAYER and self.device.startswith("cuda") and self.backend.reads_to_device \
                 and not self.device_lock and self.source.nbytes(tensors) <= DEVICE_READ_AHEAD_MAX:
-            return ReadAhead({k: v.to(self.device) for k, v in tensors.items()}, host=tensors)
+            return ReadAhead(self._onto.to_device(tensors), host=tensors)
         return tensors
 
     def _prefetch(self, index: int | None) -> None:
@@ -115,16 +118,19 @@ class Exporter:
             self._ahead.pop(stale).cancel()
         if index is not None and index not in self._ahead:
             self._ahead[index] = self._prefetcher.submit(self._load, index)
+            self._copying = None if self._copying == index else self._copying  # read again: copied again
 
     def _prefetch_onto_device(self, index: int | None) -> None:
         """Once this part's quantize stage is over: copy the part read ahead to the GPU, beside this part's write.
         Beside the quantize stage the copy held it up, on the default stream or on one of its own: measured on an
         H200 (2026-12-01, `bench/export_bench.py --per-layer`), an 8B-shaped layer's quantize stage took 0.07-0.11 s
         beside the copy and 0.016-0.025 s for the last layer, which has none to copy; after it, 0.012-0.035 s.
-        (The prefetch thread runs one task at a time, in order: the read has finished when the copy starts.)"""
+        (The prefetch thread runs one task at a time, in order: the read has finished when the copy starts.)
+        A calibrated layer's next one is copied earlier, as its propagate stage starts (see _stage)."""
         read = self._ahead.get(index) if index is not None else None
-        if read is None:
+        if read is None or self._copying == index:
             return
+        self._copying = index
 
         def copy() -> tuple[dict, str]:
             tensors, digest = read.result()
@@ -180,6 +186,12 @@ class Exporter:
         if name != "quantize" and name not in self._reached:  # a stage entered again (calibrate, after a reduce)
             self._reached.add(name)
             faults.hit(name, self._index, self._writer)
+        if name == "propagate":
+            # after the solve the layer's calibration state is gone (its Hessians: most of its peak GPU memory), so
+            # the next layer's copy onto the device starts now, beside this one's propagate and quantize stages,
+            # through pinned memory on a stream of its own (DeviceStaging): ready when the next layer starts, right
+            # after this one's quantize stage (child/ahead.py)
+            self._prefetch_onto_device(self._following)
 
     def _reading(self) -> int | None:
         """A stage ends (of a layer started ahead): its kernels waited for (a bench's stage clock); the peak GPU
@@ -228,7 +240,7 @@ class Exporter:
 
         index, t0 = msg.index, time.perf_counter()
         fence = msg.fence or secrets.token_hex(8)  # every file of this attempt is named by it (messages: Fencing)
-        self._index, self._writer = index, writer
+        self._index, self._writer, self._following = index, writer, msg.prefetch
         quant_error.take()  # drop what a failed earlier part may have left
         quant_error.take_losses()
         process.reset_peak_rss()
@@ -324,6 +336,14 @@ class Exporter:
             return
         read = self._ahead.pop(following)
         gc.collect()  # a reference cycle must not keep this layer's device memory beside the next one's
+        torch = self._gpu()
+        if torch is not None:
+            # cuBLAS keeps a workspace per thread's handle (32 MiB on an H100, through the caching allocator): the
+            # layer's thread would hold one beside this thread's, which has nothing more to multiply (measured: every
+            # layer's peak 32 MiB higher). Given back here, the next use makes one again.
+            release = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if release is not None:
+                release()
         self._gpu_reset()
 
         def run(tensors: dict) -> dict | None:

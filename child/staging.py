@@ -104,6 +104,51 @@ class HostStaging:
         self._held[:] = [mapping, buf, ptr]
 
 
+class DeviceStaging:
+    """A worker's way onto the GPU for the parts it reads ahead: host tensors (pageable: a checkpoint's mapped file)
+    copied in CHUNK-sized pieces through two small pinned buffers in turn, on a stream of its own. A pageable tensor's
+    `.to("cuda")` goes through the driver's own staging on the default stream, so the kernels queued after it wait for
+    it (an 8B layer's 0.41 GB: 0.07-0.13 s, measured); through pinned memory on a side stream the copy runs beside
+    them. Costs 2 x CHUNK of pinned host memory, made on first use."""
+
+    CHUNK = 16 << 20
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+        self._chunks: list[torch.Tensor] = []
+        self._landed: list = [None, None]  # each chunk's last copy out of it (a CUDA event)
+        self._stream = None
+
+    def to_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every tensor on the device (same names, dtypes, shapes, values), complete when this returns (for any
+        stream): allocated from the calling thread's current stream, whose queued work the copies wait for (memory
+        it freed may still be in use there)."""
+        if not self._chunks:
+            self._chunks = [pinned_host_buffer(self.CHUNK) for _ in range(2)]
+            self._stream = torch.cuda.Stream(self.device)
+        out = {k: torch.empty(v.shape, dtype=v.dtype, device=self.device) for k, v in tensors.items()}
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        turn = 0
+        for k, v in tensors.items():
+            src, dst = _bytes_of(v.contiguous()), _bytes_of(out[k])
+            for a in range(0, src.numel(), self.CHUNK):
+                n = min(self.CHUNK, src.numel() - a)
+                if self._landed[turn] is not None:
+                    self._landed[turn].synchronize()  # bounded: one chunk's copy
+                chunk = self._chunks[turn][:n]
+                chunk.copy_(src[a:a + n])
+                with torch.cuda.stream(self._stream):
+                    dst[a:a + n].copy_(chunk, non_blocking=True)
+                self._landed[turn] = self._stream.record_event()
+                turn ^= 1
+        self._stream.synchronize()  # bounded: the last chunks' copies
+        return out
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
 def pinned_host_buffer(nbytes: int) -> torch.Tensor:
     """`nbytes` of page-locked host memory (a uint8 tensor) for asynchronous copies to and from the current GPU:
     mapped, its pages faulted in by torch's threads, then registered (cudaHostRegister), instead of cudaHostAlloc,

@@ -207,6 +207,37 @@ def test_samples_sent_ahead_to_the_gpu_are_the_samples():
         assert torch.equal(got.get(j), ref.cpu()), j
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_parts_copied_onto_the_gpu_through_pinned_chunks_are_the_parts(tmp_path, monkeypatch):
+    """DeviceStaging (the read-ahead's way onto the GPU): tensors of every kind a checkpoint holds (a mapped file's,
+    larger than a chunk, empty, 0-dim, bool, 8-bit floats, a non-contiguous view) arrive with their values; also
+    while kernels queued on the caller's stream free memory the copies are given (they wait for that work)."""
+    from safetensors.torch import load_file
+
+    from child.staging import DeviceStaging
+
+    monkeypatch.setattr(DeviceStaging, "CHUNK", 1 << 20)  # several chunks per tensor, both buffers reused
+    g = torch.Generator().manual_seed(0)
+    tensors = {"big": torch.randn(1500, 1000, generator=g).to(torch.bfloat16), "scalar": torch.tensor(3.5),
+               "empty": torch.empty(0, 7), "mask": torch.rand(333, generator=g) > 0.5,
+               "fp8": torch.randn(4096, 300, generator=g).to(torch.float8_e4m3fn),
+               "odd": torch.randint(-9, 9, (12345,), generator=g, dtype=torch.int32)}
+    save_file(tensors, tmp_path / "part.safetensors")
+    mapped = load_file(tmp_path / "part.safetensors")  # pageable, as the read-ahead's checkpoint tensors
+    mapped["strided"] = tensors["big"][:, ::3]
+    staging = DeviceStaging("cuda:0")
+    for _ in range(3):
+        busy = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):
+            busy = busy @ busy.T / 4096  # queued work that frees memory as it goes
+        del busy
+        got = staging.to_device(mapped)
+        for k, v in mapped.items():
+            assert got[k].is_cuda and got[k].dtype == v.dtype and got[k].shape == v.shape, k
+            assert torch.equal(got[k].cpu().reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+
+
 @pytest.mark.parametrize("meta", [None, {"format": "pt", "b": "2", "a": "1", "z": "x"}])
 def test_a_staged_shard_has_the_bytes_safetensors_writes(meta, tmp_path):
     """stage_shard's file is save_file's own, byte for byte, its metadata keys in sorted order (an uninterrupted and a
