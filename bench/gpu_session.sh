@@ -141,6 +141,12 @@ s33c)  # s33a's layer ahead, with the next layer copied onto the GPU as the prev
   bytecode_both .whl/before
   cb 330 floor_gptq --before .whl/before --stage-peaks
   ;;
+s33d)  # s33c with the next layer's copy started once this one has let go of its source tensors (after its errors
+  # are measured): s33c's copy at propagate mapped two layers' weights at once (peak RSS 6.47 against 5.97 GiB)
+  t 200 gpu_tests tests/test_staging.py tests/gpu/test_calibrated_gpu.py -m gpu -k "staging or chunks or llama-W4A16-gptq or kill"
+  bytecode_both .whl/before
+  cb 330 floor_gptq --before .whl/before --stage-peaks
+  ;;
 s33b)  # s33a again without oneshot (two after / before pairs), then NVFP4 static scales after / oneshot
   bytecode_both .whl/before
   cb 140 floor_pair1 --before .whl/before --skip oneshot,kill,retry

@@ -74,7 +74,8 @@ class Exporter:
         self._trust_remote_code = job.source is not None and job.source.allow_remote_code
         self.backend = make_backend(job, self.config_dir, hello.device, output=hello.output, source=self.source,
                                     stage=self._stage, calibration_sha256=hello.calibration_sha256,
-                                    to_host=self._staging.to_host)
+                                    to_host=self._staging.to_host,
+                                    sources_released=lambda: self._prefetch_onto_device(self._following))
         self.prefix = self.backend.layer_prefix
         self._clock: tuple[str, float] | None = None  # the calibrated stage in progress, since when
         self._substages: dict[str, float] = {}
@@ -126,7 +127,10 @@ class Exporter:
         H200 (2026-12-01, `bench/export_bench.py --per-layer`), an 8B-shaped layer's quantize stage took 0.07-0.11 s
         beside the copy and 0.016-0.025 s for the last layer, which has none to copy; after it, 0.012-0.035 s.
         (The prefetch thread runs one task at a time, in order: the read has finished when the copy starts.)
-        A calibrated layer's next one is copied earlier, as its propagate stage starts (see _stage)."""
+        A calibrated layer read ahead has its next one copied earlier, once it holds neither its Hessians nor its
+        source tensors (make_backend's sources_released: after the solve, and after its errors are measured), beside
+        its last stages, through pinned memory on a stream of its own (DeviceStaging): ready when the next layer
+        starts, right after this one's quantize stage (child/ahead.py)."""
         read = self._ahead.get(index) if index is not None else None
         if read is None or self._copying == index:
             return
@@ -186,12 +190,6 @@ class Exporter:
         if name != "quantize" and name not in self._reached:  # a stage entered again (calibrate, after a reduce)
             self._reached.add(name)
             faults.hit(name, self._index, self._writer)
-        if name == "propagate":
-            # after the solve the layer's calibration state is gone (its Hessians: most of its peak GPU memory), so
-            # the next layer's copy onto the device starts now, beside this one's propagate and quantize stages,
-            # through pinned memory on a stream of its own (DeviceStaging): ready when the next layer starts, right
-            # after this one's quantize stage (child/ahead.py)
-            self._prefetch_onto_device(self._following)
 
     def _reading(self) -> int | None:
         """A stage ends (of a layer started ahead): its kernels waited for (a bench's stage clock); the peak GPU

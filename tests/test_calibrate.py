@@ -12,10 +12,11 @@ from tests.ref_calib import make_tiny_dense, make_tiny_gemma, oneshot_calibrated
 N, SEQ = 20, 40  # more than 16 samples: torch's unstable argsort permutes equal lengths
 
 
-def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0, read_ahead=None):
+def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0, read_ahead=None, released=lambda: None):
     """Drive the Calibrator as the worker does (begin, quantize, shard, commit) without a child process.
     `read_ahead` (a list): each layer's tensors come as a GPU worker's read-ahead hands them over (child/exporter.py):
-    copies of what the source read, those in `host` (on the CPU the copies stand for the device's), appended to it."""
+    copies of what the source read, those in `host` (on the CPU the copies stand for the device's), appended to it.
+    `released`: the Calibrator's sources_released."""
     from child.backends.backend import ReadAhead
     from child.backends.calibrate import Calibrator
     from child.sources.checkpoint import Checkpoint
@@ -31,7 +32,7 @@ def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0, read_ah
     tmp = os.path.join(out, ".export", "tmp")
     os.makedirs(tmp)
     src = Checkpoint(source)
-    cal = Calibrator(job, source, "cpu", output=str(out), source=src)
+    cal = Calibrator(job, source, "cpu", output=str(out), source=src, sources_released=released)
     boundary = None
     for i in [*range(cal.num_layers), NON_LAYER]:
         cal.begin(i, boundary)
@@ -41,6 +42,8 @@ def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0, read_ah
             tensors = ReadAhead({k: v.clone() for k, v in tensors.items()}, host=tensors)
             read_ahead.append(tensors.host)
         shard = cal.quantize_non_layer(tensors) if i == NON_LAYER else cal.quantize_layer(i, tensors)
+        if read_ahead is not None and i != NON_LAYER:
+            assert tensors.host == {}, "the layer still holds the source's host tensors"
         stage_shard(shard, os.path.join(out, layout.shard_name(i)))
         boundary = cal.commit(i) or boundary
     os.makedirs(layout.state_path(str(out), layout.STAGING))
@@ -110,24 +113,29 @@ def test_a_layer_read_ahead_to_the_device_is_oneshots_and_its_errors_are_against
     """A GPU worker's read-ahead hands the layer over already copied to the device, and the layer's parameters are
     those copies, which calibration changes in place: the export is still oneshot's, and each module's error is
     measured against the source as read (`ReadAhead.host`: no copy of it beside the layer on the device), equal to
-    transformers' loading of the export, never 0."""
+    transformers' loading of the export, never 0; then let go, and the worker told (sources_released: it copies
+    the next layer onto the device meanwhile)."""
     from child.backends import quant_error
     from tests.models import assert_errors_equal_loading
 
     source = tiny_models("llama")
     rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
-    errors, measured, hosts = {}, [], []
+    errors, measured, hosts, order = {}, [], [], []
     take, measure = quant_error.take, quant_error.measure
     monkeypatch.setattr(quant_error, "enabled", True)
     quant_error.take()  # what earlier tests in this process left
     monkeypatch.setattr(quant_error, "take", lambda: (errors.update(quant_error._tally), take())[1])
-    monkeypatch.setattr(quant_error, "measure", lambda modules, src: (measured.append(src), measure(modules, src)))
+    monkeypatch.setattr(quant_error, "measure",
+                        lambda modules, src: (measured.append(dict(src)), order.append("measured"),
+                                              measure(modules, src)))
     with threads(1):
         ref = oneshot_calibrated(source, "W4A16", method, rows, SEQ, str(tmp_path / "ref"))
-        ours = _export_in_process(source, "W4A16", method, ids_dataset, tmp_path / "ours", read_ahead=hosts)
+        ours = _export_in_process(source, "W4A16", method, ids_dataset, tmp_path / "ours", read_ahead=hosts,
+                                  released=lambda: order.append("released"))
         errors.update(quant_error.take())
     _assert_same_export(ref, ours)
     assert len(measured) == len(hosts) == 2
+    assert order == ["measured", "released"] * 2
     for src, host in zip(measured, hosts):  # the very tensors the source read
         assert {t.data_ptr() for t in src.values()} == {t.data_ptr() for t in host.values()}
     assert len(errors) == 7 * 2 and min(errors.values()) > 0, errors  # every Linear of both layers

@@ -88,10 +88,13 @@ class ReadAhead(dict):
 
 def make_backend(job: Job, config_dir: str, device: str, *, output: str = "", source=None,
                  stage: Callable[[str], None] = lambda name: None, calibration_sha256: str = "",
-                 to_host: Callable[[dict], dict] | None = None) -> Backend:
+                 to_host: Callable[[dict], dict] | None = None,
+                 sources_released: Callable[[], None] = lambda: None) -> Backend:
     """The backend for the job's format and method, ready for its first layer. `stage(name)` reports progress
     inside a part (calibrated methods: forward, calibrate, propagate, quantize). `to_host` brings a part's output
-    tensors from the device to the host (the worker's pinned buffer, child/staging.py); data-free backends use it."""
+    tensors from the device to the host (the worker's pinned buffer, child/staging.py); data-free backends use it.
+    `sources_released()`: a calibrated layer read ahead no longer holds its source tensors on the host, nor its
+    calibration state on the device (the worker may copy the next layer onto the device now)."""
     from child.sources import open_source
     from shared.job import effective_ignore
 
@@ -113,7 +116,7 @@ def make_backend(job: Job, config_dir: str, device: str, *, output: str = "", so
         from child.backends.calibrate import Calibrator
 
         return Calibrator(job, config_dir, device, output=output, source=source, stage=stage,
-                          calibration_sha256=calibration_sha256)
+                          calibration_sha256=calibration_sha256, sources_released=sources_released)
     if why is None:
         from child.backends.quantize import LayerQuantizer
 

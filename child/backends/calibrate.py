@@ -104,8 +104,10 @@ class Calibrator:
     checks_loading = True  # its output is compressed-tensors: transformers' loader check applies at the end
 
     def __init__(self, job: Job, config_dir: str, device: str, *, output: str, source,
-                 stage: Callable[[str], None] = lambda name: None, calibration_sha256: str = ""):
+                 stage: Callable[[str], None] = lambda name: None, calibration_sha256: str = "",
+                 sources_released: Callable[[], None] = lambda: None):
         self.job, self.output, self.source, self._stage = job, output, source, stage
+        self._sources_released = sources_released  # see make_backend
         self.device = torch.device(device)
         self.method, self.scheme, self.ignore = job.export.method, job.export.scheme, effective_ignore(job)
         self._calibration_sha256 = calibration_sha256
@@ -197,13 +199,24 @@ class Calibrator:
         # read (on the host, where the read-ahead copied the layer to the GPU), and where the layer's parameters are
         # those tensors themselves (the CPU), a copy, since calibration changes them in place (GPTQ's updates, AWQ's
         # scaling)
-        host = getattr(tensors, "host", tensors)  # a ReadAhead's (child/backends/backend.py), or these
-        sources = {m.key: host[k] for k, m in mapped.items() if m.fused is None}
-        if quant_error.enabled and self.rank == 0:
+        read_ahead = getattr(tensors, "host", None) is not None  # a ReadAhead (child/backends/backend.py)
+        host = tensors.host if read_ahead else tensors
+        measured = quant_error.enabled and self.rank == 0
+        sources = {m.key: host[k] for k, m in mapped.items() if m.fused is None} if measured else {}
+        if measured:
             held = {_storage(p) for p in root.parameters()}
             sources = {k: t.clone() if _storage(t) in held else t for k, t in sources.items()}
+        del host
+        if read_ahead:
+            # from here only `sources` holds the host tensors the source read (mapped file pages, counted in the
+            # worker's RSS): once measured (or now, unmeasured) they are let go before the next layer's are read
+            # onto the device, so the worker never maps two layers' weights at once
+            tensors.host = {}
+        # the next layer's copy onto the device (child/exporter.py): once the Hessians are gone (after the solve,
+        # where the layer's peak GPU memory is) and this layer's sources too
+        released = self._sources_released if read_ahead else (lambda: None)
         try:
-            self._calibrate(index, layer, root, inputs)
+            self._calibrate(index, layer, root, inputs, released if not measured else (lambda: None))
             if self.rank > 0:
                 return None  # rank 0 writes the shard: after the broadcasts every rank holds the same layer
             self._stage("quantize")
@@ -215,6 +228,9 @@ class Calibrator:
                 # against the source weights (AWQ's scaling included); beside the shard's write it was no faster
                 # (docs/performance.md, "Quantization error")
                 quant_error.measure(quantized, sources)
+                if measured:
+                    sources.clear()
+                    released()
                 # off the device into fresh host memory, not the worker's pinned staging buffer (child/staging.py):
                 # measured on an H200 (docs/benchmarks.md, 2026-12-02), that buffer took the quantize stage from
                 # 0.22 to 0.18 s but, kept across layers, raised the worker's peak RSS per layer by 0.07 GiB
@@ -304,7 +320,9 @@ class Calibrator:
         return self._plain.write_config(source_config_json, dest_dir)
 
     # ---- one layer's calibration ---------------------------------------------------------------------------
-    def _calibrate(self, index: int, layer: nn.Module, root: nn.Module, inputs: Activations) -> None:
+    def _calibrate(self, index: int, layer: nn.Module, root: nn.Module, inputs: Activations,
+                   solved: Callable[[], None]) -> None:
+        """`solved()`: called once the solve is over (its calibration state gone), as propagation starts."""
         with contextlib.ExitStack() as outer:
             outer.enter_context(group.collectives())  # a group's ranks: the library's own reductions and broadcasts
             outer.enter_context(_recorded_losses(root))
@@ -341,6 +359,7 @@ class Calibrator:
                     self._stage("calibrate")
                     LifecycleCallbacks.sequential_epoch_end(list(layer.modules()))
                     self._stage("propagate")
+                    solved()
                     self._writer = self._next_writer(index, inputs)
                     with HooksMixin.disable_hooks():
                         for j, hidden in enumerate(inputs.to_device(self.device)):
