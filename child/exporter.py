@@ -2,6 +2,8 @@
 
     serve(reader, writer, parent_pid)   Hello ─▶ Exporter(hello, beat) ─▶ Ready
       ExportLayer ─▶ Exporter.export: read (the next part read ahead), backend.quantize_*, stage, LayerWritten
+                     (a calibrated worker alone: the next layer started ahead beside the write, child/ahead.py;
+                     any other message drops it)
       WriteConfig | Describe | CheckLoad ─▶ ConfigWritten | Described | LoadChecked
       Settle ─▶ Settled;  Stop ─▶ return
     any exception ─▶ Failed(kind, message, traceback) on the pipe (never pickled)

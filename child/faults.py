@@ -48,8 +48,10 @@ worker appends, after each calibrated part, {index, peaks: [[stage, the part's p
 bytes], ...] as each stage ended, in order}: the stage in which a layer's peak is reached (bench/calib_bench.py
 --stage-peaks).
 
-Owns nothing else; it must never be consulted by anything but the child's main loop, its writer and the boundary
-thread (child/backends/calibrate.py hands the last its point).
+Owns nothing else; it must never be consulted by anything but the child's main loop, its writer, the boundary
+thread (child/backends/calibrate.py hands the last its point) and a layer started ahead once it is taken over
+(child/ahead.py: the points of its stages run ahead fire in the main loop then, in order; the rest in its thread,
+which is the layer's from there on while the main loop waits for it).
 """
 from __future__ import annotations
 

@@ -49,7 +49,9 @@ class Backend(Protocol):
 
     def quantize_layer(self, index: int, tensors: dict) -> dict:
         """Layer `index`'s checkpoint tensors (full names) in, the tensors of its output shard out (host memory;
-        views of the worker's staging buffer are valid until the next part)."""
+        views of the worker's staging buffer are valid until the next part). A calibrated backend also has
+        `inputs_ahead(index)` and takes `inputs=`: the worker may start layer `index` before its request, beside the
+        previous layer's write (child/ahead.py)."""
 
     def quantize_non_layer(self, tensors: dict) -> dict:
         """Everything outside the decoder layers (embeddings, final norm, lm_head) in, its shard's tensors out."""

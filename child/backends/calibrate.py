@@ -9,7 +9,9 @@ session, modifiers, hooks and contexts, so the result is oneshot's by constructi
     quantize_layer(i)    in timed stages (layer 0's begin has two before them: embed-read, the embedding table onto
                          the device; embed, every sample through it into host memory)
       setup              layer i materialised on the device, rooted at its checkpoint path ("model.layers.i"), from
-                         the copy the worker's read-ahead made there beside layer i-1's write (a GPU worker's)
+                         the copy the worker's read-ahead made there once layer i-1 let go of its sources (a GPU
+                         worker's); with setup and forward run ahead, beside layer i-1's write, by a worker that
+                         calibrates alone (inputs_ahead, child/ahead.py)
       forward            a fresh llm-compressor session on that layer (the recipe oneshot builds, initialized on it);
                          every sample through the layer with the modifiers' hooks (Hessians, observers, AWQ stats;
                          GPTQ's Hessians once per distinct input, child/backends/hessians.py)
