@@ -147,12 +147,11 @@ s33d)  # s33c with the next layer's copy started once this one has let go of its
   bytecode_both .whl/before
   cb 330 floor_gptq --before .whl/before --stage-peaks
   ;;
-s33e)  # s33d's code (chunks of 8 MiB): the AWQ equality on cuda, two after / before pairs of GPTQ (no oneshot), then
+s33e)  # s33d's code (chunks of 8 MiB): the AWQ equality on cuda, an after / before pair of GPTQ (no oneshot), then
   # NVFP4 static scales after / oneshot
   t 100 gpu_awq tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq"
   bytecode_both .whl/before
   cb 140 floor_pair1 --before .whl/before --skip oneshot,kill,retry
-  cb 140 floor_pair2 --before .whl/before --skip oneshot,kill,retry
   cb 130 floor_nvfp4 --method rtn --scheme NVFP4
   ;;
 s33b)  # s33a again without oneshot (two after / before pairs), then NVFP4 static scales after / oneshot
