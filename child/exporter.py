@@ -515,8 +515,11 @@ def serve(reader: Reader, writer: Writer, parent_pid: int) -> int:
         except EndOfStream:
             drop_ahead()
             return 0
-        if not isinstance(msg, ExportLayer):
-            drop_ahead()  # a layer started ahead is asked for by the next ExportLayer or by nothing (child/ahead.py)
+        if not isinstance(msg, (ExportLayer, Settle)):
+            # a layer started ahead is asked for by the next ExportLayer or by nothing (child/ahead.py); Settle (a
+            # recycled worker's pending inputs made durable) touches nothing it uses: answered first, the Stop after
+            # it ends it
+            drop_ahead()
         match msg:
             case ExportLayer():
                 try:
