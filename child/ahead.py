@@ -25,6 +25,8 @@ from typing import Callable
 
 AHEAD_STAGES = ("setup", "forward")  # what may run before the request: reads the layer, writes nothing
 
+_here = threading.local()  # .ahead: the LayerAhead whose thread this is (set on that thread only)
+
 
 class Dropped(Exception):
     """Raised in the thread at the gate: the layer will not be asked for (or not from this start)."""
@@ -55,6 +57,7 @@ class LayerAhead:
 
     # ---- its thread -------------------------------------------------------------------------------------------
     def _main(self, read: Future, run, nbytes) -> None:
+        _here.ahead = self
         try:
             tensors, digest = read.result()  # bounded: the read-ahead's read and copy of one part
             with self._cond:
@@ -79,8 +82,11 @@ class LayerAhead:
                 self._ended = True
                 self._cond.notify_all()
 
-    def runs_here(self) -> bool:
-        return threading.current_thread() is self._thread
+    @staticmethod
+    def here() -> "LayerAhead | None":
+        """The layer started ahead that the calling thread runs (its own thread's, whether the worker still holds
+        it, has taken it over or dropped it), or None."""
+        return getattr(_here, "ahead", None)
 
     def stage(self, name: str, reading: Callable[[], int | None]) -> bool:
         """On its thread, a stage begins: True when it was handled here (clocked while ahead); False once taken over

@@ -179,8 +179,10 @@ class Exporter:
         and broadcast, then propagate, quantize): shown in heartbeats, timed (LayerWritten.ranks), and a fault point
         for tests ("quantize" fires once, after the part, as for every backend). A layer started ahead clocks its
         first stages itself, until the worker takes it over (child/ahead.py)."""
-        ahead = self._layer_ahead
-        if ahead is not None and ahead.runs_here() and ahead.stage(name, self._reading):
+        # on a layer's own thread, whether the worker still holds it: dropped, it must stop at its gate, never go on
+        # as the worker's part in progress
+        ahead = LayerAhead.here()
+        if ahead is not None and ahead.stage(name, self._reading):
             return
         if self._clock is not None:
             if self._sync_stages:

@@ -25,7 +25,8 @@ class Harness:
         self.clock = None  # the worker's (handed over)
 
     def stage(self, name: str) -> None:
-        if self.ahead.runs_here() and self.ahead.stage(name, lambda: None):
+        ahead = LayerAhead.here()
+        if ahead is not None and ahead.stage(name, lambda: None):
             self.log.append(("ahead", name))
         else:
             self.log.append(("worker", name))
@@ -141,3 +142,38 @@ def test_a_failed_read_is_reported_as_no_facts():
     ahead = LayerAhead(1, read, lambda tensors: {}, nbytes=lambda t: 0)
     assert ahead.read_facts() is None
     assert not ahead.take(lambda name: None, lambda *a: None)
+
+
+def test_a_dropped_layer_stops_at_its_gate_after_the_worker_let_go_of_it():
+    """child/exporter.py's stage hook on a layer's own thread: the worker clears its hold on the layer before it drops
+    it (drop_ahead), and the thread, still in its forward, must then stop at its gate (Dropped), never go on as the
+    worker's part in progress (its stages clocked, shown and fault-checked under the worker's current part)."""
+    from types import SimpleNamespace
+
+    from child.exporter import Exporter
+
+    shown, passed = [], threading.Event()
+    in_forward, finish = threading.Event(), threading.Event()
+    worker = SimpleNamespace(_layer_ahead=None, _clock=None, _sync_stages=False, _stage_peaks=None, _reached=set(),
+                             _index=1, _writer=None, beat=SimpleNamespace(set=lambda *a: shown.append(a)),
+                             _reading=lambda: None)
+
+    def run(tensors):
+        Exporter._stage(worker, "setup")
+        Exporter._stage(worker, "forward")
+        in_forward.set()
+        assert finish.wait(TIMEOUT)
+        Exporter._stage(worker, "calibrate")
+        passed.set()
+        return {}
+
+    read = Future()
+    read.set_result(({}, ""))
+    ahead = LayerAhead(2, read, run, nbytes=lambda t: 0)
+    worker._layer_ahead = ahead
+    assert in_forward.wait(TIMEOUT)
+    worker._layer_ahead = None  # as drop_ahead: the hold goes first
+    finish.set()
+    ahead.drop()
+    assert not passed.is_set()
+    assert shown == [] and worker._reached == set() and worker._clock is None
