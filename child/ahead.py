@@ -9,10 +9,11 @@ Without it a GPU sat idle while each layer's shard was written and fsynced and t
 an 8B GPTQ layer's 3.5 s, measured: docs/benchmarks.md). Only stages that read the layer and write nothing run
 before the request ("setup", "forward": the samples through the layer with the modifiers' hooks, which change no
 weight); the first other stage waits at the gate until the request has come and matched (its fence names the files
-the rest writes) or the layer ahead is dropped (any other message: a retry, Settle, Stop). A worker's main thread
-fires the fault points and heartbeats of the stages run ahead when it takes the layer over, in order, so the
-supervisor and the tests see the stages as before; from there on the thread is the layer's, as the main thread
-was, and the main thread waits for it. A layer that failed before it was taken over runs again as it would have
+the rest writes) or the layer ahead is dropped (any other message but Settle: a retry of a failed part, Stop); the
+thread knows its layer (a thread-local), so a dropped one stops at its gate whatever the worker holds. The worker's
+main thread fires the fault points and heartbeats of the stages run ahead when it takes the layer over, in order,
+so the supervisor and the tests see the stages as before; from there on the thread is the layer's, as the main
+thread was, and the main thread waits for it. A layer that failed before it was taken over runs again as it would have
 without this (the error, if it repeats, is reported then). Used only by one worker calibrating alone with its
 inputs in RAM (Calibrator.inputs_ahead).
 """
