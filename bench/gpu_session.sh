@@ -154,12 +154,6 @@ s33e)  # s33d's code (chunks of 8 MiB): the AWQ equality on cuda, an after / bef
   cb 140 floor_pair1 --before .whl/before --skip oneshot,kill,retry
   cb 130 floor_nvfp4 --method rtn --scheme NVFP4
   ;;
-s33b)  # s33a again without oneshot (two after / before pairs), then NVFP4 static scales after / oneshot
-  bytecode_both .whl/before
-  cb 140 floor_pair1 --before .whl/before --skip oneshot,kill,retry
-  cb 140 floor_pair2 --before .whl/before --skip oneshot,kill,retry
-  cb 130 floor_nvfp4 --method rtn --scheme NVFP4
-  ;;
 s32d)  # two more after / before pairs (no oneshot), the machine warm for the second: is the steady layers' gain real?
   bytecode_both .whl/before
   cb 140 floor_pair1 --before .whl/before --skip oneshot,kill,retry

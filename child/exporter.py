@@ -348,11 +348,10 @@ class Exporter:
                 release()
         self._gpu_reset()
 
-        def run(tensors: dict) -> dict | None:
-            out = self.backend.quantize_layer(following, tensors, inputs=inputs)
-            return None if out is None else {k: v.to("cpu") for k, v in out.items()}
-
-        self._layer_ahead = LayerAhead(following, read, run, self.source.nbytes)
+        # its output goes to the host with every part's, in _export
+        self._layer_ahead = LayerAhead(following, read,
+                                       lambda tensors: self.backend.quantize_layer(following, tensors, inputs=inputs),
+                                       self.source.nbytes)
 
     def _take_ahead(self, ahead: LayerAhead, index: int, asked: float) -> tuple[dict | None, float]:
         """Layer `index`, started ahead, taken over: the heartbeats and fault points of the stages it ran ahead fire
