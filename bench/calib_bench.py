@@ -163,6 +163,11 @@ def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None
         full_env["SUPERVISOR_BENCH_STAGE_PEAKS"] = peaks
         if os.path.exists(peaks):
             os.remove(peaks)
+    traced = os.path.join(args.workdir, f"rss-{name}.jsonl")
+    if args.rss_trace:  # where each layer's host memory peaked, and what the worker's threads did then (faults.py)
+        full_env["SUPERVISOR_BENCH_RSS_TRACE"] = traced
+        if os.path.exists(traced):
+            os.remove(traced)
     if code is not None:  # its code first, this checkout's not at all (`python -m` also puts the cwd first: cwd)
         keep = [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != ROOT]
         full_env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(code), *keep])
@@ -178,7 +183,23 @@ def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None
             "stages": mean_stages(layers),
             "per_layer": sum(e["seconds"] for e in layers) / max(len(layers), 1), "layers": layers,
             "peak_gpu": max((e["peak_gpu"] for e in layers), default=0), "tree": tree, "out": out, "world": world,
-            "peaks": [json.loads(x) for x in open(peaks)] if os.path.exists(peaks) else []}
+            "peaks": [json.loads(x) for x in open(peaks)] if os.path.exists(peaks) else [],
+            "rss": [json.loads(x) for x in open(traced)] if os.path.exists(traced) else []}
+
+
+def rss_table(sup: dict, top: int = 3) -> list[str]:
+    """Per part: its peak RSS (LayerWritten.peak_rss, VmHWM from its request to its reply) and the `top` largest
+    host-memory samples of the trace (--rss-trace) in that window, each with RssAnon / RssFile / RssShmem and what
+    the worker's threads were doing (main: the main loop's stage; ahead: the layer started ahead's; read-ahead: the
+    next part's copy onto the GPU)."""
+    gib, hwm = 2**30, {e["index"]: e["peak_rss"] for e in sup["layers"]}
+    lines = ["| part | peak RSS | traced: total (anon / file / shmem) GiB, what the threads did |", "| --- | --- | --- |"]
+    for p in sup.get("rss", []):
+        cells = [f"{t / gib:.3f} ({a / gib:.3f} / {f / gib:.3f} / {s / gib:.3f}) "
+                 + ", ".join(f"{k}: {v}" for k, v in sorted(doing.items()))
+                 for t, a, f, s, doing in p["peaks"][:top]]
+        lines.append(f"| {p['index']} | {hwm.get(p['index'], 0) / gib:.3f} | " + "<br>".join(cells) + " |")
+    return lines if len(lines) > 2 else []
 
 
 def peak_table(sup: dict) -> list[str]:
@@ -309,6 +330,12 @@ def main() -> None:
     ap.add_argument("--stage-peaks", action="store_true",
                     help="print each layer's peak GPU memory as each stage ended (SUPERVISOR_BENCH_STAGE_PEAKS): "
                          "the stage in which the peak is reached; a tree before it ignores the setting")
+    ap.add_argument("--rss-trace", action="store_true",
+                    help="print where each part's host memory peaked and what the worker's threads did then "
+                         "(SUPERVISOR_BENCH_RSS_TRACE); a tree before it ignores the setting")
+    ap.add_argument("--no-ahead-too", action="store_true",
+                    help="also run ours with no calibrated layer started ahead (SUPERVISOR_BENCH_NO_AHEAD=1), the "
+                         "same code otherwise")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both tools")
     ap.add_argument("--kill-at", type=int, default=20, help="the layer whose calibration the kill interrupts")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "calib-bench"))
@@ -364,6 +391,17 @@ def main() -> None:
           + "\n".join(stage_clock(sup)), flush=True)
     if peak_table(sup):
         print("peak GPU GiB allocated as each stage ended:\n" + "\n".join(peak_table(sup)), flush=True)
+    if rss_table(sup):
+        print("where each part's host memory peaked:\n" + "\n".join(rss_table(sup)), flush=True)
+    if args.no_ahead_too:
+        na = run_supervisor(args, src, data, "sup-no-ahead", env={"SUPERVISOR_BENCH_NO_AHEAD": "1"}, keep_warm=0)
+        rows.append(("supervisor, no layer ahead", na))
+        print(f"supervisor, no layer ahead: wall {na['wall']:.1f} s, start-up {na['startup']:.1f} s, "
+              f"{na['per_layer']:.2f} s per layer; " + timeline(na["events"], na["wall"]), flush=True)
+        print("stage clock, no layer ahead:\n" + "\n".join(stage_clock(na)), flush=True)
+        if rss_table(na):
+            print("where each part's host memory peaked, no layer ahead:\n" + "\n".join(rss_table(na)), flush=True)
+        print(f"supervisor no layer ahead / with: tensors: {compare(na['out'], sup['out'])}", flush=True)
     if args.world > 1 and "w1" not in skip:
         w1 = run_supervisor(args, src, data, "sup-w1", keep_warm=0, world=1)
         rows.append(("supervisor W=1", w1))

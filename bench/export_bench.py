@@ -195,12 +195,18 @@ def stop_warm() -> None:
 
 
 def run_supervisor(args, src: str, out: str, work: str, workers: int, env: dict | None = None,
-                   check: bool = True, keep_warm: float = 0, cluster: bool = False) -> dict:
+                   check: bool = True, keep_warm: float = 0, cluster: bool = False, code: str | None = None) -> dict:
     """One `supervisor run`. keep_warm 0: its warm parent ends with it (a cold run: imports included); > 0: it
-    stays for the next run, or this run forks from one an earlier run kept ("reused")."""
+    stays for the next run, or this run forks from one an earlier run kept ("reused"). `code`: another checkout (the
+    code before a change) whose code runs instead."""
     job = write_job(os.path.join(work, f"job-{os.path.basename(out)}.toml"), src, out, args.scheme,
                     args.device, workers, measure_error=args.measure_error, keep_warm=keep_warm, cluster=cluster)
-    proc, wall, tree = timed([SUPERVISOR, "run", job, "--json"], env)
+    if code is not None:  # its code first, this checkout's not at all (`python -m` also puts the cwd first: cwd)
+        env = dict(env or os.environ)
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != here]
+        env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(code), *keep])
+    proc, wall, tree = timed([SUPERVISOR, "run", job, "--json"], env, cwd=code)
     if check and proc.returncode != 0:
         sys.exit(f"supervisor failed: {proc.stderr[-3000:]}")
     events = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
@@ -443,6 +449,8 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated tools to skip: oneshot,model_free_ptq,kill,1w,warm")
     ap.add_argument("--per-layer", action="store_true", help="also print each supervisor run's parts one per row: worker, "
                     "start and end (s from the run's start), seconds by stage")
+    ap.add_argument("--before", default=None, metavar="TREE",
+                    help="also run ours from another checkout (the code before a change), cold, after the others")
     ap.add_argument("--measure-error", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
                     help="[export] measure_error = true|false (default: the job default, on a GPU only)")
     args = ap.parse_args()
@@ -490,6 +498,15 @@ def main() -> None:
         print("warm run's output vs the first run's:", compare(os.path.join(args.workdir, "sup-warm"),
                                                               os.path.join(args.workdir, "sup")), flush=True)
         shutil.rmtree(os.path.join(args.workdir, "sup-warm"))
+
+    if args.before:
+        stop_warm()  # the first run's warm parent runs this checkout's code: the before run must not fork from it
+        r = run_supervisor(args, src, os.path.join(args.workdir, "sup-before"), args.workdir, counts[0],
+                           code=args.before)
+        rows.insert(1, (_label(r, f", before: {args.before}"), r))
+        print("before's output vs the first run's:", compare(os.path.join(args.workdir, "sup-before"),
+                                                            os.path.join(args.workdir, "sup")), flush=True)
+        shutil.rmtree(os.path.join(args.workdir, "sup-before"))
 
     gib = 2**30
     print()

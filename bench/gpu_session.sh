@@ -127,6 +127,13 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
+s34a)  # thirty-third session (issue 34): where a calibrated layer's host memory peaks (--rss-trace), with and without
+  # the layer started ahead (the same code: --no-ahead-too), against 6a3d967 (peak RSS per layer 6.05-6.10 against
+  # 5.97 GiB in s33d/s33e); then the data-free exports, whose read-ahead now goes through DeviceStaging, against it
+  bytecode_both .whl/before
+  cb 330 rss_gptq --before .whl/before --skip oneshot,kill,retry --rss-trace --no-ahead-too
+  eb 200 fp8 12 --scheme FP8_DYNAMIC --skip oneshot,model_free_ptq,kill,1w,warm --before .whl/before --per-layer
+  ;;
 s33a)  # thirty-second session (issue 34 part 1): the next calibrated layer started ahead (child/ahead.py), its setup
   # and forward beside the previous layer's shard write. GPU tests (GPTQ and AWQ equal oneshot on cuda, kill and
   # rerun byte-identical), then GPTQ 8 layers after / oneshot / before (6a3d967, last stop) with the stage peaks

@@ -140,7 +140,11 @@ class Exporter:
 
         def copy() -> tuple[dict, str]:
             tensors, digest = read.result()
-            return self._onto_device(index, tensors), digest
+            faults.rss_doing("read-ahead", f"copy {index}")
+            try:
+                return self._onto_device(index, tensors), digest
+            finally:
+                faults.rss_doing("read-ahead", "")
 
         self._ahead[index] = self._prefetcher.submit(copy)
 
@@ -183,6 +187,7 @@ class Exporter:
         # as the worker's part in progress
         ahead = LayerAhead.here()
         if ahead is not None and ahead.stage(name, self._reading):
+            faults.rss_doing("ahead", name)
             return
         if self._clock is not None:
             if self._sync_stages:
@@ -294,6 +299,7 @@ class Exporter:
 
         def checkpoint(stage: str) -> None:
             process.parent_alive()
+            faults.rss_doing("main", f"write: {stage}")
             faults.hit(stage, index, writer)
 
         out, metadata = self.backend.serialize(out)
@@ -317,6 +323,7 @@ class Exporter:
         stages["boundary"] = t4 - t3
         stages["cleanup"] = time.perf_counter() - t4
         faults.log_live_tensors(index, settle=self._settle_in_flight)
+        faults.log_rss_trace(index)
         self.beat.set(None, "idle")
         return LayerWritten(index=index, file=layout.shard_name(index), fence=fence, digest=w.digest, nbytes=w.nbytes, ino=w.ino, mtime_ns=w.mtime_ns,
                             seconds=time.perf_counter() - t0, source_bytes=source_bytes,
@@ -331,7 +338,7 @@ class Exporter:
         RAM (a calibrated worker alone: Calibrator.inputs_ahead), its read-ahead in flight."""
         inputs_ahead = getattr(self.backend, "inputs_ahead", None)
         if inputs_ahead is None or index == NON_LAYER or following != index + 1 or self.device_lock \
-                or following not in self._ahead:
+                or following not in self._ahead or faults.no_ahead():
             return
         inputs = inputs_ahead(following)
         if inputs is None:
@@ -373,6 +380,7 @@ class Exporter:
             tensors, _ = self._load(index)
             return self.backend.quantize_layer(index, tensors), 0.0
         self._layer_ahead = None  # its thread is the layer's now; this one waits for it
+        faults.rss_doing("ahead", "")
         return ahead.result(), max(asked - ahead.started, 0.0)
 
     def drop_ahead(self) -> None:
@@ -380,6 +388,7 @@ class Exporter:
         ahead, self._layer_ahead = self._layer_ahead, None
         if ahead is not None:
             ahead.drop()
+            faults.rss_doing("ahead", "")
 
     def _settle_in_flight(self) -> None:
         for f in self._ahead.values():

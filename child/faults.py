@@ -46,7 +46,12 @@ every stage change, so each stage's seconds are its own kernels' rather than wha
 clock read (slower: the launch queue drains each time). SUPERVISOR_BENCH_STAGE_PEAKS names a file to which a GPU
 worker appends, after each calibrated part, {index, peaks: [[stage, the part's peak GPU memory allocated so far, in
 bytes], ...] as each stage ended, in order}: the stage in which a layer's peak is reached (bench/calib_bench.py
---stage-peaks).
+--stage-peaks). SUPERVISOR_BENCH_RSS_TRACE names a file to which a worker appends, after each part, where its host
+memory peaked: a thread samples /proc/self/status every 2 ms (RssAnon, RssFile, RssShmem) beside what the worker's
+threads were doing then (the main loop's stage, a layer started ahead's, the read-ahead's copy), and the part's
+largest samples are logged as {index, peaks: [[total, anon, file, shmem, {thread: what}], ...]} (bench/calib_bench.py
+--rss-trace). SUPERVISOR_BENCH_NO_AHEAD=1 starts no calibrated layer ahead (child/ahead.py), so one build's memory
+and clock can be measured with and without it.
 
 Owns nothing else; it must never be consulted by anything but the child's main loop, its writer, the boundary
 thread (child/backends/calibrate.py hands the last its point) and a layer started ahead once it is taken over
@@ -67,6 +72,8 @@ TENSOR_LOG = "SUPERVISOR_TEST_TENSOR_LOG"
 STAGE_HOST = "SUPERVISOR_TEST_STAGE_HOST"
 SYNC_STAGES = "SUPERVISOR_BENCH_SYNC_STAGES"
 STAGE_PEAKS = "SUPERVISOR_BENCH_STAGE_PEAKS"
+RSS_TRACE = "SUPERVISOR_BENCH_RSS_TRACE"
+NO_AHEAD = "SUPERVISOR_BENCH_NO_AHEAD"
 
 _specs: list[dict] = []
 worker: int | None = None  # this child's slot (Hello.worker), once it has its Hello
@@ -215,3 +222,71 @@ def log_stage_peaks(index: int, peaks: list[tuple[str, int]]) -> None:
     """Append one part's {index, peaks} to $SUPERVISOR_BENCH_STAGE_PEAKS (see the docstring)."""
     with open(stage_peaks(), "a") as f:
         f.write(json.dumps({"index": index, "peaks": peaks}) + "\n")
+
+
+def no_ahead() -> bool:
+    """SUPERVISOR_BENCH_NO_AHEAD=1: no calibrated layer is started ahead (see the docstring)."""
+    return os.environ.get(NO_AHEAD) == "1"
+
+
+class _RssTrace:
+    """SUPERVISOR_BENCH_RSS_TRACE's sampler (see the docstring)."""
+
+    FIELDS = ("RssAnon:", "RssFile:", "RssShmem:")
+
+    def __init__(self, path: str):
+        import threading
+        self.path = path
+        self.doing: dict[str, str] = {}
+        self.samples: dict[tuple, tuple[int, int, int, int]] = {}  # what the threads did -> the largest sample then
+        self.lock = threading.Lock()
+        threading.Thread(target=self._run, name="rss-trace", daemon=True).start()
+
+    def _sample(self) -> tuple[int, int, int, int]:
+        kib = [0, 0, 0]
+        with open("/proc/self/status") as f:
+            for line in f:
+                for i, field in enumerate(self.FIELDS):
+                    if line.startswith(field):
+                        kib[i] = int(line.split()[1])
+        return (sum(kib) << 10, kib[0] << 10, kib[1] << 10, kib[2] << 10)
+
+    def _run(self) -> None:
+        while True:
+            sample = self._sample()
+            with self.lock:
+                key = tuple(sorted(self.doing.items()))
+                if sample[0] > self.samples.get(key, (0,))[0]:
+                    self.samples[key] = sample
+            time.sleep(0.002)
+
+    def log(self, index: int) -> None:
+        with self.lock:
+            samples, self.samples = self.samples, {}
+        top = sorted(samples.items(), key=lambda kv: -kv[1][0])[:12]
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"index": index, "peaks": [[*v, dict(k)] for k, v in top]}) + "\n")
+
+
+_rss_trace: _RssTrace | None = None
+
+
+def rss_doing(thread: str, what: str) -> None:
+    """Bench (SUPERVISOR_BENCH_RSS_TRACE): what `thread` of the worker does from now on ("" for nothing)."""
+    global _rss_trace
+    path = os.environ.get(RSS_TRACE, "")
+    if not path:
+        return
+    if _rss_trace is None:
+        _rss_trace = _RssTrace(path)
+    with _rss_trace.lock:
+        if what:
+            _rss_trace.doing[thread] = what
+        else:
+            _rss_trace.doing.pop(thread, None)
+
+
+def log_rss_trace(index: int) -> None:
+    """Bench: append the part's largest host-memory samples to $SUPERVISOR_BENCH_RSS_TRACE, start anew."""
+    if _rss_trace is not None:
+        _rss_trace.log(index)

@@ -71,6 +71,7 @@ class Beat(threading.Thread):
 
     def set(self, index: int | None, stage: str) -> None:
         self.index, self.stage = index, stage
+        faults.rss_doing("main", stage)  # a bench's host-memory trace (off unless asked)
 
     def run(self) -> None:
         while True:
