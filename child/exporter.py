@@ -111,7 +111,14 @@ class Exporter:
     def _onto_device(self, index: int, tensors: dict) -> dict:
         if index != NON_LAYER and self.device.startswith("cuda") and self.backend.reads_to_device \
                 and not self.device_lock and self.source.nbytes(tensors) <= DEVICE_READ_AHEAD_MAX:
-            return ReadAhead(self._onto.to_device(tensors), host=tensors)
+            if getattr(self.backend, "inputs_ahead", None) is not None:
+                # calibrated: beside this process's own queued kernels (the layer started ahead waits for it),
+                # through pinned chunks on a stream of its own (DeviceStaging)
+                return ReadAhead(self._onto.to_device(tensors), host=tensors)
+            # data-free: beside the part's write, its queue empty, the driver's pageable copy. Through DeviceStaging
+            # (each 8 MiB chunk waits for the one before), three FP8_DYNAMIC workers sharing an H100 waited 0.57 s a
+            # layer for their read-ahead against 0.000 (docs/benchmarks.md, thirty-third session; cause not traced)
+            return ReadAhead({k: v.to(self.device) for k, v in tensors.items()}, host=tensors)
         return tensors
 
     def _prefetch(self, index: int | None) -> None:
