@@ -127,12 +127,12 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
-s34b)  # s34a again on the warm machine (its "after" ran first on a fresh one, +0.068 GiB of file pages from layer
+s34b)  # s34a's GPTQ after / before again, after other runs on the machine (s34a's "after" ran first on a fresh one, +0.068 GiB of file pages from layer
   # 0's embedding on, before any layer ahead), and the data-free read-ahead back to the driver's copy (s34a: through
   # DeviceStaging three FP8_DYNAMIC workers waited 0.57 s a layer for it, against 0.000 before)
   bytecode_both .whl/before
   eb 200 fp8 12 --scheme FP8_DYNAMIC --skip oneshot,model_free_ptq,kill,1w,warm --before .whl/before
-  cb 330 rss_gptq --before .whl/before --skip oneshot,kill,retry --rss-trace --no-ahead-too
+  cb 330 rss_gptq --before .whl/before --skip oneshot,kill,retry --rss-trace
   ;;
 s34a)  # thirty-third session (issue 34): where a calibrated layer's host memory peaks (--rss-trace), with and without
   # the layer started ahead (the same code: --no-ahead-too), against 6a3d967 (peak RSS per layer 6.05-6.10 against
