@@ -56,7 +56,8 @@ and clock can be measured with and without it.
 Owns nothing else; it must never be consulted by anything but the child's main loop, its writer, the boundary
 thread (child/backends/calibrate.py hands the last its point) and a layer started ahead once it is taken over
 (child/ahead.py: the points of its stages run ahead fire in the main loop then, in order; the rest in its thread,
-which is the layer's from there on while the main loop waits for it).
+which is the layer's from there on while the main loop waits for it). Fault points, that is: the bench's trace
+labels (rss_doing) are set from any of the worker's threads, and only ever read by the trace's own.
 """
 from __future__ import annotations
 
