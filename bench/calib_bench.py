@@ -199,6 +199,9 @@ def rss_table(sup: dict, top: int = 3) -> list[str]:
                  + ", ".join(f"{k}: {v}" for k, v in sorted(doing.items()))
                  for t, a, f, s, doing in p["peaks"][:top]]
         lines.append(f"| {p['index']} | {hwm.get(p['index'], 0) / gib:.3f} | " + "<br>".join(cells) + " |")
+    if sup.get("rss") and sup["rss"][-1].get("files"):
+        lines.append("\nthe file mappings with the most resident pages as the last part ended (MiB): "
+                     + ", ".join(f"{os.path.basename(p)} {n / 2**20:.1f}" for p, n in sup["rss"][-1]["files"]))
     return lines if len(lines) > 2 else []
 
 
@@ -333,9 +336,9 @@ def main() -> None:
     ap.add_argument("--rss-trace", action="store_true",
                     help="print where each part's host memory peaked and what the worker's threads did then "
                          "(SUPERVISOR_BENCH_RSS_TRACE); a tree before it ignores the setting")
-    ap.add_argument("--no-ahead-too", action="store_true",
+    ap.add_argument("--no-ahead-too", nargs="?", const="after", choices=["after", "first"], default=None,
                     help="also run ours with no calibrated layer started ahead (SUPERVISOR_BENCH_NO_AHEAD=1), the "
-                         "same code otherwise")
+                         "same code otherwise: after ours, or (=first) before every other run")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both tools")
     ap.add_argument("--kill-at", type=int, default=20, help="the layer whose calibration the kill interrupts")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "calib-bench"))
@@ -370,6 +373,11 @@ def main() -> None:
     gib = 2**30
     rows = []
     saved = os.path.join(args.workdir, "supervisor.json")
+
+    def no_ahead() -> dict:
+        return run_supervisor(args, src, data, "sup-no-ahead", env={"SUPERVISOR_BENCH_NO_AHEAD": "1"}, keep_warm=0)
+
+    na = no_ahead() if args.no_ahead_too == "first" else None  # whether being the first run is what differs
     if "supervisor" in skip:
         with open(saved) as f:
             sup = json.load(f)
@@ -394,7 +402,7 @@ def main() -> None:
     if rss_table(sup):
         print("where each part's host memory peaked:\n" + "\n".join(rss_table(sup)), flush=True)
     if args.no_ahead_too:
-        na = run_supervisor(args, src, data, "sup-no-ahead", env={"SUPERVISOR_BENCH_NO_AHEAD": "1"}, keep_warm=0)
+        na = na or no_ahead()
         rows.append(("supervisor, no layer ahead", na))
         print(f"supervisor, no layer ahead: wall {na['wall']:.1f} s, start-up {na['startup']:.1f} s, "
               f"{na['per_layer']:.2f} s per layer; " + timeline(na["events"], na["wall"]), flush=True)

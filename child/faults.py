@@ -49,7 +49,8 @@ bytes], ...] as each stage ended, in order}: the stage in which a layer's peak i
 --stage-peaks). SUPERVISOR_BENCH_RSS_TRACE names a file to which a worker appends, after each part, where its host
 memory peaked: a thread samples /proc/self/status every 2 ms (RssAnon, RssFile, RssShmem) beside what the worker's
 threads were doing then (the main loop's stage, a layer started ahead's, the read-ahead's copy), and the part's
-largest samples are logged as {index, peaks: [[total, anon, file, shmem, {thread: what}], ...]} (bench/calib_bench.py
+largest samples are logged as {index, peaks: [[total, anon, file, shmem, {thread: what}], ...], files: [[path,
+resident bytes], ...] (the file mappings with the most pages in the RSS as the part ends)} (bench/calib_bench.py
 --rss-trace). SUPERVISOR_BENCH_NO_AHEAD=1 starts no calibrated layer ahead (child/ahead.py), so one build's memory
 and clock can be measured with and without it.
 
@@ -261,12 +262,27 @@ class _RssTrace:
                     self.samples[key] = sample
             time.sleep(0.002)
 
+    @staticmethod
+    def _files() -> list[tuple[str, int]]:
+        """The file mappings with the most resident memory now (path, bytes): whose pages RssFile counts."""
+        rss: dict[str, int] = {}
+        path = None
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=5)
+                if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's first line
+                    path = head[5].strip() if len(head) == 6 and head[5].startswith("/") else None
+                elif path is not None and line.startswith("Rss:"):
+                    rss[path] = rss.get(path, 0) + (int(line.split()[1]) << 10)
+        return sorted(rss.items(), key=lambda kv: -kv[1])[:10]
+
     def log(self, index: int) -> None:
         with self.lock:
             samples, self.samples = self.samples, {}
         top = sorted(samples.items(), key=lambda kv: -kv[1][0])[:12]
         with open(self.path, "a") as f:
-            f.write(json.dumps({"index": index, "peaks": [[*v, dict(k)] for k, v in top]}) + "\n")
+            f.write(json.dumps({"index": index, "peaks": [[*v, dict(k)] for k, v in top],
+                                "files": self._files()}) + "\n")
 
 
 _rss_trace: _RssTrace | None = None

@@ -1,5 +1,6 @@
 """The worker's bench-only hooks (child/faults.py): what bench/calib_bench.py reads must say what happened."""
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -47,6 +48,9 @@ def test_the_rss_trace_logs_each_part_s_peak_with_what_the_threads_did(tmp_path)
     assert doing == {"main": "big", "ahead": "forward"}
     assert total == anon + file + shmem
     assert anon >= idle[1] + (200 << 20)  # the 256 MiB touched, in the anonymous part
+    files = dict(parts[1]["files"])  # whose pages RssFile counts: the interpreter's own, at least
+    assert files and all(path.startswith("/") and n > 0 for path, n in files.items())
+    assert any("python" in os.path.basename(path) or ".so" in path for path in files)
 
 
 def test_no_trace_is_kept_unless_asked(tmp_path):
@@ -58,5 +62,4 @@ def test_no_trace_is_kept_unless_asked(tmp_path):
 
 
 def _root() -> str:
-    import os
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
