@@ -105,11 +105,12 @@ class HostStaging:
 
 
 class DeviceStaging:
-    """A worker's way onto the GPU for the parts it reads ahead: host tensors (pageable: a checkpoint's mapped file)
-    copied in CHUNK-sized pieces through two small pinned buffers in turn, on a stream of its own. A pageable tensor's
-    `.to("cuda")` goes through the driver's own staging on the default stream, so the kernels queued after it wait for
-    it (an 8B layer's 0.41 GB: 0.07-0.13 s, measured); through pinned memory on a side stream the copy runs beside
-    them. Costs 2 x CHUNK of pinned host memory, made on first use."""
+    """A calibrated worker's way onto the GPU for the layers it reads ahead: host tensors (pageable: a checkpoint's
+    mapped file) copied in CHUNK-sized pieces through two small pinned buffers in turn, on a stream of its own. A
+    pageable tensor's `.to("cuda")` goes through the driver's own staging on the default stream, so the kernels queued
+    after it wait for it (an 8B layer's 0.41 GB: 0.07-0.13 s, measured); through pinned memory on a side stream the
+    copy runs beside them. Costs 2 x CHUNK of pinned host memory, made on first use. A data-free worker, whose copy
+    has no kernels of its own to run beside, keeps the driver's copy (child/exporter.py, _onto_device)."""
 
     CHUNK = 8 << 20
 
