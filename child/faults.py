@@ -245,6 +245,7 @@ class _RssTrace:
         threading.Thread(target=self._run, name="rss-trace", daemon=True).start()
 
     def _sample(self) -> tuple[int, int, int, int]:
+        # /proc itself: psutil's memory_info has no split of the RSS into anonymous, file and shared memory
         kib = [0, 0, 0]
         with open("/proc/self/status") as f:
             for line in f:
@@ -265,16 +266,9 @@ class _RssTrace:
     @staticmethod
     def _files() -> list[tuple[str, int]]:
         """The file mappings with the most resident memory now (path, bytes): whose pages RssFile counts."""
-        rss: dict[str, int] = {}
-        path = None
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split(maxsplit=5)
-                if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's first line
-                    path = head[5].strip() if len(head) == 6 and head[5].startswith("/") else None
-                elif path is not None and line.startswith("Rss:"):
-                    rss[path] = rss.get(path, 0) + (int(line.split()[1]) << 10)
-        return sorted(rss.items(), key=lambda kv: -kv[1])[:10]
+        import psutil
+        maps = psutil.Process().memory_maps(grouped=True)
+        return sorted(((m.path, m.rss) for m in maps if m.path.startswith("/")), key=lambda kv: -kv[1])[:10]
 
     def log(self, index: int) -> None:
         with self.lock:
