@@ -127,11 +127,6 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
-s34c)  # s34b's first half alone (device time short): the data-free FP8_DYNAMIC pair, the read-ahead back to the
-  # driver's copy, against 6a3d967
-  bytecode_both .whl/before
-  eb 200 fp8 12 --scheme FP8_DYNAMIC --skip oneshot,model_free_ptq,kill,1w,warm --before .whl/before
-  ;;
 s34b)  # s34a's GPTQ after / before again, after other runs on the machine (s34a's "after" ran first on a fresh one, +0.068 GiB of file pages from layer
   # 0's embedding on, before any layer ahead), and the data-free read-ahead back to the driver's copy (s34a: through
   # DeviceStaging three FP8_DYNAMIC workers waited 0.57 s a layer for it, against 0.000 before)
