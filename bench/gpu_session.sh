@@ -127,10 +127,6 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
-s34d)  # the 0.068 GiB of file pages (s34a, s34b): the layer ahead's, or the bench's first calibrated run's? The run
-  # without the layer ahead first this time, 3 layers (device time short), the file mappings the trace names
-  cb 100 rss_order --layers 3 --skip oneshot,kill,retry --rss-trace --no-ahead-too=first
-  ;;
 s34b)  # s34a's GPTQ after / before again, after other runs on the machine (s34a's "after" ran first on a fresh one, +0.068 GiB of file pages from layer
   # 0's embedding on, before any layer ahead), and the data-free read-ahead back to the driver's copy (s34a: through
   # DeviceStaging three FP8_DYNAMIC workers waited 0.57 s a layer for it, against 0.000 before)
