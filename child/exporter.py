@@ -66,9 +66,8 @@ class Exporter:
         from child.staging import DeviceStaging, HostStaging
 
         self.source = open_source(job, hello.pool)
-        # the output's way off the GPU, reused part after part; and the way onto it for the parts read ahead
+        # the output's way off the GPU, reused part after part
         self._staging = HostStaging(hello.device, stage_host=faults.stage_host())
-        self._onto = DeviceStaging(hello.device) if hello.device.startswith("cuda") else None
         self._sync_stages = faults.sync_stages() and self.device.startswith("cuda")  # a bench's stage clock
         self._stage_peaks = [] if faults.stage_peaks() and self.device.startswith("cuda") else None  # a bench's
         # a live model has no checkpoint folder: the supervisor wrote its config.json beside the pool
@@ -78,6 +77,13 @@ class Exporter:
                                     stage=self._stage, calibration_sha256=hello.calibration_sha256,
                                     to_host=self._staging.to_host,
                                     sources_released=lambda: self._prefetch_onto_device(self._following))
+        # the way onto the GPU for the parts read ahead (_onto_device): a calibrated worker's copy runs beside its own
+        # queued kernels (the layer started ahead waits for it), through pinned chunks on a stream of its own; a
+        # data-free worker's runs beside its write with nothing queued: the driver's copy (None). Through the chunks,
+        # three FP8_DYNAMIC workers sharing an H100 waited 0.57 s a layer for it against 0.000 (docs/benchmarks.md,
+        # thirty-third session; cause not traced)
+        calibrated = getattr(self.backend, "inputs_ahead", None) is not None
+        self._onto = DeviceStaging(hello.device) if hello.device.startswith("cuda") and calibrated else None
         self.prefix = self.backend.layer_prefix
         self._clock: tuple[str, float] | None = None  # the calibrated stage in progress, since when
         self._substages: dict[str, float] = {}
@@ -111,14 +117,9 @@ class Exporter:
     def _onto_device(self, index: int, tensors: dict) -> dict:
         if index != NON_LAYER and self.device.startswith("cuda") and self.backend.reads_to_device \
                 and not self.device_lock and self.source.nbytes(tensors) <= DEVICE_READ_AHEAD_MAX:
-            if getattr(self.backend, "inputs_ahead", None) is not None:
-                # calibrated: beside this process's own queued kernels (the layer started ahead waits for it),
-                # through pinned chunks on a stream of its own (DeviceStaging)
-                return ReadAhead(self._onto.to_device(tensors), host=tensors)
-            # data-free: beside the part's write, its queue empty, the driver's pageable copy. Through DeviceStaging
-            # (each 8 MiB chunk waits for the one before), three FP8_DYNAMIC workers sharing an H100 waited 0.57 s a
-            # layer for their read-ahead against 0.000 (docs/benchmarks.md, thirty-third session; cause not traced)
-            return ReadAhead({k: v.to(self.device) for k, v in tensors.items()}, host=tensors)
+            on = self._onto.to_device(tensors) if self._onto is not None else \
+                {k: v.to(self.device) for k, v in tensors.items()}
+            return ReadAhead(on, host=tensors)
         return tensors
 
     def _prefetch(self, index: int | None) -> None:

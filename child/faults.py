@@ -67,6 +67,7 @@ import errno
 import json
 import os
 import signal
+import threading
 import time
 
 ENV = "SUPERVISOR_TEST_FAULT"
@@ -237,7 +238,6 @@ class _RssTrace:
     FIELDS = ("RssAnon:", "RssFile:", "RssShmem:")
 
     def __init__(self, path: str):
-        import threading
         self.path = path
         self.doing: dict[str, str] = {}
         self.samples: dict[tuple, tuple[int, int, int, int]] = {}  # what the threads did -> the largest sample then
@@ -280,6 +280,7 @@ class _RssTrace:
 
 
 _rss_trace: _RssTrace | None = None
+_rss_trace_made = threading.Lock()  # the worker's threads may set their first labels at once: one sampler
 
 
 def rss_doing(thread: str, what: str) -> None:
@@ -288,8 +289,9 @@ def rss_doing(thread: str, what: str) -> None:
     path = os.environ.get(RSS_TRACE, "")
     if not path:
         return
-    if _rss_trace is None:
-        _rss_trace = _RssTrace(path)
+    with _rss_trace_made:
+        if _rss_trace is None:
+            _rss_trace = _RssTrace(path)
     with _rss_trace.lock:
         if what:
             _rss_trace.doing[thread] = what
