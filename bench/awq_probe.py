@@ -1,0 +1,178 @@
+"""Where AWQ's grid search goes, measured: llm-compressor's `oneshot` with `AWQModifier` (the library as released,
+the recipe bench/calib_bench.py gives oneshot) on a random Llama of the 8B shape (one decoder layer by default),
+each mapping's search timed (the device synchronised around it), each parent's passes over the samples timed, and
+one candidate's pass per parent under torch.profiler: the device's kernel time against the pass's wall (how busy
+the GPU is), the products' TFLOP and rate, and the kernels that take the most time.
+
+    python bench/awq_probe.py                                    # 1 layer of the 8B shape, 128 x 2048, cuda
+    python bench/awq_probe.py --device cpu --hidden 256 --intermediate 512 --vocab 512 --samples 4 --seq-len 64
+
+Nothing here changes what the library computes: the timers wrap `AWQModifier._compute_best_scale`, `_run_samples`
+and `_compute_loss` and call them unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from calib_bench import save_tokenizer, write_dataset  # noqa: E402
+from export_bench import add_shape_args, build  # noqa: E402
+
+GEMM_WORDS = ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "sm80_", "ampere_", "cublas")
+
+
+def kernel_summary(prof, wall: float, top: int) -> list[str]:
+    """The profiled pass's device kernels: their total time against the pass's wall, the products' share and rate."""
+    import torch
+
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    flops = sum(getattr(e, "flops", 0) or 0 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU)
+    if not kernels:  # a CPU run: the operators' own time instead
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+        return [f"  products {flops / 1e12:.3f} TFLOP; no device kernels (CPU run)", table]
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        entry = by_name[e.name[:90]]
+        entry[0] += 1
+        entry[1] += e.time_range.elapsed_us() / 1e6
+    total = sum(s for _, s in by_name.values())
+    gemm = sum(s for n, (_, s) in by_name.items() if any(w in n.lower() for w in GEMM_WORDS))
+    lines = [f"  wall {wall:.3f} s; kernels {total:.3f} s ({100 * total / wall:.0f}% of the wall), of which products "
+             f"{gemm:.3f} s; products {flops / 1e12:.2f} TFLOP"
+             + (f" at {flops / gemm / 1e12:.0f} TFLOP/s" if gemm else "")]
+    for name, (count, secs) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"    {secs:7.3f} s  {count:6d}x  {name}")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(ap)
+    ap.set_defaults(layers=1)
+    ap.add_argument("--samples", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--scheme", default="W4A16")
+    ap.add_argument("--device", default="cuda", help="cuda (oneshot onloads each layer to the first GPU) or cpu")
+    ap.add_argument("--profile-pass", type=int, default=2,
+                    help="which pass of each parent to profile (0 is the unscaled one; -1: none)")
+    ap.add_argument("--top", type=int, default=8, help="kernels listed per profiled pass")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "awq-probe"))
+    args = ap.parse_args()
+    args.torch_device = "cpu"
+
+    src, data = os.path.join(args.workdir, "model"), os.path.join(args.workdir, "data.jsonl")
+    if not os.path.isdir(src):
+        os.makedirs(args.workdir, exist_ok=True)
+        t = time.perf_counter()
+        build(args, src)
+        save_tokenizer(src, args.vocab)
+        print(f"built {args.layers} layer(s) of hidden {args.hidden} in {time.perf_counter() - t:.1f} s", flush=True)
+    if not os.path.exists(data):
+        write_dataset(data, args.samples, args.seq_len, args.vocab)
+
+    import torch
+    from datasets import Dataset
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+    from llmcompressor.modifiers.transform.awq import base as awq_base
+
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    names: dict[int, str] = {}
+    passes: dict[str, list[float]] = defaultdict(list)
+    searches: list[tuple[str, str, float]] = []
+    losses: list[float] = []
+    profiles: list[str] = []
+    cls = awq_base.AWQModifier
+    run_samples, best_scale, compute_loss = cls._run_samples, cls._compute_best_scale, cls._compute_loss
+
+    def timed_run_samples(self, module):
+        name = names.get(id(module), type(module).__name__)
+        index = len(passes[name])
+        sync()
+        t = time.perf_counter()
+        if index == args.profile_pass:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=activities, with_flops=True) as prof:
+                out = run_samples(self, module)
+                sync()
+            wall = time.perf_counter() - t
+            profiles.append(f"{name}, pass {index} (profiled; its wall includes the profiler):")
+            profiles.extend(kernel_summary(prof, wall, args.top))
+        else:
+            out = run_samples(self, module)
+            sync()
+        passes[name].append(time.perf_counter() - t)
+        return out
+
+    def timed_best_scale(self, mapping, *a, **k):
+        sync()
+        t = time.perf_counter()
+        out = best_scale(self, mapping, *a, **k)
+        sync()
+        balance = ",".join(n.rsplit(".", 1)[-1] for n in mapping.balance_names)
+        searches.append((f"{mapping.smooth_name.rsplit('.', 1)[-1]} -> {balance}", mapping.parent_name,
+                         time.perf_counter() - t))
+        return out
+
+    def timed_loss(self, *a, **k):
+        t = time.perf_counter()
+        out = compute_loss(self, *a, **k)  # ends in .item(): synchronised
+        losses.append(time.perf_counter() - t)
+        return out
+
+    cls._run_samples, cls._compute_best_scale, cls._compute_loss = timed_run_samples, timed_best_scale, timed_loss
+    if not cuda:  # the library pins its cached activations, which raises without an accelerator (child/backends/calibrate.py)
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        IntermediatesCache._pin_intermediate = classmethod(lambda c, value: None)
+
+    rows = [json.loads(line)["input_ids"] for line in open(data)]
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    names.update({id(m): n for n, m in model.named_modules()})
+    print(f"attention: {model.config._attn_implementation}; torch {torch.__version__}; device "
+          f"{torch.cuda.get_device_name() if cuda else 'cpu'}", flush=True)
+    recipe = [AWQModifier(), QuantizationModifier(targets="Linear", scheme=args.scheme, ignore=["lm_head"])]
+    t = time.perf_counter()
+    oneshot(model=model, processor=AutoTokenizer.from_pretrained(src),
+            dataset=Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}),
+            recipe=recipe, num_calibration_samples=len(rows), max_seq_length=args.seq_len,
+            shuffle_calibration_samples=False)
+    total = time.perf_counter() - t
+
+    print(f"\noneshot AWQ {args.scheme}, {args.layers} layer(s), {args.samples} x {args.seq_len}: {total:.1f} s; "
+          f"grid searches {sum(s for *_, s in searches):.1f} s; losses {sum(losses):.2f} s over {len(losses)} calls")
+    print("| mapping | parent | search s | passes | mean pass s | first (unscaled) s | rest of the search s |")
+    print("|---|---|---|---|---|---|---|")
+    used: dict[str, int] = defaultdict(int)
+    for mapping, parent, secs in searches:
+        # each search's passes are the next 1 + grid of its parent's (the unscaled pass runs just before it)
+        mine = passes.get(parent, [])
+        n = (len(mine) // max(1, sum(1 for _, p, _ in searches if p == parent)))
+        chunk = mine[used[parent]:used[parent] + n]
+        used[parent] += n
+        grid = chunk[1:]
+        skipped = [s for i, s in enumerate(grid, 1) if used[parent] - n + i != args.profile_pass]
+        mean = sum(skipped) / len(skipped) if skipped else float("nan")
+        print(f"| {mapping} | {parent} | {secs:.2f} | {len(chunk)} | {mean:.3f} | "
+              f"{chunk[0] if chunk else float('nan'):.3f} | {secs - sum(grid):.2f} |")
+    print("\n(mean pass: the candidates' passes without the profiled one; rest: the search's time outside its passes)")
+    if profiles:
+        print("\n" + "\n".join(profiles))
+    if cuda:
+        print(f"\npeak GPU allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
