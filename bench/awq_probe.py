@@ -7,6 +7,11 @@ the GPU is), the products' TFLOP and rate, and the kernels that take the most ti
     python bench/awq_probe.py                                    # 1 layer of the 8B shape, 128 x 2048, cuda
     python bench/awq_probe.py --device cpu --hidden 256 --intermediate 512 --vocab 512 --samples 4 --seq-len 64
 
+`--overlap N`: could the searches of two mappings run side by side, bit for bit? N samples through one decoder
+layer's eager attention (the q/k/v search's parent) R times and through its MLP (the gate/up search's parent) R
+times, one after the other on one stream, then at once from two threads on two streams; the seconds of each and
+whether every output is bit-equal (`--only-overlap`: without the oneshot run).
+
 Nothing here changes what the library computes: the timers wrap `AWQModifier._compute_best_scale`, `_run_samples`
 and `_compute_loss` and call them unchanged.
 """
@@ -64,8 +69,13 @@ def main() -> None:
                     help="which pass of each parent to profile (0 is the unscaled one; -1: none)")
     ap.add_argument("--top", type=int, default=8, help="kernels listed per profiled pass")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "awq-probe"))
+    ap.add_argument("--overlap", type=int, default=0, metavar="N", help="samples for the side-by-side test (0: none)")
+    ap.add_argument("--rounds", type=int, default=4, help="passes of each parent in the side-by-side test")
+    ap.add_argument("--only-overlap", action="store_true")
     args = ap.parse_args()
     args.torch_device = "cpu"
+    if args.only_overlap:
+        return overlap(args)
 
     src, data = os.path.join(args.workdir, "model"), os.path.join(args.workdir, "data.jsonl")
     if not os.path.isdir(src):
@@ -172,6 +182,77 @@ def main() -> None:
         print("\n" + "\n".join(profiles))
     if cuda:
         print(f"\npeak GPU allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+    if args.overlap:
+        del model
+        overlap(args)
+
+
+def overlap(args) -> None:
+    """The q/k/v search's parent (eager attention) and the gate/up search's (the MLP) over the same N samples, R
+    passes each: serially on one stream, then from two threads on two streams; seconds and bit-equality."""
+    import threading
+
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    device = torch.device(args.device if args.device != "cuda" else "cuda:0")
+    cuda = device.type == "cuda"
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_attention_heads=32 if args.hidden >= 4096 else 8, num_key_value_heads=8)
+    cfg._attn_implementation = "eager"  # as llm-compressor's calibration forces
+    torch.manual_seed(0)
+    with torch.device(device):
+        layer = LlamaDecoderLayer(cfg, 0).to(torch.bfloat16).eval()
+        for prm in layer.parameters():
+            prm.data.normal_(0, 0.02)
+        rotary = LlamaRotaryEmbedding(cfg)
+        xs = [torch.randn(1, args.seq_len, args.hidden, dtype=torch.bfloat16) for _ in range(args.overlap)]
+        pos = torch.arange(args.seq_len).unsqueeze(0)
+        mask = torch.full((1, 1, args.seq_len, args.seq_len), torch.finfo(torch.bfloat16).min,
+                          dtype=torch.bfloat16).triu(1)
+    emb = rotary(xs[0], pos)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def attention(out):
+        for _ in range(args.rounds):
+            out[:] = [layer.self_attn(x, position_embeddings=emb, attention_mask=mask)[0] for x in xs]
+
+    def mlp(out):
+        for _ in range(args.rounds):
+            out[:] = [layer.mlp(x) for x in xs]
+
+    def on_stream(fn, out, stream):
+        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else torch.no_grad()):
+            fn(out)
+
+    with torch.no_grad():
+        a0, m0 = [], []
+        attention(a0), mlp(m0)  # first use: kernels loaded, memory cached
+        sync()
+        times = {}
+        for name, fn, out in (("attention", attention, a0), ("mlp", mlp, m0)):
+            t = time.perf_counter()
+            fn(out)
+            sync()
+            times[name] = time.perf_counter() - t
+        a1, m1 = [], []
+        streams = [torch.cuda.Stream(device) if cuda else None for _ in range(2)]
+        sync()
+        t = time.perf_counter()
+        threads = [threading.Thread(target=on_stream, args=(attention, a1, streams[0])),
+                   threading.Thread(target=on_stream, args=(mlp, m1, streams[1]))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        sync()
+        both = time.perf_counter() - t
+    equal = all(torch.equal(x, y) for x, y in zip(a0 + m0, a1 + m1)) and len(a1) == len(a0) and len(m1) == len(m0)
+    serial = times["attention"] + times["mlp"]
+    print(f"\nside by side, {args.overlap} x {args.seq_len}, {args.rounds} passes each: attention {times['attention']:.2f} s, "
+          f"MLP {times['mlp']:.2f} s, one after the other {serial:.2f} s; at once on two streams {both:.2f} s "
+          f"({100 * (1 - both / serial):.0f}% less); every output bit-equal: {equal}")
 
 
 if __name__ == "__main__":
