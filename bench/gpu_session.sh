@@ -127,13 +127,13 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
-s35a)  # thirty-fourth session (issue 34): where AWQ's grid search goes (oneshot's, one layer of the 8B shape, each
-  # mapping and pass timed, one candidate's pass per parent profiled); then the host-memory run order: GPTQ 8 layers
+s35a)  # thirty-fourth session (issue 34): the host-memory run order: GPTQ 8 layers
   # without the layer ahead first, then with it (s34a/s34b ran with it first: +0.068 GiB of file pages from layer 0 on);
-  # --overlap: the attention and MLP parents side by side on two streams, bit for bit?
+  # then where AWQ's grid search goes (oneshot's, one layer of the 8B shape, each mapping and pass timed, one candidate's
+  # pass per parent profiled); --overlap: the attention and MLP parents side by side on two streams, bit for bit?
+  cb 330 rss_order --skip oneshot,kill,retry --rss-trace --no-ahead-too=first
   timeout 270 python3 bench/awq_probe.py --workdir /tmp/awqp --overlap 64 --rounds 8 2>&1 | quiet | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_probe.txt"
   tail -60 "$OUT/awq_probe.txt"; rm -rf /tmp/awqp
-  cb 330 rss_order --skip oneshot,kill,retry --rss-trace --no-ahead-too=first
   ;;
 s34b)  # s34a's GPTQ after / before again, after other runs on the machine (s34a's "after" ran first on a fresh one, +0.068 GiB of file pages from layer
   # 0's embedding on, before any layer ahead), and the data-free read-ahead back to the driver's copy (s34a: through
