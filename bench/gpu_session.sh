@@ -127,6 +127,12 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
+s35b)  # AWQ with match_oneshot = false: SDPA kept in the grid search (s35a: the eager attention's passes are 64% of
+  # the search, 80% of each pass elementwise on the [32, 2048, 2048] scores). Its fidelity test, then 8 layers of
+  # the 8B shape, ours (match_oneshot = false) against oneshot
+  t 110 awq_fast tests/gpu/test_calibrated_gpu.py -m gpu -k "awq_match and llama"
+  cb 400 awq_fast --method awq --fast --skip kill,retry,default
+  ;;
 s35a)  # thirty-fourth session (issue 34): the host-memory run order: GPTQ 8 layers
   # without the layer ahead first, then with it (s34a/s34b ran with it first: +0.068 GiB of file pages from layer 0 on);
   # then where AWQ's grid search goes (oneshot's, one layer of the 8B shape, each mapping and pass timed, one candidate's

@@ -229,9 +229,9 @@ def _check_calibration(job: Job) -> None:
         raise JobSyntaxError("[calibration] dataset is empty; set it to a JSONL file")
     if c.samples < 1 or c.seq_len < 1:
         raise JobSyntaxError("[calibration] samples and seq_len must be at least 1")
-    if not c.match_oneshot and e.method != "gptq":
-        raise JobSyntaxError("[calibration] match_oneshot = false changes GPTQ's Hessians only; remove it, or set "
-                             "[export] method = \"gptq\"")
+    if not c.match_oneshot and e.method not in ("gptq", "awq"):
+        raise JobSyntaxError("[calibration] match_oneshot = false changes GPTQ's and AWQ's arithmetic only; remove "
+                             "it, or set [export] method = \"gptq\" or \"awq\"")
     if e.method == "awq" and e.scheme in schemes.PER_TENSOR_WEIGHTS:
         raise JobSyntaxError(f"method = \"awq\" needs per-channel or grouped weight scales and scheme {e.scheme!r} "
                              "has one scale per tensor; use gptq or rtn, or another scheme")

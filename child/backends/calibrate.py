@@ -60,6 +60,7 @@ from llmcompressor.modifiers.transform.awq import AWQModifier, get_layer_mapping
 from llmcompressor.modifiers.utils.hooks import HooksMixin
 from llmcompressor.modifiers.utils.pytorch_helpers import is_moe_model
 from llmcompressor.pipelines.cache import IntermediatesCache
+from llmcompressor.utils import helpers as llmcompressor_helpers
 from llmcompressor.utils.helpers import DisableQuantization, eval_context
 from llmcompressor.utils.metric_logging import CompressionLogger
 from torch import nn
@@ -331,6 +332,8 @@ class Calibrator:
             outer.enter_context(_library_stages(self._stage))
             if not torch.accelerator.is_available():
                 outer.enter_context(_no_pinning())
+            if self.method == "awq" and self._model.config._attn_implementation != "eager":
+                outer.enter_context(_attention_as_built())
             # GPTQ: one Hessian per distinct input (q/k/v, gate/up, ...), each module handed the one the library
             # would have computed for it, bit for bit (child/backends/hessians.py)
             fast = not self.job.calibration.match_oneshot  # [calibration] match_oneshot = false: tensor cores
@@ -585,6 +588,20 @@ def _no_pinning():
     # "Cannot access accelerator device when none is available" on a machine without one (measured). Pinning
     # only speeds up host->device copies and never changes a value, so without an accelerator it is skipped.
     with patch_attr(IntermediatesCache, "_pin_intermediate", classmethod(lambda cls, value: None)):
+        yield
+
+
+@contextlib.contextmanager
+def _attention_as_built():
+    # match_oneshot = false on a GPU builds the layers with SDPA (_calibration_skeleton). AWQ's grid search enters
+    # calibration_forward_context, whose use_eager_attention would switch the model back to eager attention for it,
+    # where 64% of an 8B layer's search goes (bench/awq_probe.py) and where the cached SDPA arguments (no causal mask
+    # tensor) would not fit: so the attention the layers were built with stays (rounding only, docs/fidelity.md).
+    @contextlib.contextmanager
+    def as_built(model):
+        yield
+
+    with patch_attr(llmcompressor_helpers, "use_eager_attention", as_built):
         yield
 
 

@@ -82,8 +82,8 @@ CASES = [
     ("unknown key in [calibration]", GOOD + "shuffle = true\n", None, "unknown field `shuffle`"),
     ("zero samples", GOOD.replace("samples = 4", "samples = 0"), None, "at least 1"),
     ("match_oneshot not a bool", GOOD + 'match_oneshot = "no"\n', None, "match_oneshot"),
-    ("match_oneshot = false without GPTQ", GOOD.replace('"gptq"', '"awq"') + "match_oneshot = false\n", None,
-     "GPTQ's Hessians only"),
+    ("match_oneshot = false with static scales", GOOD.replace('method = "gptq"\n', "").replace("W4A16", "NVFP4")
+     + "match_oneshot = false\n", None, "GPTQ's and AWQ's arithmetic only"),
     ("awq with per-tensor weights", GOOD.replace('"gptq"', '"awq"').replace("W4A16", "FP8"), None,
      "one scale per tensor"),
     ("lm_head quantized", GOOD.replace('method = "gptq"', 'method = "gptq"\nignore = []'), None, "lm_head"),
