@@ -18,7 +18,8 @@ import platform
 
 # match_oneshot = false: 1 (until 2026-12-03) bf16 Hessian terms on tensor cores; 2: those accumulated in the GEMM
 # (child/backends/hessians.FastTerm), SDPA attention (child/backends/calibrate.py), GPTQ's factor from the reversed
-# Hessian's Cholesky factor (child/backends/factorize.py)
+# Hessian's Cholesky factor (child/backends/factorize.py). AWQ took match_oneshot = false from 2026-12-06 on (SDPA
+# in its grid search too); refused before, so no AWQ folder of an earlier version exists and 2 stays
 FAST = 2
 
 

@@ -54,7 +54,7 @@ class Calibration(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     samples: int = 128  # the first N lines of the file
     seq_len: int = 2048  # each sample is truncated to this many tokens
     # true: every tensor bit for bit oneshot's. false: GPTQ's Hessians from bf16 inputs on tensor cores with fp32
-    # accumulation (rounding only; its fidelity against the default: docs/fidelity.md)
+    # accumulation; on a GPU SDPA attention, in AWQ's grid search too (rounding only; docs/fidelity.md)
     match_oneshot: bool = True
 
 

@@ -72,8 +72,12 @@ def arithmetic(job: dict) -> str:
     c = job.get("calibration")
     if not c:
         return ""
-    return "oneshot's, bit for bit" if c.get("match_oneshot", True) else \
-        "fast: bf16 Hessians on tensor cores, SDPA attention on a GPU, GPTQ's factor in half the flops " \
+    if c.get("match_oneshot", True):
+        return "oneshot's, bit for bit"
+    if (job.get("export") or {}).get("method") == "awq":
+        return "fast: SDPA attention in AWQ's calibration passes and grid search on a GPU (on the CPU, the " \
+            "default's) ([calibration] match_oneshot = false)"
+    return "fast: bf16 Hessians on tensor cores, SDPA attention on a GPU, GPTQ's factor in half the flops " \
         "([calibration] match_oneshot = false)"
 
 

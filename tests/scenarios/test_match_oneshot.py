@@ -27,11 +27,11 @@ def dataset(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("calib") / "ids.jsonl", token_rows(N, seed=5))
 
 
-def _job(tmp_path, model, dataset, out, fast, name="job.toml", **resources):
+def _job(tmp_path, model, dataset, out, fast, name="job.toml", method="gptq", **resources):
     calibration = {"dataset": dataset, "samples": N, "seq_len": SEQ}
     if fast is not None:
         calibration["match_oneshot"] = not fast
-    return cli.write_job(tmp_path / name, model, out, "W4A16", method="gptq", torch_threads=1,
+    return cli.write_job(tmp_path / name, model, out, "W4A16", method=method, torch_threads=1,
                          calibration=calibration, **resources)
 
 
@@ -117,3 +117,17 @@ def test_the_other_setting_is_refused_and_plan_and_report_name_the_arithmetic(ti
     plan_fast = cli.run("plan", _job(tmp_path, model, dataset, tmp_path / "p", True, name="p.toml")).stdout
     plan_default = cli.run("plan", _job(tmp_path, model, dataset, tmp_path / "p", None, name="p.toml")).stdout
     assert "match_oneshot = false" in plan_fast and "oneshot's, bit for bit" in plan_default
+
+
+def test_awq_on_the_cpu_keeps_the_defaults_bits_and_plan_says_so(tiny_models, dataset, tmp_path):
+    """AWQ with match_oneshot = false changes its attention to SDPA on a GPU only (tests/gpu/test_calibrated_gpu.py
+    holds it to the default's quality there); on the CPU every tensor is the default AWQ export's, bit for bit, and
+    `plan` names AWQ's fast arithmetic, not GPTQ's."""
+    model = tiny_models("llama", layers=2, seed=3)
+    for name, fast in (("default", None), ("fast", True)):
+        cli.run("run", _job(tmp_path, model, dataset, tmp_path / name, fast, name=f"{name}.toml", method="awq"),
+                "--json")
+    a, b = load_tensors(str(tmp_path / "default")), load_tensors(str(tmp_path / "fast"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    plan = cli.run("plan", _job(tmp_path, model, dataset, tmp_path / "p", True, name="p.toml", method="awq")).stdout
+    assert "SDPA attention in AWQ's" in plan and "Hessians" not in plan, plan
