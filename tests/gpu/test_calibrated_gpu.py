@@ -109,19 +109,10 @@ def test_cuda_match_oneshot_false_keeps_the_defaults_quality(kind, tmp_path):
     factor from the reversed Hessian): layer 0's every module's GPTQ loss within 0.5% of the default export's, every
     layer's total within 1%, the held-out logits no further from the bf16 model's than the default's plus 2%
     (docs/fidelity.md; hidden 1024, where a rounding change moves a module's loss by far less than at 128)."""
-    from tests.models import make_tiny_model
     from tests.scenarios.test_match_oneshot import assert_keeps_the_defaults_quality
 
-    source = make_tiny_model(kind, str(tmp_path / "src"), layers=3, hidden=1024, seed=4)
-    rows = token_rows(32, low=96, high=192, seed=6)
-    data = write_jsonl(tmp_path / "ids.jsonl", rows)
-    for name, match in (("default", True), ("fast", False)):
-        job = cli.write_job(tmp_path / f"{name}.toml", source, tmp_path / name, "W4A16", device="cuda",
-                            method="gptq", torch_threads=1,
-                            calibration={"dataset": data, "samples": 32, "seq_len": 192, "match_oneshot": match})
-        cli.run("run", job, "--json")
-    held = torch.randint(4, 256, (8, 128), generator=torch.Generator().manual_seed(12))
-    ratio = assert_keeps_the_defaults_quality(source, tmp_path / "default", tmp_path / "fast", held)
+    source = _default_and_fast(kind, "gptq", tmp_path)
+    ratio = assert_keeps_the_defaults_quality(source, tmp_path / "default", tmp_path / "fast", HELD_OUT)
     print(f"{kind}: held-out distance fast / default {ratio:.4f}")
 
 
@@ -131,23 +122,34 @@ def test_cuda_awq_match_oneshot_false_keeps_the_defaults_quality(kind, tmp_path)
     search instead of the eager attention oneshot forces (child/backends/calibrate.py: _attention_as_built). The
     loaded model's logits on held-out ids no further from the bf16 model's than the default export's plus 2%; the
     same tensors by name, dtype and shape (docs/fidelity.md; hidden 1024, as the GPTQ case above)."""
-    from tests.models import loaded_logits, make_tiny_model
+    from tests.models import loaded_logits
 
-    source = make_tiny_model(kind, str(tmp_path / "src"), layers=3, hidden=1024, seed=4)
-    rows = token_rows(32, low=96, high=192, seed=6)
-    data = write_jsonl(tmp_path / "ids.jsonl", rows)
-    for name, match in (("default", True), ("fast", False)):
-        job = cli.write_job(tmp_path / f"{name}.toml", source, tmp_path / name, "W4A16", device="cuda",
-                            method="awq", torch_threads=1,
-                            calibration={"dataset": data, "samples": 32, "seq_len": 192, "match_oneshot": match})
-        cli.run("run", job, "--json")
+    source = _default_and_fast(kind, "awq", tmp_path)
     assert "match_oneshot = false" in cli.run("report", tmp_path / "fast").stdout
-    held = torch.randint(4, 256, (8, 128), generator=torch.Generator().manual_seed(12))
-    bf16 = loaded_logits(str(source), held).float()
-    d1 = (loaded_logits(str(tmp_path / "default"), held).float() - bf16).norm()
-    d2 = (loaded_logits(str(tmp_path / "fast"), held).float() - bf16).norm()
+    bf16 = loaded_logits(str(source), HELD_OUT).float()
+    d1 = (loaded_logits(str(tmp_path / "default"), HELD_OUT).float() - bf16).norm()
+    d2 = (loaded_logits(str(tmp_path / "fast"), HELD_OUT).float() - bf16).norm()
     a, b = load_tensors(str(tmp_path / "default")), load_tensors(str(tmp_path / "fast"))
     assert {k: (t.dtype, t.shape) for k, t in a.items()} == {k: (t.dtype, t.shape) for k, t in b.items()}
     differ = sum(not torch.equal(a[k], b[k]) for k in a)
     print(f"{kind}: held-out distance fast / default {float(d2 / d1):.4f}; {differ} of {len(a)} tensors differ")
+    assert differ > 0  # SDPA ran in the fast export's passes (the same bits would mean eager ran in both)
     assert d2 <= 1.02 * d1, (float(d1), float(d2))
+
+
+HELD_OUT = torch.randint(4, 256, (8, 128), generator=torch.Generator().manual_seed(12))
+
+
+def _default_and_fast(kind: str, method: str, tmp_path):
+    """A tiny `kind` of hidden 1024 (where a rounding change moves a loss by far less than at 128), exported on cuda
+    with `method` twice, into tmp_path/default and, with match_oneshot = false, tmp_path/fast. Returns its folder."""
+    from tests.models import make_tiny_model
+
+    source = make_tiny_model(kind, str(tmp_path / "src"), layers=3, hidden=1024, seed=4)
+    data = write_jsonl(tmp_path / "ids.jsonl", token_rows(32, low=96, high=192, seed=6))
+    for name, match in (("default", True), ("fast", False)):
+        job = cli.write_job(tmp_path / f"{name}.toml", source, tmp_path / name, "W4A16", device="cuda",
+                            method=method, torch_threads=1,
+                            calibration={"dataset": data, "samples": 32, "seq_len": 192, "match_oneshot": match})
+        cli.run("run", job, "--json")
+    return source
