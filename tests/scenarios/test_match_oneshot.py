@@ -4,7 +4,9 @@ cores on a GPU), no longer oneshot's bits, held to the default export's quality 
 The bounds (docs/fidelity.md, as for a group against W = 1): on layer 0, whose inputs both compute alike, every
 module's GPTQ loss within 0.5% of the default's; every layer's total loss within 1%; the loaded model's logits on
 held-out ids no further from the bf16 model's than the default export's plus 2% (on the CPU's tiny models: 5%, their noise band). A folder started with one setting
-is not resumed with the other (exit 2, one line, nothing changed); `plan` and `report` say which arithmetic.
+is not resumed with the other (exit 2, one line, nothing changed); `plan` and `report` say which arithmetic. AWQ takes
+the setting too: it changes AWQ's attention on a GPU only (tests/gpu/test_calibrated_gpu.py), so on the CPU its
+export is the default's, bit for bit.
 """
 import json
 import os
