@@ -18,6 +18,7 @@ and `_compute_loss` and call them unchanged.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -223,7 +224,7 @@ def overlap(args) -> None:
             out[:] = [layer.mlp(x) for x in xs]
 
     def on_stream(fn, out, stream):
-        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else torch.no_grad()):
+        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             fn(out)
 
     with torch.no_grad():
