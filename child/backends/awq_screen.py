@@ -16,11 +16,12 @@ Here the search runs twice, and the second time is the library's own:
            loss: first the two smallest screened, then every point whose screened loss, less the largest `d`
            measured and a slack, is not above the smallest eager loss found, until none is left. The slack is
            `SPREAD_FACTOR` times the spread of `d` over the points decided, at least `SLACK_FLOOR` of that loss;
-           where `d` is not small (`MAX_OFFSET` of the loss: an attention that SDPA does not compute alike, e.g.
-           soft-capping) every point is decided eagerly. The scaling kept is the decided points' first smallest eager
+           where `d` is not small (`MAX_OFFSET` of the loss: an attention that SDPA does not compute alike) every
+           point is decided eagerly. The scaling kept is the decided points' first smallest eager
            loss, which is the whole grid's unless a point outside moved by more than the slack beyond what the
            decided ones did (docs/calibration.md).
-A parent without attention (the MLP, down_proj) is searched by the library as it is: SDPA would change nothing.
+A parent without attention (the MLP, down_proj) is searched by the library as it is (SDPA would change nothing), and
+so is one whose attention soft-caps its scores (Gemma-2: SDPA does not).
 """
 from __future__ import annotations
 
@@ -33,8 +34,11 @@ from compressed_tensors.utils import patch_attr
 from llmcompressor.modifiers.transform.awq import AWQModifier
 from torch import nn
 
-__all__ = ["screened", "FIRST", "SPREAD_FACTOR", "SLACK_FLOOR", "MAX_OFFSET", "LOG_PREFIX"]
+__all__ = ["screened", "DEVICES", "FIRST", "SPREAD_FACTOR", "SLACK_FLOOR", "MAX_OFFSET", "LOG_PREFIX"]
 
+# where the screen is used: on a GPU an SDPA pass is a fraction of an eager one (docs/calibration.md); on the CPU
+# it was not (a layer of hidden 1024, 16 x 512: 30.8 s screened against 24.0, bench/calib_bench.py, docs/benchmarks.md)
+DEVICES = ("cuda",)
 FIRST = 3             # the screen's smallest points searched eagerly first: the offsets' spread is measured on them
 SPREAD_FACTOR = 8.0   # the slack: this many times the spread of (screened - eager) over the decided points...
 SLACK_FLOOR = 2e-3    # ... and at least this fraction of the smallest eager loss
@@ -159,11 +163,14 @@ def _log(mapping, eager: int, points: int) -> None:
 
 def _eager_attention_configs(parent: nn.Module) -> list:
     """The configs through which the attention modules under `parent` pick eager attention (transformers' attention
-    modules read `config._attn_implementation` at each call)."""
+    modules read `config._attn_implementation` at each call); none where one soft-caps its scores (Gemma-2), which
+    SDPA does not do: its losses would not be eager's up to rounding."""
     configs = {}
     for module in parent.modules():
         config = getattr(module, "config", None)
         if "Attention" in type(module).__name__ and getattr(config, "_attn_implementation", None) == "eager":
+            if getattr(config, "attn_logit_softcapping", None) is not None:
+                return []
             configs[id(config)] = config
     return list(configs.values())
 
