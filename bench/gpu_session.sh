@@ -128,15 +128,15 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 
 case "${1:-tests}" in
 s36a)  # thirty-fifth session (issue 34): AWQ's grid search screened through SDPA, decided by the library's eager passes
-  # (child/backends/awq_screen.py). Per attention mapping of one 8B layer: the library's search and the screened one
-  # from the same state, both timed, every grid point's eager loss and the screen's offset, scalings compared; then
-  # the AWQ GPU tests (equal to oneshot on cuda)
-  timeout 300 python3 bench/awq_screen_probe.py --workdir /tmp/awqs 2>&1 | quiet | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_screen_probe.txt"
-  tail -30 "$OUT/awq_screen_probe.txt"; rm -rf /tmp/awqs
-  t 200 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "awq and not match"
+  # (child/backends/awq_screen.py). The default AWQ (bit for bit), 8 layers of the 8B shape, 128 x 2048: ours against
+  # oneshot; then per attention mapping of one 8B layer the library's search and the screened one from the same
+  # state, both timed, every grid point's eager loss and the screen's offset, scalings compared
+  cb 380 awq --method awq
+  timeout 170 python3 bench/awq_screen_probe.py --workdir /tmp/awqs 2>&1 | quiet | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_screen_probe.txt"
+  tail -12 "$OUT/awq_screen_probe.txt"; rm -rf /tmp/awqs
   ;;
-s36b)  # the default AWQ (bit for bit), 8 layers of the 8B shape, 128 x 2048: ours (screened) against oneshot
-  cb 540 awq --method awq
+s36b)  # the AWQ GPU tests: equal to oneshot on cuda, screened (Llama W4A16, Qwen3 W4A16_ASYM from text)
+  t 200 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "awq and not match"
   ;;
 s35b)  # AWQ with match_oneshot = false: SDPA kept in the grid search (s35a: the eager attention's passes are 64% of
   # the search, 80% of each pass elementwise on the [32, 2048, 2048] scores). Its fidelity test, then 8 layers of

@@ -13,7 +13,7 @@ Here the search runs twice, and the second time is the library's own:
            SDPA's `is_causal` where it is exactly that), in the library's `_compute_best_scale` with its passes run
            fused: the same function of the same inputs up to rounding, each loss off its eager value by `d`
   decide   the library's `_compute_best_scale`, eager as ever, on the grid points that could hold the smallest eager
-           loss: first the two smallest screened, then every point whose screened loss, less the largest `d`
+           loss: first the `FIRST` smallest screened, then every point whose screened loss, less the largest `d`
            measured and a slack, is not above the smallest eager loss found, until none is left. The slack is
            `SPREAD_FACTOR` times the spread of `d` over the points decided, at least `SLACK_FLOOR` of that loss;
            where `d` is not small (`MAX_OFFSET` of the loss: an attention that SDPA does not compute alike) every
