@@ -131,8 +131,8 @@ s36a)  # thirty-fifth session (issue 34): AWQ's grid search screened through SDP
   # (child/backends/awq_screen.py). The default AWQ (bit for bit), 8 layers of the 8B shape, 128 x 2048: ours against
   # oneshot; then per attention mapping of one 8B layer the library's search and the screened one from the same
   # state, both timed, every grid point's eager loss and the screen's offset, scalings compared
-  cb 380 awq --method awq
-  timeout 170 python3 bench/awq_screen_probe.py --workdir /tmp/awqs 2>&1 | quiet | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_screen_probe.txt"
+  cb 340 awq --method awq
+  timeout 140 python3 bench/awq_screen_probe.py --workdir /tmp/awqs 2>&1 | quiet | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_screen_probe.txt"
   tail -12 "$OUT/awq_screen_probe.txt"; rm -rf /tmp/awqs
   ;;
 s36b)  # the AWQ GPU tests: equal to oneshot on cuda, screened (Llama W4A16, Qwen3 W4A16_ASYM from text)
