@@ -127,16 +127,14 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
-s36a)  # thirty-fifth session (issue 34): AWQ's grid search screened through SDPA, decided by the library's eager passes
-  # (child/backends/awq_screen.py). The default AWQ (bit for bit), 8 layers of the 8B shape, 128 x 2048: ours against
-  # oneshot; then per attention mapping of one 8B layer the library's search and the screened one from the same
-  # state, both timed, every grid point's eager loss and the screen's offset, scalings compared
+s36a)  # thirty-fifth session (issue 34): could AWQ's attention search be screened through SDPA and decided by the
+  # library's eager passes on the few points that could win, keeping oneshot's bits? Ran with that screen in the
+  # default path (f128a7e; removed after: it needed every point eagerly here; its probe then also ran the screened
+  # search): the default AWQ, 8 layers of the 8B shape, 128 x 2048, ours against oneshot; then
+  # bench/awq_screen_probe.py, the landscape of eager losses and SDPA's offsets
   cb 340 awq --method awq
   timeout 140 python3 bench/awq_screen_probe.py --workdir /tmp/awqs 2>&1 | quiet | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_screen_probe.txt"
   tail -12 "$OUT/awq_screen_probe.txt"; rm -rf /tmp/awqs
-  ;;
-s36b)  # the AWQ GPU tests: equal to oneshot on cuda, screened (Llama W4A16, Qwen3 W4A16_ASYM from text)
-  t 200 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "awq and not match"
   ;;
 s35b)  # AWQ with match_oneshot = false: SDPA kept in the grid search (s35a: the eager attention's passes are 64% of
   # the search, 80% of each pass elementwise on the [32, 2048, 2048] scores). Its fidelity test, then 8 layers of

@@ -79,30 +79,27 @@ def _save_tokenizer(path: str) -> None:
 
 
 def make_tiny_model(
-    kind: Kind, path: str, *, layers: int = 2, hidden: int = 128, seed: int = 0, tied: bool = False,
-    dtype: torch.dtype = torch.bfloat16,
+    kind: Kind, path: str, *, layers: int = 2, hidden: int = 128, seed: int = 0, tied: bool = False
 ) -> str:
-    """Write a tiny random bf16 (or `dtype`) `kind` model (safetensors, config, tokenizer, generation config) to
-    path.
+    """Write a tiny random bf16 `kind` model (safetensors, config, tokenizer, generation config) to path.
 
     hidden must be a multiple of 128 for W4A16/NVFP4 (see the module docstring); tied=True ties lm_head to
     the input embeddings, so the checkpoint holds no lm_head tensor.
     """
     from transformers import GenerationConfig
 
-    save_random_model(_config(kind, layers, hidden, tied), path, seed, dtype)
+    save_random_model(_config(kind, layers, hidden, tied), path, seed)
     GenerationConfig(bos_token_id=3, eos_token_id=2, pad_token_id=1).save_pretrained(path)
     return path
 
 
-def save_random_model(config, path: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> None:
-    """A random bf16 (or `dtype`) model of `config` (norms perturbed) saved to path with the tiny tokenizer beside
-    it."""
+def save_random_model(config, path: str, seed: int = 0) -> None:
+    """A random bf16 model of `config` (norms perturbed) saved to path with the tiny tokenizer beside it."""
     from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         # norms start at exactly 1.0; perturb them so a pass-through bug cannot look correct
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -143,9 +143,8 @@ def _cpu_awq():
 
 
 def oneshot_calibrated(model_dir: str, scheme: str, method: str, samples: list, seq_len: int, out_dir: str, *,
-                       num_threads: int = 1, fix_masks: bool = False, dtype=None) -> str:
-    """oneshot on `samples` (token-id rows or texts, all of them, in file order) and save it compressed; the model
-    loaded in bf16, or in `dtype`."""
+                       num_threads: int = 1, fix_masks: bool = False) -> str:
+    """oneshot on `samples` (token-id rows or texts, all of them, in file order) and save it compressed."""
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
@@ -165,7 +164,7 @@ def oneshot_calibrated(model_dir: str, scheme: str, method: str, samples: list, 
     else:
         data = {"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]}
     # the model on CPU as oneshot users load it; the sequential pipeline onloads each layer to the GPU if any
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     with contextlib.ExitStack() as stack:
         stack.enter_context(threads(num_threads))
         stack.enter_context(_cpu_awq())

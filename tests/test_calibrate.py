@@ -1,6 +1,5 @@
 """child/backends/calibrate.py, child/backends/boundary.py, child/backends/samples.py: the calibrated engine layer by layer equals oneshot for
 the schemes the CLI suite does not run; boundary files round-trip and refuse corruption; oneshot's sample order."""
-import contextlib
 import json
 import os
 
@@ -497,72 +496,3 @@ def test_the_skeleton_takes_sdpa_only_when_asked_and_eager_where_the_model_has_n
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_config", no_sdpa)
     assert attention(calibrate._calibration_skeleton(cfg, sdpa=True)) == {"eager"}
-
-
-@pytest.mark.parametrize("kind,dtype", [("llama", torch.float32), ("qwen3", torch.float32), ("mistral", torch.bfloat16),
-                                        ("gemma2", torch.bfloat16)])
-def test_awq_search_screened_through_sdpa_equals_oneshot(kind, dtype, tiny_models, ids_dataset, tmp_path,
-                                                          monkeypatch):
-    """AWQ's grid search screened through SDPA (child/backends/awq_screen.py): every tensor, config.json and the
-    logits equal oneshot's (the library's whole eager search). On a float32 checkpoint, where SDPA's losses are within
-    rounding of eager's, most grid points of the attention's search are never run eagerly; in bf16 and through
-    Mistral's sliding-window mask (16 of 40 tokens: not the causal mask, so handed to SDPA as it is), as many as the
-    screen's offsets ask. Gemma-2's attention soft-caps its scores, which SDPA does not: not screened."""
-    from child.backends import awq_screen
-
-    logged = []
-    monkeypatch.setattr(awq_screen, "DEVICES", ("cpu", "cuda"))  # on the CPU only where asked (it is slower there)
-    monkeypatch.setattr(awq_screen, "_log", lambda mapping, eager, points: logged.append((eager, points)))
-    if kind in ("llama", "qwen3"):
-        source = tiny_models(kind, dtype=dtype)
-    else:
-        source = make_tiny_dense(kind, str(tmp_path / "src"))
-    if kind == "mistral":
-        with open(os.path.join(source, "config.json")) as f:
-            config = json.load(f)
-        with open(os.path.join(source, "config.json"), "w") as f:
-            json.dump({**config, "sliding_window": 16}, f)
-    rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
-    with threads(1):
-        ref = oneshot_calibrated(source, "W4A16", "awq", rows, SEQ, str(tmp_path / "ref"), dtype=dtype,
-                                 fix_masks=kind in ("mistral", "gemma2"))
-        ours = _export_in_process(source, "W4A16", "awq", ids_dataset, tmp_path / "ours")
-    _assert_same_export(ref, ours)
-    if kind == "gemma2":
-        assert logged == []
-        return
-    assert len(logged) == 2 and all(points == 20 for _, points in logged), logged  # q/k/v's mapping in each layer
-    if dtype == torch.float32:
-        assert all(eager < points / 2 for eager, points in logged), logged
-
-
-def test_awq_screen_far_off_leaves_the_decision_to_the_library(tiny_models, ids_dataset, tmp_path, monkeypatch):
-    """A screen whose losses are far from eager's (here each screened pass's outputs scaled at random, as an attention
-    SDPA does not compute alike would be) is not trusted: every grid point is searched eagerly, and the export is
-    oneshot's bit for bit."""
-    from llmcompressor.modifiers.transform.awq import AWQModifier
-
-    from child.backends import awq_screen
-
-    logged, fused = [], awq_screen._fused_attention
-    monkeypatch.setattr(awq_screen, "DEVICES", ("cpu", "cuda"))
-    monkeypatch.setattr(awq_screen, "_log", lambda mapping, eager, points: logged.append((eager, points)))
-    noise = torch.Generator().manual_seed(0)
-
-    @contextlib.contextmanager
-    def far_off(configs):
-        with fused(configs):
-            run = AWQModifier._run_samples
-            monkeypatch.setattr(AWQModifier, "_run_samples", lambda self, module: [
-                out * (1 + 0.2 * torch.rand((), generator=noise)) for out in run(self, module)])
-            yield
-            monkeypatch.setattr(AWQModifier, "_run_samples", run)
-
-    monkeypatch.setattr(awq_screen, "_fused_attention", far_off)
-    source = tiny_models("llama")
-    rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
-    with threads(1):
-        ref = oneshot_calibrated(source, "W4A16", "awq", rows, SEQ, str(tmp_path / "ref"))
-        ours = _export_in_process(source, "W4A16", "awq", ids_dataset, tmp_path / "ours")
-    _assert_same_export(ref, ours)
-    assert logged == [(20, 20), (20, 20)], logged

@@ -69,7 +69,7 @@ from transformers import AutoModelForCausalLM
 from child import faults
 from child.errors import Refused
 
-from child.backends import awq_screen, factorize, group, quant_error
+from child.backends import factorize, group, quant_error
 from child.backends.hessians import SharedHessians
 from child.backends.boundary import Activations, BoundaryWriter, PendingWrite, host_buffer_meanwhile
 from child.backends.naming import LayerStub, find_decoder_layers
@@ -334,8 +334,6 @@ class Calibrator:
                 outer.enter_context(_no_pinning())
             if self.method == "awq" and self._model.config._attn_implementation != "eager":
                 outer.enter_context(_attention_as_built())
-            if self.method == "awq" and self.device.type in awq_screen.DEVICES:
-                outer.enter_context(awq_screen.screened())  # eager attention's search screened through SDPA
             # GPTQ: one Hessian per distinct input (q/k/v, gate/up, ...), each module handed the one the library
             # would have computed for it, bit for bit (child/backends/hessians.py)
             fast = not self.job.calibration.match_oneshot  # [calibration] match_oneshot = false: tensor cores
