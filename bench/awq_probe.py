@@ -58,6 +58,20 @@ def kernel_summary(prof, wall: float, top: int) -> list[str]:
     return lines
 
 
+def prepare(args) -> tuple[str, str]:
+    """The random model (with its tokenizer) and the samples in args.workdir, built where they are not there yet."""
+    src, data = os.path.join(args.workdir, "model"), os.path.join(args.workdir, "data.jsonl")
+    if not os.path.isdir(src):
+        os.makedirs(args.workdir, exist_ok=True)
+        t = time.perf_counter()
+        build(args, src)
+        save_tokenizer(src, args.vocab)
+        print(f"built {args.layers} layer(s) of hidden {args.hidden} in {time.perf_counter() - t:.1f} s", flush=True)
+    if not os.path.exists(data):
+        write_dataset(data, args.samples, args.seq_len, args.vocab)
+    return src, data
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(ap)
@@ -78,15 +92,7 @@ def main() -> None:
     if args.only_overlap:
         return overlap(args)
 
-    src, data = os.path.join(args.workdir, "model"), os.path.join(args.workdir, "data.jsonl")
-    if not os.path.isdir(src):
-        os.makedirs(args.workdir, exist_ok=True)
-        t = time.perf_counter()
-        build(args, src)
-        save_tokenizer(src, args.vocab)
-        print(f"built {args.layers} layer(s) of hidden {args.hidden} in {time.perf_counter() - t:.1f} s", flush=True)
-    if not os.path.exists(data):
-        write_dataset(data, args.samples, args.seq_len, args.vocab)
+    src, data = prepare(args)
 
     import torch
     from datasets import Dataset

@@ -22,8 +22,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from calib_bench import save_tokenizer, write_dataset  # noqa: E402
-from export_bench import add_shape_args, build  # noqa: E402
+from awq_probe import prepare  # noqa: E402
+from export_bench import add_shape_args  # noqa: E402
 
 
 def main() -> None:
@@ -38,15 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     args.torch_device = "cpu"
 
-    src, data = os.path.join(args.workdir, "model"), os.path.join(args.workdir, "data.jsonl")
-    if not os.path.isdir(src):
-        os.makedirs(args.workdir, exist_ok=True)
-        t = time.perf_counter()
-        build(args, src)
-        save_tokenizer(src, args.vocab)
-        print(f"built {args.layers} layer(s) of hidden {args.hidden} in {time.perf_counter() - t:.1f} s", flush=True)
-    if not os.path.exists(data):
-        write_dataset(data, args.samples, args.seq_len, args.vocab)
+    src, data = prepare(args)
 
     import contextlib
 
@@ -61,8 +53,7 @@ def main() -> None:
 
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    library, compute_loss, run_samples = (AWQModifier._compute_best_scale, AWQModifier._compute_loss,
-                                          AWQModifier._run_samples)
+    library, compute_loss = AWQModifier._compute_best_scale, AWQModifier._compute_loss
     losses: list[float] = []
     rows_out: list[str] = []
 
