@@ -72,18 +72,51 @@ def prepare(args) -> tuple[str, str]:
     return src, data
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_probe_args(ap: argparse.ArgumentParser) -> None:
+    """The options both AWQ probes take: the model's shape (one layer by default), the samples, scheme, device."""
     add_shape_args(ap)
     ap.set_defaults(layers=1)
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--scheme", default="W4A16")
     ap.add_argument("--device", default="cuda", help="cuda (oneshot onloads each layer to the first GPU) or cpu")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "awq-probe"))
+
+
+def run_oneshot(args, src: str, data: str, loaded=lambda model: None) -> float:
+    """oneshot with `[AWQModifier(), QuantizationModifier(scheme)]` (the recipe bench/calib_bench.py gives it) on
+    the model in `src` over the samples in `data`, the library's pinning skipped on the CPU (it raises without an
+    accelerator; child/backends/calibrate.py does the same); `loaded(model)` once the model is loaded. Its seconds."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+
+    if not args.device.startswith("cuda"):
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        IntermediatesCache._pin_intermediate = classmethod(lambda c, value: None)
+    rows = [json.loads(line)["input_ids"] for line in open(data)]
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    loaded(model)
+    recipe = [AWQModifier(), QuantizationModifier(targets="Linear", scheme=args.scheme, ignore=["lm_head"])]
+    t = time.perf_counter()
+    oneshot(model=model, processor=AutoTokenizer.from_pretrained(src),
+            dataset=Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}),
+            recipe=recipe, num_calibration_samples=len(rows), max_seq_length=args.seq_len,
+            shuffle_calibration_samples=False)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_probe_args(ap)
     ap.add_argument("--profile-pass", type=int, default=2,
                     help="which pass of each parent to profile (0 is the unscaled one; -1: none)")
     ap.add_argument("--top", type=int, default=8, help="kernels listed per profiled pass")
-    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "awq-probe"))
     ap.add_argument("--overlap", type=int, default=0, metavar="N", help="samples for the side-by-side test (0: none)")
     ap.add_argument("--rounds", type=int, default=4, help="passes of each parent in the side-by-side test")
     ap.add_argument("--only-overlap", action="store_true")
@@ -95,13 +128,8 @@ def main() -> None:
     src, data = prepare(args)
 
     import torch
-    from datasets import Dataset
     from torch.profiler import ProfilerActivity, profile
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from llmcompressor.modifiers.transform.awq import AWQModifier
     from llmcompressor.modifiers.transform.awq import base as awq_base
 
     cuda = args.device.startswith("cuda")
@@ -150,23 +178,13 @@ def main() -> None:
         return out
 
     cls._run_samples, cls._compute_best_scale, cls._compute_loss = timed_run_samples, timed_best_scale, timed_loss
-    if not cuda:  # the library pins its cached activations, which raises without an accelerator (child/backends/calibrate.py)
-        from llmcompressor.pipelines.cache import IntermediatesCache
 
-        IntermediatesCache._pin_intermediate = classmethod(lambda c, value: None)
+    def loaded(model):
+        names.update({id(m): n for n, m in model.named_modules()})
+        print(f"attention: {model.config._attn_implementation}; torch {torch.__version__}; device "
+              f"{torch.cuda.get_device_name() if cuda else 'cpu'}", flush=True)
 
-    rows = [json.loads(line)["input_ids"] for line in open(data)]
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-    names.update({id(m): n for n, m in model.named_modules()})
-    print(f"attention: {model.config._attn_implementation}; torch {torch.__version__}; device "
-          f"{torch.cuda.get_device_name() if cuda else 'cpu'}", flush=True)
-    recipe = [AWQModifier(), QuantizationModifier(targets="Linear", scheme=args.scheme, ignore=["lm_head"])]
-    t = time.perf_counter()
-    oneshot(model=model, processor=AutoTokenizer.from_pretrained(src),
-            dataset=Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}),
-            recipe=recipe, num_calibration_samples=len(rows), max_seq_length=args.seq_len,
-            shuffle_calibration_samples=False)
-    total = time.perf_counter() - t
+    total = run_oneshot(args, src, data, loaded)
 
     print(f"\noneshot AWQ {args.scheme}, {args.layers} layer(s), {args.samples} x {args.seq_len}: {total:.1f} s; "
           f"grid searches {sum(s for *_, s in searches):.1f} s; losses {sum(losses):.2f} s over {len(losses)} calls")
@@ -189,8 +207,7 @@ def main() -> None:
         print("\n" + "\n".join(profiles))
     if cuda:
         print(f"\npeak GPU allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
-    if args.overlap:
-        del model
+    if args.overlap:  # the oneshot model is gone with run_oneshot's return
         overlap(args)
 
 

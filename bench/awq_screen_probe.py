@@ -14,27 +14,18 @@ oneshot goes on with the library's (eager) scaling, so its output is oneshot's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from awq_probe import prepare  # noqa: E402
-from export_bench import add_shape_args  # noqa: E402
+from awq_probe import add_probe_args, prepare, run_oneshot  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_shape_args(ap)
-    ap.set_defaults(layers=1)
-    ap.add_argument("--samples", type=int, default=128)
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--scheme", default="W4A16")
-    ap.add_argument("--device", default="cuda", help="cuda (oneshot onloads each layer to the first GPU) or cpu")
-    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "awq-probe"))
+    add_probe_args(ap)
     args = ap.parse_args()
     args.torch_device = "cpu"
 
@@ -44,11 +35,7 @@ def main() -> None:
 
     import torch
     from compressed_tensors.utils import patch_attr
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
     cuda = args.device.startswith("cuda")
@@ -135,22 +122,10 @@ def main() -> None:
 
     AWQModifier._compute_loss = recorded_loss
     AWQModifier._compute_best_scale = compared
-    if not cuda:  # the library pins its cached activations, which raises without an accelerator
-        from llmcompressor.pipelines.cache import IntermediatesCache
-
-        IntermediatesCache._pin_intermediate = classmethod(lambda c, value: None)
-
-    rows = [json.loads(line)["input_ids"] for line in open(data)]
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     print(f"torch {torch.__version__}; device {torch.cuda.get_device_name() if cuda else 'cpu'}", flush=True)
-    recipe = [AWQModifier(), QuantizationModifier(targets="Linear", scheme=args.scheme, ignore=["lm_head"])]
-    t = time.perf_counter()
-    oneshot(model=model, processor=AutoTokenizer.from_pretrained(src),
-            dataset=Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}),
-            recipe=recipe, num_calibration_samples=len(rows), max_seq_length=args.seq_len,
-            shuffle_calibration_samples=False)
-    print(f"\noneshot AWQ {args.scheme}, {args.layers} layer(s), {args.samples} x {args.seq_len}: "
-          f"{time.perf_counter() - t:.1f} s (both searches of each attention mapping included)")
+    seconds = run_oneshot(args, src, data)
+    print(f"\noneshot AWQ {args.scheme}, {args.layers} layer(s), {args.samples} x {args.seq_len}: {seconds:.1f} s "
+          "(both searches of each attention mapping included)")
     print("\n".join(rows_out))
 
 
