@@ -26,8 +26,10 @@ session, modifiers, hooks and contexts, so the result is oneshot's by constructi
     load the model (bf16), linearize MoE experts   meta skeleton from config.json, experts linearized (quantize.py)
     LengthAwareSampler order, truncation           child/backends/samples.py (the library's sampler)
     moe_calibration_context, norm context          entered around each layer's session
-    calibration_forward_context, DisableQuant      no_grad, eval, eager attention (match_oneshot = false: SDPA),
-                                                   use_cache off, DisableQuantization
+    calibration_forward_context, DisableQuant      no_grad, eval, eager attention (match_oneshot = false: SDPA;
+                                                   AWQ on a GPU: its elementwise prefix fused, same bits,
+                                                   child/backends/eager_attention.py), use_cache off,
+                                                   DisableQuantization
     trace: kwargs each layer receives              the model's own forward with stub layers records them
 
 Memory: one layer on the device plus one sample's activations; the samples' hidden states live on the host
@@ -39,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import sys
 from concurrent.futures import Future
 from typing import Callable
 
@@ -69,7 +72,7 @@ from transformers import AutoModelForCausalLM
 from child import faults
 from child.errors import Refused
 
-from child.backends import factorize, group, quant_error
+from child.backends import eager_attention, factorize, group, quant_error
 from child.backends.hessians import SharedHessians
 from child.backends.boundary import Activations, BoundaryWriter, PendingWrite, host_buffer_meanwhile
 from child.backends.naming import LayerStub, find_decoder_layers
@@ -128,6 +131,12 @@ class Calibrator:
         if self._awq_mappings is not None:
             _check_awq_mappings(type(self._model).__name__, self.layer_prefix, self._layers, self._awq_mappings)
         self._awq_offload = torch.device("cpu") if self.method == "awq" and is_moe_model(self._model) else None
+        # AWQ's grid search runs the eager attention 21 times a layer: its scaling, mask and fp32 upcast in one kernel
+        # where that keeps every bit (child/backends/eager_attention.py; eager's chain as it is elsewhere)
+        self._fused_attention = self.method == "awq" and eager_attention.applies(self._model, self.device) is None
+        if self._fused_attention:
+            print(f"{eager_attention.LOG_PREFIX} on (eager attention's scaling, mask and upcast in one kernel, bit for "
+                  f"bit)", file=sys.stderr, flush=True)
         self._trunk_name = self.layer_prefix[:-1].rsplit(".", 1)[0] if "." in self.layer_prefix[:-1] else ""
         self._trunk = self._model.get_submodule(self._trunk_name)
         self._sink: dict[int, tuple] = {}
@@ -334,6 +343,8 @@ class Calibrator:
                 outer.enter_context(_no_pinning())
             if self.method == "awq" and self._model.config._attn_implementation != "eager":
                 outer.enter_context(_attention_as_built())
+            if self._fused_attention:
+                outer.enter_context(eager_attention.installed())
             # GPTQ: one Hessian per distinct input (q/k/v, gate/up, ...), each module handed the one the library
             # would have computed for it, bit for bit (child/backends/hessians.py)
             fast = not self.job.calibration.match_oneshot  # [calibration] match_oneshot = false: tensor cores

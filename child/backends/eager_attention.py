@@ -1,0 +1,146 @@
+"""Eager attention with its elementwise prefix fused, bit for bit: AWQ's grid search on a GPU, cheaper.
+
+llm-compressor calibrates with eager attention, and AWQ runs the attention's parent over every sample 21 times a
+layer (20 grid points and the unscaled reference). transformers' eager attention (Llama's `eager_attention_forward`,
+which most architectures share) materialises its rounding step by step on the [heads, tokens, tokens] scores::
+
+    scores = bf16(q @ k^T)          cuBLAS
+    x = bf16(scores * scaling)      one pass over the scores
+    x = bf16(x + mask)              another
+    x = fp32(x)                     another (softmax's dtype=float32 converts first, then runs the fp32 kernel)
+    p = bf16(softmax(x))            PyTorch's softmax, then a cast
+    out = p @ v                     cuBLAS
+
+Here the three middle passes are one kernel (Inductor, with `emulate_precision_casts`, so each bf16 rounding of the
+chain is kept: elementwise work, exact by construction), and everything else is the same call as eager's: the same
+products, the same softmax kernel on the same fp32 input, the same cast. Measured on an H100 (the 8B layer's
+attention, 128 x 2048, `bench/attention_floor_probe.py`): a pass 0.211 s against eager's 0.295, every output bit-equal.
+
+Installed (`installed()`) around an AWQ layer's session where `applies(model, device)` (the Calibrator asks once),
+that is when all of these hold, else nothing changes: the device is a GPU (on the CPU the fused kernel is slower than eager's chain: the products dominate there,
+measured), the model's attention is eager, and every module of its layers that picks its attention through
+transformers' AttentionInterface defaults to an `eager_attention_forward` whose bytecode is Llama's (Llama, Qwen2/3,
+their MoE, Mistral, Mixtral, Gemma, Phi-3, DeepSeek-V3, ...; not Gemma-2/3's soft-capping nor GPT-OSS's sinks).
+While installed, the AttentionInterface's "eager" entry is this module's function. Each distinct call (shapes,
+dtypes, scaling) of a layer is also computed by the eager function once and compared bit for bit; a difference (a
+torch whose Inductor rounds otherwise) turns the fusion off for the rest of the process, with one line in the
+worker's log, and the eager result is used.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+import torch
+from torch import nn
+
+__all__ = ["installed", "applies", "fused_eager_attention", "DEVICES", "FORCE_ENV"]
+
+DEVICES = ("cuda",)  # where it pays (see the module docstring)
+FORCE_ENV = "SUPERVISOR_TEST_FUSED_ATTENTION"  # test-only: "1" installs it on any device (the CPU suite)
+LOG_PREFIX = "fused attention:"
+
+_lock = threading.Lock()
+_state = {"users": 0, "off": False, "compiled": None}
+_checked: set = set()  # the calls (shapes, dtypes, scaling) compared with eager's since the last install
+
+
+def _prefix(scores: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    x = scores * scaling
+    if mask is not None:
+        x = x + mask
+    return x.float()
+
+
+def _compiled():
+    if _state["compiled"] is None:
+        # in-process compilation (one small kernel: no pool of compile workers in a forked worker)
+        _state["compiled"] = torch.compile(_prefix, options={"emulate_precision_casts": True, "compile_threads": 1})
+    return _state["compiled"]
+
+
+def _eager():
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    return eager_attention_forward
+
+
+def fused_eager_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
+    """Llama's `eager_attention_forward`, its scaling + mask + fp32 upcast in one kernel (same bits)."""
+    eager = _eager()
+    if _state["off"] or query.dtype not in (torch.bfloat16, torch.float16):  # fp32: nothing to upcast, and a fused
+        return eager(module, query, key, value, attention_mask, scaling, dropout=dropout, **kwargs)  # a*b+c may FMA
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    scores = torch.matmul(query, key_states.transpose(2, 3))
+    x = _compiled()(scores, attention_mask, scaling)
+    del scores
+    attn_weights = nn.functional.softmax(x, dim=-1).to(query.dtype)  # eager: softmax(dtype=fp32) = fp32 x's kernel
+    del x
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states)
+    attn_output = attn_output.transpose(1, 2).contiguous()
+    call = (tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype, query.device, scaling,
+            None if attention_mask is None else (tuple(attention_mask.shape), attention_mask.dtype), dropout,
+            module.training)
+    if call not in _checked:
+        _checked.add(call)
+        ref_output, ref_weights = eager(module, query, key, value, attention_mask, scaling, dropout=dropout, **kwargs)
+        if not (torch.equal(ref_output, attn_output) and torch.equal(ref_weights, attn_weights)):
+            _state["off"] = True
+            print(f"{LOG_PREFIX} off: its result differs from eager attention's for queries {list(query.shape)} "
+                  f"({query.dtype}); eager attention from here on", file=sys.stderr, flush=True)
+            return ref_output, ref_weights
+    return attn_output, attn_weights
+
+
+def _same_code(a, b) -> bool:
+    return (a.co_code, a.co_consts, a.co_names, a.co_varnames) == (b.co_code, b.co_consts, b.co_names, b.co_varnames)
+
+
+def applies(model: nn.Module, device: torch.device) -> str | None:
+    """None where the fused function may stand in for the model's eager attention on `device`, else why not."""
+    import os
+
+    from transformers.models.llama import modeling_llama
+
+    if device.type not in DEVICES and os.environ.get(FORCE_ENV) != "1":
+        return f"{device.type}: not where it pays"
+    if getattr(model.config, "_attn_implementation", None) != "eager":
+        return "the attention is not eager"
+    found = False
+    for sub in model.modules():
+        forward = getattr(type(sub).forward, "__code__", None)
+        if forward is None or "ALL_ATTENTION_FUNCTIONS" not in forward.co_names:
+            continue
+        source = sys.modules.get(type(sub).__module__)
+        eager = getattr(source, "eager_attention_forward", None)
+        repeat = getattr(source, "repeat_kv", None)
+        if "eager_attention_forward" not in forward.co_names or eager is None or \
+                not _same_code(eager.__code__, modeling_llama.eager_attention_forward.__code__) or \
+                (repeat is not None and not _same_code(repeat.__code__, modeling_llama.repeat_kv.__code__)):
+            return f"{type(sub).__name__}'s eager attention is not Llama's"
+        found = True
+    return None if found else "no module picks its attention through transformers' AttentionInterface"
+
+
+@contextlib.contextmanager
+def installed():
+    """While inside, transformers' eager attention is `fused_eager_attention` (for a model `applies` said yes to)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    with _lock:
+        _checked.clear()  # each layer's calls are compared once
+        _state["users"] += 1
+        ALL_ATTENTION_FUNCTIONS["eager"] = fused_eager_attention  # the global instance's own (local) mapping
+    try:
+        yield
+    finally:
+        with _lock:
+            _state["users"] -= 1
+            if _state["users"] == 0:
+                del ALL_ATTENTION_FUNCTIONS["eager"]

@@ -1,0 +1,121 @@
+"""child/backends/eager_attention.py: eager attention with its scaling, mask and upcast fused gives transformers' eager
+attention bit for bit, on the architectures it says yes to; it says no to the others; a difference turns it off.
+
+On the CPU it is installed only through its test switch (it pays on a GPU only); tests/gpu/test_calibrated_gpu.py
+runs AWQ on cuda, where it is on by default, against oneshot."""
+import json
+
+import pytest
+import torch
+
+from child.backends import eager_attention
+from tests.models import assert_same_tensors, load_tensors
+from tests.ref_calib import make_tiny_dense, oneshot_calibrated, threads
+from tests.test_calibrate import SEQ, _export_in_process, ids_dataset  # noqa: F401 - the fixture
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch):
+    """Each test starts with the fusion on and nothing compared (the module keeps its state per process)."""
+    monkeypatch.setitem(eager_attention._state, "off", False)
+    eager_attention._checked.clear()
+    yield
+    eager_attention._checked.clear()
+
+
+def _skeleton(kind: str, attn: str = "eager", **overrides):
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **{**small, **overrides}),
+                                                attn_implementation=attn)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "mixtral", "phi3", "deepseek_v3"])
+def test_it_applies_where_the_eager_attention_is_llamas(kind):
+    assert eager_attention.applies(_skeleton(kind), CUDA) is None
+
+
+@pytest.mark.parametrize("kind,why", [("gemma2", "Gemma2Attention's eager attention is not Llama's"),
+                                      ("gpt_oss", "GptOssAttention's eager attention is not Llama's")])
+def test_it_refuses_other_eager_attentions(kind, why):
+    overrides = {"num_local_experts": 2} if kind == "gpt_oss" else {}
+    assert eager_attention.applies(_skeleton(kind, **overrides), CUDA) == why
+
+
+def test_it_refuses_other_attention_and_the_cpu(monkeypatch):
+    monkeypatch.delenv(eager_attention.FORCE_ENV, raising=False)
+    assert eager_attention.applies(_skeleton("llama", attn="sdpa"), CUDA) == "the attention is not eager"
+    assert eager_attention.applies(_skeleton("llama"), CPU) == "cpu: not where it pays"
+    monkeypatch.setenv(eager_attention.FORCE_ENV, "1")
+    assert eager_attention.applies(_skeleton("llama"), CPU) is None
+
+
+def _model(kind: str, dtype=torch.bfloat16, **overrides):
+    """A real model of `kind` (random weights, eager attention) in `dtype`, and ids to run."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(kind, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=8, num_key_value_heads=2, vocab_size=256, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2, **overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(dtype).eval()
+    return model, torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("kind,dtype,overrides", [
+    ("llama", torch.bfloat16, {}),
+    ("qwen3", torch.bfloat16, {}),  # q/k norms before the attention
+    ("mistral", torch.bfloat16, {"sliding_window": 16}),  # transformers' sliding-window mask
+    ("llama", torch.float16, {}),
+])
+def test_the_fused_attention_is_eagers_bit_for_bit(kind, dtype, overrides):
+    """The model's logits (its own masks, every layer's attention) through transformers' eager attention and
+    through the fused one are equal; the fused one ran (its call compared once) and agreed."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    model, ids = _model(kind, dtype, **overrides)
+    with torch.no_grad():
+        ref = model(ids).logits
+        with eager_attention.installed():
+            assert ALL_ATTENTION_FUNCTIONS.get_interface("eager", None) is eager_attention.fused_eager_attention
+            ours = model(ids).logits
+        assert "eager" not in ALL_ATTENTION_FUNCTIONS._local_mapping  # gone once left
+    assert len(eager_attention._checked) == 1 and not eager_attention._state["off"]
+    assert torch.equal(ref, ours)
+
+
+def test_a_difference_from_eager_turns_it_off_and_gives_eagers_result(monkeypatch, capfd):
+    model, ids = _model("llama")
+    wrong = lambda scores, m, scaling: (scores * scaling + m).float() * 1.001  # noqa: E731 - not eager's rounding
+    monkeypatch.setitem(eager_attention._state, "compiled", wrong)
+    with torch.no_grad():
+        ref = model(ids).logits
+        with eager_attention.installed():
+            ours = model(ids).logits
+            assert eager_attention._state["off"]
+            again = model(ids).logits  # eager from here on
+    assert torch.equal(ref, ours) and torch.equal(ref, again)
+    assert "fused attention: off: its result differs from eager attention's" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_awq_with_the_fused_attention_equals_oneshot(kind, tiny_models, ids_dataset, tmp_path, monkeypatch):  # noqa: F811
+    """AWQ's grid search through the fused attention (switched on for the CPU): every tensor equals oneshot's,
+    whose search ran transformers' eager attention; the fused function did run, compared and agreed."""
+    monkeypatch.setenv(eager_attention.FORCE_ENV, "1")
+    ran = []
+    fused = eager_attention.fused_eager_attention
+    monkeypatch.setattr(eager_attention, "fused_eager_attention", lambda *a, **k: (ran.append(1), fused(*a, **k))[1])
+    source = tiny_models("llama") if kind == "llama" else make_tiny_dense(kind, str(tmp_path / "src"))
+    rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
+    with threads(1):
+        ref = oneshot_calibrated(source, "W4A16", "awq", rows, SEQ, str(tmp_path / "ref"), fix_masks=kind != "llama")
+        ours = _export_in_process(source, "W4A16", "awq", ids_dataset, tmp_path / "ours")
+    assert_same_tensors(load_tensors(ref), load_tensors(str(ours)))
+    assert len(ran) > 2 * 21 and not eager_attention._state["off"]
