@@ -29,6 +29,7 @@ figures), then `--keep --skip supervisor,...` runs the others against the saved 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -178,7 +179,11 @@ def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None
     layers = [e for e in events if e["type"] == "LayerWritten" and e["index"] >= 0]
     first = min((e["t"] for e in events if e["type"] == "LayerStarted"), default=0.0)
     pool = next((e for e in events if e["type"] == "PoolStarted"), {})
+    fused = set()  # the worker logs' lines on eager attention's fused prefix (child/backends/eager_attention.py)
+    for log in sorted(glob.glob(os.path.join(out, ".export", "logs", "worker-*.log"))):
+        fused |= {x[x.index("fused attention:"):].strip() for x in open(log, errors="replace") if "fused attention:" in x}
     return {"wall": wall, "startup": first, "events": events, "rc": proc.returncode, "stderr": proc.stderr,
+            "fused": sorted(fused),
             "reused": pool.get("reused", False),
             "stages": mean_stages(layers),
             "per_layer": sum(e["seconds"] for e in layers) / max(len(layers), 1), "layers": layers,
@@ -474,6 +479,8 @@ def main() -> None:
     if table:
         print("\nper rank, mean seconds per layer (ours, W = %d):" % sup.get("world", 1))
         print("\n".join(table))
+    if sup.get("fused"):
+        print("ours, worker logs: " + "; ".join(sup["fused"]))
     if sup.get("stages"):
         print("supervisor, mean seconds per layer by stage: "
               + ", ".join(f"{k} {v:.3f}" for k, v in sup["stages"].items()))
