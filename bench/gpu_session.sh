@@ -128,11 +128,11 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 
 case "${1:-tests}" in
 s37a)  # thirty-sixth session (issue 34): the default AWQ with eager attention's scaling, mask and upcast fused (same
-  # bits, child/backends/eager_attention.py): its GPU equality test against oneshot, then 8 layers of the 8B shape,
-  # 128 x 2048, ours against oneshot
-  t 170 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq or awq_match"
+  # bits, child/backends/eager_attention.py): 8 layers of the 8B shape, 128 x 2048, ours against oneshot (every
+  # tensor compared), then its GPU equality tests against oneshot on the small models
   cb 380 awq_fused --method awq
   grep "worker logs" "$OUT/awq_fused.txt"
+  t 170 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq or awq_match"
   ;;
 s36a)  # thirty-fifth session (issue 34): could AWQ's attention search be screened through SDPA and decided by the
   # library's eager passes on the few points that could win, keeping oneshot's bits? Ran with that screen in the
