@@ -41,6 +41,9 @@ landed): what the memory tests use to show that no tensor of a finished layer su
 And SUPERVISOR_TEST_STAGE_HOST=1 makes a CPU worker copy its outputs through its reusable host buffer
 (child/staging.py) as a GPU worker does, so the CPU suite runs that buffer's life through real exports.
 
+And SUPERVISOR_TEST_FUSED_ATTENTION=1 installs AWQ's fused eager attention (child/backends/eager_attention.py, on
+GPUs only otherwise) on any device, so the CPU suite runs it through real exports against oneshot.
+
 And SUPERVISOR_BENCH_SYNC_STAGES=1 (bench/calib_bench.py --sync-stages) makes the worker wait for its GPU at
 every stage change, so each stage's seconds are its own kernels' rather than whatever the queue held when the
 clock read (slower: the launch queue drains each time). SUPERVISOR_BENCH_STAGE_PEAKS names a file to which a GPU

@@ -21,6 +21,7 @@ def fresh_state(monkeypatch):
     """Each test starts with the fusion on and nothing compared (the module keeps its state per process)."""
     monkeypatch.setitem(eager_attention._state, "off", False)
     eager_attention._checked.clear()
+    eager_attention._lengths.clear()
     yield
     eager_attention._checked.clear()
 
@@ -60,9 +61,9 @@ def _model(kind: str, dtype=torch.bfloat16, **overrides):
     """A real model of `kind` (random weights, eager attention) in `dtype`, and ids to run."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(kind, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                  num_attention_heads=8, num_key_value_heads=2, vocab_size=256, pad_token_id=0,
-                                  bos_token_id=1, eos_token_id=2, **overrides)
+    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = AutoConfig.for_model(kind, **{**shape, **overrides})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(dtype).eval()
     return model, torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(1))
@@ -88,6 +89,25 @@ def test_the_fused_attention_is_eagers_bit_for_bit(kind, dtype, overrides):
         assert "eager" not in ALL_ATTENTION_FUNCTIONS._local_mapping  # gone once left
     assert len(eager_attention._checked) == 1 and not eager_attention._state["off"]
     assert torch.equal(ref, ours)
+
+
+def test_samples_of_many_lengths_are_eagers_and_only_the_first_lengths_are_compared(monkeypatch):
+    """torch.compile makes a kernel for the first length and one for any length at the second: every sample's
+    logits equal eager's, and eager runs beside the fused kernel for the first three lengths only (one call each:
+    a model of one layer)."""
+    model, ids = _model("qwen3", num_hidden_layers=1)
+    compared = []
+    eager = eager_attention._eager()
+    monkeypatch.setattr(eager_attention, "_eager", lambda: lambda *a, **k: (compared.append(a[1].shape[-2]),
+                                                                         eager(*a, **k))[1])
+    lengths = [48, 40, 33, 20, 47]
+    with torch.no_grad():
+        refs = [model(ids[:, :n]).logits for n in lengths]
+        compared.clear()
+        with eager_attention.installed():
+            ours = [model(ids[:, :n]).logits for n in lengths]
+    assert all(torch.equal(a, b) for a, b in zip(refs, ours)) and not eager_attention._state["off"]
+    assert compared == [48, 40, 33]
 
 
 def test_a_difference_from_eager_turns_it_off_and_gives_eagers_result(monkeypatch, capfd):

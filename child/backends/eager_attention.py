@@ -22,7 +22,8 @@ measured), the model's attention is eager, and every module of its layers that p
 transformers' AttentionInterface defaults to an `eager_attention_forward` whose bytecode is Llama's (Llama, Qwen2/3,
 their MoE, Mistral, Mixtral, Gemma, Phi-3, DeepSeek-V3, ...; not Gemma-2/3's soft-capping nor GPT-OSS's sinks).
 While installed, the AttentionInterface's "eager" entry is this module's function. Each distinct call (shapes,
-dtypes, scaling) of a layer is also computed by the eager function once and compared bit for bit; a difference (a
+dtypes, scaling; not the length) of a layer, and the first lengths a process sees (until torch.compile has its kernel
+for any length), is also computed by the eager function and compared bit for bit; a difference (a
 torch whose Inductor rounds otherwise) turns the fusion off for the rest of the process, with one line in the
 worker's log, and the eager result is used.
 """
@@ -43,7 +44,8 @@ LOG_PREFIX = "fused attention:"
 
 _lock = threading.Lock()
 _state = {"users": 0, "off": False, "compiled": None}
-_checked: set = set()  # the calls (shapes, dtypes, scaling) compared with eager's since the last install
+_checked: set = set()  # the kinds of call (shapes but the lengths, dtypes, scaling) compared since the last install
+_lengths: set = set()  # the (query, key) lengths this process has run
 
 
 def _prefix(scores: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -84,10 +86,15 @@ def fused_eager_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
     attn_output = torch.matmul(attn_weights, value_states)
     attn_output = attn_output.transpose(1, 2).contiguous()
-    call = (tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype, query.device, scaling,
-            None if attention_mask is None else (tuple(attention_mask.shape), attention_mask.dtype), dropout,
-            module.training)
-    if call not in _checked:
+    # compared with eager's: a layer's first call of each kind, and a process's first calls of new lengths until
+    # torch.compile has made its kernel for any length (it does at the second length it sees); not every sample's
+    # length in every layer, where a dataset's lengths vary
+    length = (query.shape[-2], key.shape[-2])
+    new_kernel = length not in _lengths and len(_lengths) < 3
+    _lengths.add(length)
+    call = (query.shape[:-2], query.shape[-1], key.shape[:-2], value.shape[-1], query.dtype, query.device, scaling,
+            None if attention_mask is None else (attention_mask.dim(), attention_mask.dtype), dropout, module.training)
+    if call not in _checked or new_kernel:
         _checked.add(call)
         ref_output, ref_weights = eager(module, query, key, value, attention_mask, scaling, dropout=dropout, **kwargs)
         if not (torch.equal(ref_output, attn_output) and torch.equal(ref_weights, attn_weights)):
