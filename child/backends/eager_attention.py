@@ -16,16 +16,18 @@ chain is kept: elementwise work, exact by construction), and everything else is 
 products, the same softmax kernel on the same fp32 input, the same cast. Measured on an H100 (the 8B layer's
 attention, 128 x 2048, `bench/attention_floor_probe.py`): a pass 0.211 s against eager's 0.295, every output bit-equal.
 
-Installed (`installed()`) around an AWQ layer's session where `applies(model, device)` (the Calibrator asks once),
-that is when all of these hold, else nothing changes: the device is a GPU (on the CPU the fused kernel is slower than eager's chain: the products dominate there,
-measured), the model's attention is eager, and every module of its layers that picks its attention through
-transformers' AttentionInterface defaults to an `eager_attention_forward` whose bytecode is Llama's (Llama, Qwen2/3,
-their MoE, Mistral, Mixtral, Gemma, Phi-3, DeepSeek-V3, ...; not Gemma-2/3's soft-capping nor GPT-OSS's sinks).
-While installed, the AttentionInterface's "eager" entry is this module's function. Each distinct call (shapes,
-dtypes, scaling; not the length) of a layer, and the first lengths a process sees (until torch.compile has its kernel
-for any length), is also computed by the eager function and compared bit for bit; a difference (a
-torch whose Inductor rounds otherwise) turns the fusion off for the rest of the process, with one line in the
-worker's log, and the eager result is used.
+AWQ only: GPTQ and static scales run the attention twice a layer (forward, propagate), about 0.17 s of an 8B layer
+to save against about 4 s of compilation per worker process (measured in AWQ's first layer). Installed
+(`installed()`) around an AWQ layer's session where `applies(model, device)` (the Calibrator asks once), that is
+when all of these hold, else nothing changes: the device is a GPU (on the CPU the fused kernel is slower than eager's
+chain: the products dominate there, measured), the model's attention is eager, and every module of its layers that
+picks its attention through transformers' AttentionInterface defaults to an `eager_attention_forward` whose bytecode
+is Llama's (Llama, Qwen2/3, their MoE, Mistral, Mixtral, Gemma, Phi-3, DeepSeek-V3, ...; not Gemma-2/3's
+soft-capping nor GPT-OSS's sinks). While installed, the AttentionInterface's "eager" entry is this module's
+function. Each distinct call of a layer (shapes, dtypes, scaling; not the length), and each of the first lengths a
+process sees (until torch.compile has its kernel for any length), is also computed by the eager function and
+compared bit for bit; a difference (a torch whose Inductor rounds otherwise) turns the fusion off for the rest of the
+process, with one line in the worker's log, and the eager result is used.
 """
 from __future__ import annotations
 
