@@ -32,6 +32,7 @@ process, with one line in the worker's log, and the eager result is used.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 
@@ -113,8 +114,6 @@ def _same_code(a, b) -> bool:
 
 def applies(model: nn.Module, device: torch.device) -> str | None:
     """None where the fused function may stand in for the model's eager attention on `device`, else why not."""
-    import os
-
     from transformers.models.llama import modeling_llama
 
     if device.type not in DEVICES and os.environ.get(FORCE_ENV) != "1":
@@ -126,9 +125,9 @@ def applies(model: nn.Module, device: torch.device) -> str | None:
         forward = getattr(type(sub).forward, "__code__", None)
         if forward is None or "ALL_ATTENTION_FUNCTIONS" not in forward.co_names:
             continue
-        source = sys.modules.get(type(sub).__module__)
-        eager = getattr(source, "eager_attention_forward", None)
-        repeat = getattr(source, "repeat_kv", None)
+        names = type(sub).forward.__globals__  # where its forward finds `eager_attention_forward` (an inherited one too)
+        eager = names.get("eager_attention_forward")
+        repeat = getattr(eager, "__globals__", {}).get("repeat_kv")  # the one that eager function calls
         if "eager_attention_forward" not in forward.co_names or eager is None or \
                 not _same_code(eager.__code__, modeling_llama.eager_attention_forward.__code__) or \
                 (repeat is not None and not _same_code(repeat.__code__, modeling_llama.repeat_kv.__code__)):
