@@ -8,8 +8,9 @@ the probabilities rounded to bf16, and `P @ V` from cuBLAS. A pass that keeps th
 between. This probe times, over the same samples through one `LlamaAttention` of the given shape:
 
   eager          transformers' eager attention (what the library's search runs)
-  fused-prefix   the same products and softmax, the scaling, mask and fp32 upcast fused by Inductor with
-                 `emulate_precision_casts` (exact by construction: elementwise, each bf16 rounding kept); bits checked
+  fused-prefix   the product's `child/backends/eager_attention.fused_eager_attention`: the same products and
+                 softmax, the scaling, mask and fp32 upcast fused by Inductor with `emulate_precision_casts` (exact
+                 by construction: elementwise, each bf16 rounding kept); bits checked
   half-to-float  the softmax reading the bf16 scores itself (`torch._softmax(x, -1, half_to_float=True)`, CUDA only);
                  bits checked (its reduction may be laid out differently from the fp32 kernel's)
   floor          the products, and between them one pass that reads the scores and writes bf16 probabilities
@@ -26,7 +27,11 @@ would take if every attention pass of its search ran at that speed (from a measu
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: child.backends
 
 
 def main() -> None:
@@ -46,7 +51,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    import torch._inductor.config as inductor_config
     from transformers import AttentionInterface, LlamaConfig
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, repeat_kv
@@ -54,23 +58,12 @@ def main() -> None:
     device = torch.device("cuda:0" if args.device == "cuda" else args.device)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    inductor_config.emulate_precision_casts = True  # each bf16 rounding of the eager chain kept in the fused kernel
-
-    def prefix(scores, mask, scaling: float):
-        return ((scores * scaling) + mask).float()
-
-    fused = torch.compile(prefix, dynamic=False)
-
     def tail(module, probs, value):
         out = torch.matmul(probs, repeat_kv(value, module.num_key_value_groups))
         return out.transpose(1, 2).contiguous(), probs
 
     def scores_of(module, query, key):
         return torch.matmul(query, repeat_kv(key, module.num_key_value_groups).transpose(2, 3))
-
-    def fused_prefix(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        x = fused(scores_of(module, query, key), attention_mask, scaling)
-        return tail(module, torch.softmax(x, dim=-1).to(query.dtype), value)
 
     def half_to_float(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         x = scores_of(module, query, key) * scaling + attention_mask
@@ -79,7 +72,9 @@ def main() -> None:
     def floor(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         return tail(module, scores_of(module, query, key).neg(), value)
 
-    for name, fn in (("fused-prefix", fused_prefix), ("half-to-float", half_to_float), ("floor", floor)):
+    from child.backends.eager_attention import fused_eager_attention  # compared with eager at its first call
+
+    for name, fn in (("fused-prefix", fused_eager_attention), ("half-to-float", half_to_float), ("floor", floor)):
         AttentionInterface.register(name, fn)
     AttentionInterface.register("sdpa-reference", sdpa_attention_forward)
 
