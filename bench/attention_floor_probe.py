@@ -8,9 +8,10 @@ the probabilities rounded to bf16, and `P @ V` from cuBLAS. A pass that keeps th
 between. This probe times, over the same samples through one `LlamaAttention` of the given shape:
 
   eager          transformers' eager attention (what the library's search runs)
-  fused-prefix   the product's `child/backends/eager_attention.fused_eager_attention`: the same products and
-                 softmax, the scaling, mask and fp32 upcast fused by Inductor with `emulate_precision_casts` (exact
-                 by construction: elementwise, each bf16 rounding kept); bits checked
+  fused          the product's `child/backends/eager_attention.fused_eager_attention`: the same products, and
+                 between them the scaling, mask, PyTorch's fp32 warp softmax and the cast in one kernel for rows of
+                 up to 2048 (child/backends/warp_softmax.py), else the scaling, mask and upcast fused by Inductor
+                 before PyTorch's softmax; bits checked
   half-to-float  the softmax reading the bf16 scores itself (`torch._softmax(x, -1, half_to_float=True)`, CUDA only);
                  bits checked (its reduction may be laid out differently from the fp32 kernel's)
   floor          the products, and between them one pass that reads the scores and writes bf16 probabilities
@@ -74,7 +75,7 @@ def main() -> None:
 
     from child.backends.eager_attention import fused_eager_attention  # compared with eager at its first call
 
-    for name, fn in (("fused-prefix", fused_eager_attention), ("half-to-float", half_to_float), ("floor", floor)):
+    for name, fn in (("fused", fused_eager_attention), ("half-to-float", half_to_float), ("floor", floor)):
         AttentionInterface.register(name, fn)
     AttentionInterface.register("sdpa-reference", sdpa_attention_forward)
 
@@ -97,7 +98,7 @@ def main() -> None:
         cfg._attn_implementation = impl
         return [attn(x, position_embeddings=emb, attention_mask=mask)[0] for x in xs]
 
-    variants = ["eager", "fused-prefix", "half-to-float", "floor", "sdpa-reference"]
+    variants = ["eager", "fused", "half-to-float", "floor", "sdpa-reference"]
     rows, reference = [], None
     with torch.no_grad():
         for impl in variants:
@@ -142,6 +143,11 @@ def main() -> None:
         wall = args.wall_s - args.layers * saved
         print(f"| {impl} | {secs:.3f} | {first:.2f} | {equal} | {layer:.2f} | {wall:.1f} | "
               f"{wall / args.oneshot_wall_s:.3f} |")
+    from child.backends import eager_attention, warp_softmax
+
+    kinds = sorted({call[-1][0] for call in eager_attention._checked})
+    print(f"\nfused: the path its calls took: {kinds}; one-kernel softmax: "
+          f"{warp_softmax.available() or 'available'}; fusion off: {eager_attention._state['off']}")
     print(f"\n(layer and wall: the measured {args.layer_s} s layer and {args.wall_s} s wall less {args.passes} passes "
           f"a layer at the row's speed instead of eager's; x oneshot against {args.oneshot_wall_s} s)")
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from child.backends import eager_attention
+from child.backends import eager_attention, warp_softmax
 from tests.models import assert_same_tensors, load_tensors
 from tests.ref_calib import make_tiny_dense, oneshot_calibrated, threads
 from tests.test_calibrate import SEQ, _export_in_process, ids_dataset  # noqa: F401 - the fixture
@@ -20,6 +20,8 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 def fresh_state(monkeypatch):
     """Each test starts with the fusion on and nothing compared (the module keeps its state per process)."""
     monkeypatch.setitem(eager_attention._state, "off", False)
+    monkeypatch.setitem(eager_attention._state, "told", False)
+    monkeypatch.setitem(warp_softmax._state, "error", None)
     eager_attention._checked.clear()
     eager_attention._lengths.clear()
     yield
@@ -122,6 +124,39 @@ def test_a_difference_from_eager_turns_it_off_and_gives_eagers_result(monkeypatc
             again = model(ids).logits  # eager from here on
     assert torch.equal(ref, ours) and torch.equal(ref, again)
     assert "fused attention: off: its result differs from eager attention's" in capfd.readouterr().err
+
+
+def _eagers_probabilities(scores, mask, scaling):
+    return torch.nn.functional.softmax(scores * scaling + mask, dim=-1, dtype=torch.float32).to(scores.dtype)
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_the_one_kernel_softmax_is_compared_and_a_difference_turns_it_alone_off(wrong, monkeypatch, capfd):
+    """The GPU's one-kernel probabilities (child/backends/warp_softmax.py, stood in for here) are a kind of call of
+    their own, compared with eager once a layer. Where they differ, that call gets eager's result, the kernel is off
+    for the process with one line in the log, and the other layers take the fused prefix, compared and equal."""
+    model, ids = _model("llama")
+
+    def kernel(scores, mask, scaling):
+        if warp_softmax.available() is not None:
+            return None
+        probs = _eagers_probabilities(scores, mask, scaling)
+        if wrong:
+            probs.view(-1)[0] = 0.5  # the first query attends to itself alone: 1.0 in eager's
+        return probs
+    monkeypatch.setattr(warp_softmax, "probabilities", kernel)
+    with torch.no_grad():
+        ref = model(ids).logits
+        with eager_attention.installed():
+            ours = model(ids).logits
+    assert torch.equal(ref, ours) and not eager_attention._state["off"]
+    paths = {call[-1][0] for call in eager_attention._checked}
+    err = capfd.readouterr().err
+    if wrong:
+        assert paths == {"warp softmax", "fused prefix"} and "differed from eager" in warp_softmax.available()
+        assert err.count("fused attention: the one-kernel softmax differs from eager attention's") == 1
+    else:
+        assert paths == {"warp softmax"} and warp_softmax.available() is None and "fused attention" not in err
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])

@@ -39,6 +39,8 @@ import threading
 import torch
 from torch import nn
 
+from child.backends import warp_softmax
+
 __all__ = ["installed", "applies", "fused_eager_attention", "DEVICES", "FORCE_ENV"]
 
 DEVICES = ("cuda",)  # where it pays (see the module docstring)
@@ -46,7 +48,7 @@ FORCE_ENV = "SUPERVISOR_TEST_FUSED_ATTENTION"  # test-only: "1" installs it on a
 LOG_PREFIX = "fused attention:"
 
 _lock = threading.Lock()
-_state = {"users": 0, "off": False, "compiled": None}
+_state = {"users": 0, "off": False, "compiled": None, "told": False}
 _checked: set = set()  # the kinds of call (shapes but the lengths, dtypes, scaling) compared since the last install
 _lengths: set = set()  # the (query, key) lengths this process has run
 
@@ -82,28 +84,48 @@ def fused_eager_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     key_states = repeat_kv(key, module.num_key_value_groups)
     value_states = repeat_kv(value, module.num_key_value_groups)
     scores = torch.matmul(query, key_states.transpose(2, 3))
-    x = _compiled()(scores, attention_mask, scaling)
-    del scores
-    attn_weights = nn.functional.softmax(x, dim=-1).to(query.dtype)  # eager: softmax(dtype=fp32) = fp32 x's kernel
-    del x
+    attn_weights = warp_softmax.probabilities(scores, attention_mask, scaling)  # one kernel, where it applies
+    if warp_softmax.available() is not None and not _state["told"]:
+        _state["told"] = True
+        print(f"{LOG_PREFIX} the one-kernel softmax is off here ({warp_softmax.available()}); the fused prefix only",
+              file=sys.stderr, flush=True)
+    path = ("warp softmax", warp_softmax.elements_per_lane(scores.shape[-1]))
+    if attn_weights is None:
+        path = ("fused prefix",)
+        x = _compiled()(scores, attention_mask, scaling)
+        del scores
+        attn_weights = nn.functional.softmax(x, dim=-1).to(query.dtype)  # eager: softmax(dtype=fp32) = fp32 x's
+        del x  # kernel
+    else:
+        del scores
     attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
     attn_output = torch.matmul(attn_weights, value_states)
     attn_output = attn_output.transpose(1, 2).contiguous()
-    # compared with eager's: a layer's first call of each kind, and a process's first calls of new lengths until
-    # torch.compile has made its kernel for any length (it does at the second length it sees); not every sample's
-    # length in every layer, where a dataset's lengths vary
+    # compared with eager's: a layer's first call of each kind (a kind: the shapes but the lengths, the dtypes, the
+    # scaling, the kernel variant), and a process's first calls of new lengths until torch.compile has made its
+    # prefix kernel for any length (it does at the second length it sees); not every sample's length in every layer,
+    # where a dataset's lengths vary
     length = (query.shape[-2], key.shape[-2])
-    new_kernel = length not in _lengths and len(_lengths) < 3
-    _lengths.add(length)
+    new_kernel = path == ("fused prefix",) and length not in _lengths and len(_lengths) < 3
+    if path == ("fused prefix",):
+        _lengths.add(length)
     call = (query.shape[:-2], query.shape[-1], key.shape[:-2], value.shape[-1], query.dtype, query.device, scaling,
-            None if attention_mask is None else (attention_mask.dim(), attention_mask.dtype), dropout, module.training)
+            None if attention_mask is None else (attention_mask.dim(), attention_mask.dtype), dropout, module.training,
+            path)
     if call not in _checked or new_kernel:
         _checked.add(call)
         ref_output, ref_weights = eager(module, query, key, value, attention_mask, scaling, dropout=dropout, **kwargs)
         if not (torch.equal(ref_output, attn_output) and torch.equal(ref_weights, attn_weights)):
-            _state["off"] = True
-            print(f"{LOG_PREFIX} off: its result differs from eager attention's for queries {list(query.shape)} "
-                  f"({query.dtype}); eager attention from here on", file=sys.stderr, flush=True)
+            where = f"for queries {list(query.shape)} ({query.dtype}, keys {key.shape[-2]})"
+            if path[0] == "warp softmax":  # the one-kernel softmax off; the fused prefix (its own check) goes on
+                warp_softmax.turn_off(f"its result differed from eager attention's {where}")
+                _state["told"] = True
+                print(f"{LOG_PREFIX} the one-kernel softmax differs from eager attention's {where}; the fused prefix "
+                      f"only from here on", file=sys.stderr, flush=True)
+            else:
+                _state["off"] = True
+                print(f"{LOG_PREFIX} off: its result differs from eager attention's {where}; eager attention from "
+                      f"here on", file=sys.stderr, flush=True)
             return ref_output, ref_weights
     return attn_output, attn_weights
 

@@ -1,0 +1,209 @@
+"""Eager attention's probabilities in one CUDA kernel, bit for bit: scaling, mask, PyTorch's warp softmax, the cast.
+
+Between its two products, transformers' eager attention (Llama's `eager_attention_forward`) rounds its scores step by
+step, each step a pass over a [heads, tokens, tokens] tensor::
+
+    x = half(scores * scaling)          half: the model's dtype (bf16 or fp16), products in fp32, rounded to nearest
+    x = half(x + mask)
+    p = softmax(float(x), dim=-1)       PyTorch's CUDA softmax in fp32 (fp16 reads its input itself: the same values)
+    probs = half(p)
+
+For rows of at most 2048 (`torch.softmax`'s dispatch in torch 2.10 and later: `dim_size <= 2048 && dim_size *
+sizeof(float) <= 8192`), PyTorch computes `p` with its persistent warp softmax (`softmax_warp_forward`,
+aten/src/ATen/native/cuda/PersistentSoftmax.cuh): one warp a row; lane `l` holds the row's elements `l + 32 * it`
+(the missing ones as -inf); the maximum, then `sum += expf(x - max)` in the lane's order, then a butterfly of
+`__shfl_xor_sync` over offsets 16, 8, 4, 2, 1 (every lane ends with the same sum); each output `e / sum` (IEEE
+division). `KERNEL` below is that arithmetic in that order, with the scaling, the mask and the roundings before it and
+the cast after it, so one kernel reads the bf16 scores (and mask) once and writes the bf16 probabilities once, where
+eager's chain writes and reads fp32 tensors four times. Compiled at run time by NVRTC (the compiler PyTorch's own
+kernels come from, with nvcc's defaults: IEEE division, no flush to zero, `expf` from CUDA's math library), one
+variant per dtype and row width (lanes hold `next_power_of_two(K) / 32` elements, PyTorch's WARP_ITERATIONS).
+
+Exact by construction where the torch at hand computes as described; `child/backends/eager_attention.py` compares
+its first calls with eager attention bit for bit and turns the fusion off at any difference (another torch's
+dispatch or kernel). Rows longer than 2048 (PyTorch's block softmax), other dtypes, and masks of another dtype than
+the scores' are not handled here: `probabilities` returns None and the caller keeps eager's chain.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+__all__ = ["probabilities", "elements_per_lane", "MAX_ROW", "available", "turn_off"]
+
+MAX_ROW = 2048  # PyTorch's warp softmax covers fp32 rows up to here; longer rows take its block kernels
+_WARPS = 4  # warps (rows) per block of 128 threads, as PyTorch launches it
+
+KERNEL = r"""
+typedef unsigned short u16;
+
+__device__ __forceinline__ float to_float(u16 v) {
+#if IS_BF16
+    return __uint_as_float(((unsigned int)v) << 16);
+#else
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f;
+#endif
+}
+
+__device__ __forceinline__ u16 round_to_half(float f) {  // c10's conversion on the device: round to nearest even
+    u16 h;
+#if IS_BF16
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#endif
+    return h;
+}
+
+extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, const u16* __restrict__ mask,
+                                               u16* __restrict__ out, int rows, int K, int Q, int H, int has_mask,
+                                               int ms0, int ms1, int ms2, int ms3, double scaling) {
+    const int lane = threadIdx.x;
+    const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+    if (row >= rows) return;  // a whole warp: its shuffles stay among live lanes
+    const float scale = (float)scaling;  // the mul kernel's scalar, as its opmath type
+    const u16* src = scores + row * (long long)K;
+    u16* dst = out + row * (long long)K;
+    long long moff = 0;
+    if (has_mask) {
+        const long long q = row % Q, bh = row / Q;
+        moff = (bh / H) * (long long)ms0 + (bh % H) * (long long)ms1 + q * (long long)ms2;
+    }
+    float e[ITER];
+#pragma unroll
+    for (int it = 0; it < ITER; ++it) {
+        const int k = lane + it * 32;
+        if (k < K) {
+            float x = to_float(round_to_half(to_float(src[k]) * scale));
+            if (has_mask) x = to_float(round_to_half(x + to_float(mask[moff + (long long)k * ms3])));
+            e[it] = x;
+        } else {
+            e[it] = __int_as_float(0xff800000);  // -inf, as PyTorch pads a row
+        }
+    }
+    float m = e[0];
+#pragma unroll
+    for (int it = 1; it < ITER; ++it) m = m > e[it] ? m : e[it];
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+        const float b = __shfl_xor_sync(0xffffffffu, m, offset, 32);
+        m = m < b ? b : m;
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int it = 0; it < ITER; ++it) {
+        e[it] = expf(e[it] - m);
+        sum += e[it];
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum = sum + __shfl_xor_sync(0xffffffffu, sum, offset, 32);
+#pragma unroll
+    for (int it = 0; it < ITER; ++it) {
+        const int k = lane + it * 32;
+        if (k < K) dst[k] = round_to_half(sum == 0.0f ? __int_as_float(0x7fffffff) : e[it] / sum);
+    }
+}
+"""
+
+_lock = threading.Lock()
+_kernels: dict = {}  # (device index, dtype, lanes' elements) -> the loaded kernel
+_state = {"error": None}  # why the kernel cannot be built here (NVRTC missing, a compile error), once known
+
+
+def elements_per_lane(k: int) -> int:
+    """PyTorch's WARP_ITERATIONS for a row of `k`: its next power of two over 32 lanes (one kernel variant each)."""
+    return max(1, (1 << (k - 1).bit_length()) // 32)
+
+
+def _nvrtc_ptx(source: str, name: str, arch: str) -> bytes:
+    """`source` compiled to PTX by NVRTC with nvcc's defaults (torch.cuda._compile_kernel's steps, without the
+    CUDA toolkit's include directory it insists on: this source includes nothing)."""
+    from torch.cuda._utils import _get_gpu_rtc_library
+
+    nvrtc = _get_gpu_rtc_library()
+    prog = ctypes.c_void_p()
+    check = _nvrtc_checker(nvrtc)
+    check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None))
+    try:
+        options = [f"--gpu-architecture=compute_{arch}".encode(), b"--std=c++17"]
+        result = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+        if result != 0:
+            size = ctypes.c_size_t()
+            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC: {log.value.decode(errors='replace').strip()[:500]}")
+        size = ctypes.c_size_t()
+        check(nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(size)))
+        ptx = ctypes.create_string_buffer(size.value)
+        check(nvrtc.nvrtcGetPTX(prog, ptx))
+        return ptx.raw
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _nvrtc_checker(nvrtc):
+    nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
+
+    def check(result: int) -> None:
+        if result != 0:
+            raise RuntimeError(f"NVRTC: {nvrtc.nvrtcGetErrorString(result).decode()}")
+    return check
+
+
+def _kernel(device: torch.device, dtype: torch.dtype, lanes: int):
+    key = (device.index, dtype, lanes)
+    with _lock:
+        if key not in _kernels:
+            from torch.cuda._utils import _cuda_load_module
+
+            major, minor = torch.cuda.get_device_capability(device)
+            source = f"#define IS_BF16 {int(dtype == torch.bfloat16)}\n#define ITER {lanes}\n" + KERNEL
+            with torch.cuda.device(device):
+                ptx = _nvrtc_ptx(source, "eager_probabilities", f"{major}{minor}")
+                _kernels[key] = _cuda_load_module(ptx, ["eager_probabilities"])["eager_probabilities"]
+        return _kernels[key]
+
+
+def available() -> str | None:
+    """None while the kernel is used, else why not (the first failure, kept for the process)."""
+    return _state["error"]
+
+
+def turn_off(why: str) -> None:
+    """No more kernel in this process (`probabilities` returns None from here on)."""
+    _state["error"] = why
+
+
+def probabilities(scores: torch.Tensor, mask: torch.Tensor | None, scaling) -> torch.Tensor | None:
+    """`softmax(float(half(half(scores * scaling) + mask)), -1)` rounded to `scores.dtype`, computed as PyTorch's
+    CUDA kernels compute it, in one pass; None where this kernel does not apply (see the module docstring)."""
+    if _state["error"] is not None or not scores.is_cuda or scores.dtype not in (torch.bfloat16, torch.float16) \
+            or scores.dim() != 4 or not scores.is_contiguous() or not isinstance(scaling, float):
+        return None
+    b, h, q, k = scores.shape
+    if not 0 < k <= MAX_ROW or scores.numel() // k >= 2 ** 31:
+        return None
+    strides = (0, 0, 0, 0)
+    if mask is not None:
+        if mask.dtype != scores.dtype or mask.dim() != 4 or mask.device != scores.device:
+            return None
+        try:
+            strides = mask.expand(b, h, q, k).stride()
+        except RuntimeError:
+            return None
+        if max(strides) >= 2 ** 31:
+            return None
+    try:
+        kernel = _kernel(scores.device, scores.dtype, elements_per_lane(k))
+    except Exception as exc:  # no NVRTC in this torch's environment, an architecture it does not know, ...
+        _state["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        return None
+    out = torch.empty_like(scores)
+    rows = b * h * q
+    kernel(grid=((rows + _WARPS - 1) // _WARPS, 1, 1), block=(32, _WARPS, 1),
+           args=[scores, scores if mask is None else mask, out, rows, k, q, h, int(mask is not None), *strides,
+                 float(scaling)])
+    return out

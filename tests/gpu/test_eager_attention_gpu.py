@@ -1,0 +1,128 @@
+"""On a GPU: child/backends/warp_softmax.py's one kernel gives eager attention's probabilities bit for bit (the
+scaling, the mask, PyTorch's fp32 softmax and the cast as transformers' eager attention runs them), for every row
+length it takes, both half dtypes, with and without masks; longer rows are left to eager's chain; whole models through
+the fused attention give eager's logits with the kernel in use. (AWQ exports on cuda against oneshot, with the
+fusion on: tests/gpu/test_calibrated_gpu.py.)"""
+import pytest
+import torch
+
+from child.backends import eager_attention, warp_softmax
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CUDA = torch.device("cuda")
+LENGTHS = [1, 7, 31, 32, 33, 100, 128, 257, 1000, 1024, 1025, 1536, 2047, 2048]
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch):
+    monkeypatch.setitem(eager_attention._state, "off", False)
+    monkeypatch.setitem(warp_softmax._state, "error", None)
+    eager_attention._checked.clear()
+    eager_attention._lengths.clear()
+    yield
+    eager_attention._checked.clear()
+
+
+def _eagers(scores, mask, scaling):
+    """transformers' eager attention between its products, as it is written."""
+    x = scores * scaling
+    if mask is not None:
+        x = x + mask
+    return torch.nn.functional.softmax(x, dim=-1, dtype=torch.float32).to(scores.dtype)
+
+
+def _scores(dtype, heads, q, k, spread, seed):
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    query = torch.randn(1, heads, q, 128, generator=g, device=CUDA, dtype=dtype) * spread
+    key = torch.randn(1, heads, k, 128, generator=g, device=CUDA, dtype=dtype)
+    return torch.matmul(query, key.transpose(2, 3))
+
+
+def _causal(dtype, q, k):
+    """transformers' 4D mask for eager attention: 0 where attended, the dtype's minimum elsewhere."""
+    return torch.full((1, 1, q, k), torch.finfo(dtype).min, dtype=dtype, device=CUDA).triu(k - q + 1)
+
+
+def _describe(ours, ref) -> str:
+    differ = (ours != ref).view(-1, ref.shape[-1]).any(-1)
+    return f"{int(differ.sum())} of {differ.numel()} rows differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("length", LENGTHS)
+def test_the_kernel_gives_eagers_probabilities(dtype, length):
+    scaling = 128 ** -0.5
+    cases = {
+        "causal": (_scores(dtype, 4, length, length, 1.0, length), _causal(dtype, length, length)),
+        "no mask, one query": (_scores(dtype, 8, 1, length, 1.0, length + 1), None),
+        # wide scores: many exp() far below the row's maximum (fp32 subnormals and zeros)
+        "wide, causal": (_scores(dtype, 4, length, length, 20.0, length + 2),
+                         _causal(dtype, length, length)),
+        # a padded sample: the last keys masked for every query (a batch's shorter row)
+        "padding": (_scores(dtype, 2, length, length, 1.0, length + 3),
+                    _causal(dtype, length, length).clone().index_fill_(-1, torch.arange(
+                        length // 2, length, device=CUDA), torch.finfo(dtype).min)),
+    }
+    for name, (scores, mask) in cases.items():
+        ours = warp_softmax.probabilities(scores, mask, scaling)
+        assert ours is not None, (name, warp_softmax.available())
+        ref = _eagers(scores, mask, scaling)
+        assert torch.equal(ours, ref), f"{name}, length {length}: {_describe(ours, ref)}"
+
+
+def test_a_mask_broadcast_over_queries_and_a_strided_mask():
+    """Masks as other models build them: [batch, 1, 1, keys] (broadcast over the queries), and a slice of a wider one
+    (a cache's mask cut to the keys)."""
+    dtype, scaling = torch.bfloat16, 0.125
+    scores = _scores(dtype, 4, 300, 300, 1.0, 7)
+    row = torch.zeros(1, 1, 1, 300, dtype=dtype, device=CUDA)
+    row[..., 250:] = torch.finfo(dtype).min
+    wide = _causal(dtype, 300, 400)[..., 100:]
+    for mask in (row, wide):
+        ours = warp_softmax.probabilities(scores, mask, scaling)
+        assert ours is not None and torch.equal(ours, _eagers(scores, mask, scaling))
+
+
+def test_what_the_kernel_leaves_to_eagers_chain():
+    dtype = torch.bfloat16
+    assert warp_softmax.probabilities(_scores(dtype, 2, 4, warp_softmax.MAX_ROW + 1, 1.0, 0), None, 0.1) is None
+    scores = _scores(dtype, 2, 16, 16, 1.0, 0)
+    assert warp_softmax.probabilities(scores, _causal(torch.float32, 16, 16), 0.1) is None  # a mask of another dtype
+    assert warp_softmax.probabilities(scores.float(), None, 0.1) is None
+    assert warp_softmax.probabilities(scores.transpose(2, 3), None, 0.1) is None  # not contiguous
+    assert warp_softmax.available() is None
+
+
+def _model(kind, dtype, **overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **{**shape, **overrides}),
+                                             attn_implementation="eager")
+    return model.to(CUDA, dtype).eval()
+
+
+@pytest.mark.parametrize("kind,dtype,overrides", [
+    ("llama", torch.bfloat16, {}),
+    ("qwen3", torch.bfloat16, {}),
+    ("mistral", torch.bfloat16, {"sliding_window": 64}),
+    ("llama", torch.float16, {}),
+])
+def test_models_through_the_fused_attention_give_eagers_logits(kind, dtype, overrides):
+    """Every layer's attention through the one kernel (lengths 700, 2048 and 2100: the last by eager's chain with the
+    fused prefix), logits equal eager's, and the kernel was the path taken."""
+    model = _model(kind, dtype, **overrides)
+    paths = []
+    for length in (700, 2048, 2100):
+        ids = torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(length)).to(CUDA)
+        with torch.no_grad():
+            ref = model(ids).logits
+            with eager_attention.installed():
+                ours = model(ids).logits
+        assert torch.equal(ref, ours), (kind, length)
+        paths.append({call[-1][0] for call in eager_attention._checked})  # the kinds of call compared
+    assert paths == [{"warp softmax"}, {"warp softmax"}, {"fused prefix"}]
+    assert not eager_attention._state["off"] and warp_softmax.available() is None
