@@ -27,7 +27,7 @@ session, modifiers, hooks and contexts, so the result is oneshot's by constructi
     LengthAwareSampler order, truncation           child/backends/samples.py (the library's sampler)
     moe_calibration_context, norm context          entered around each layer's session
     calibration_forward_context, DisableQuant      no_grad, eval, eager attention (match_oneshot = false: SDPA;
-                                                   AWQ on a GPU: its elementwise prefix fused, same bits,
+                                                   AWQ on a GPU: its work between the products fused, same bits,
                                                    child/backends/eager_attention.py), use_cache off,
                                                    DisableQuantization
     trace: kwargs each layer receives              the model's own forward with stub layers records them
@@ -131,12 +131,12 @@ class Calibrator:
         if self._awq_mappings is not None:
             _check_awq_mappings(type(self._model).__name__, self.layer_prefix, self._layers, self._awq_mappings)
         self._awq_offload = torch.device("cpu") if self.method == "awq" and is_moe_model(self._model) else None
-        # AWQ's grid search runs the eager attention 21 times a layer: its scaling, mask and fp32 upcast in one kernel
-        # where that keeps every bit (child/backends/eager_attention.py; eager's chain as it is elsewhere)
+        # AWQ's grid search runs the eager attention 21 times a layer: its work between the products fused where that
+        # keeps every bit (child/backends/eager_attention.py; eager's chain as it is elsewhere)
         self._fused_attention = self.method == "awq" and eager_attention.applies(self._model, self.device) is None
         if self._fused_attention:
-            print(f"{eager_attention.LOG_PREFIX} on (eager attention's scaling, mask and upcast in one kernel, bit for "
-                  f"bit)", file=sys.stderr, flush=True)
+            print(f"{eager_attention.LOG_PREFIX} on (eager attention's work between its products fused, bit for bit)",
+                  file=sys.stderr, flush=True)
         self._trunk_name = self.layer_prefix[:-1].rsplit(".", 1)[0] if "." in self.layer_prefix[:-1] else ""
         self._trunk = self._model.get_submodule(self._trunk_name)
         self._sink: dict[int, tuple] = {}

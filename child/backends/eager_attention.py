@@ -1,4 +1,4 @@
-"""Eager attention with its elementwise prefix fused, bit for bit: AWQ's grid search on a GPU, cheaper.
+"""Eager attention with its elementwise work fused, bit for bit: AWQ's grid search on a GPU, cheaper.
 
 llm-compressor calibrates with eager attention, and AWQ runs the attention's parent over every sample 21 times a
 layer (20 grid points and the unscaled reference). transformers' eager attention (Llama's `eager_attention_forward`,
@@ -11,23 +11,28 @@ which most architectures share) materialises its rounding step by step on the [h
     p = bf16(softmax(x))            PyTorch's softmax, then a cast
     out = p @ v                     cuBLAS
 
-Here the three middle passes are one kernel (Inductor, with `emulate_precision_casts`, so each bf16 rounding of the
-chain is kept: elementwise work, exact by construction), and everything else is the same call as eager's: the same
-products, the same softmax kernel on the same fp32 input, the same cast. Measured on an H100 (the 8B layer's
-attention, 128 x 2048, `bench/attention_floor_probe.py`): a pass 0.211 s against eager's 0.295, every output bit-equal.
+Everything between the two products is fused here, in one of two ways, and the products stay the same calls:
 
-AWQ only: GPTQ and static scales run the attention twice a layer (forward, propagate), about 0.17 s of an 8B layer
-to save against about 4 s of compilation per worker process (measured in AWQ's first layer). Installed
-(`installed()`) around an AWQ layer's session where `applies(model, device)` (the Calibrator asks once), that is
-when all of these hold, else nothing changes: the device is a GPU (on the CPU the fused kernel is slower than eager's
-chain: the products dominate there, measured), the model's attention is eager, and every module of its layers that
-picks its attention through transformers' AttentionInterface defaults to an `eager_attention_forward` whose bytecode
-is Llama's (Llama, Qwen2/3, their MoE, Mistral, Mixtral, Gemma, Phi-3, DeepSeek-V3, ...; not Gemma-2/3's
-soft-capping nor GPT-OSS's sinks). While installed, the AttentionInterface's "eager" entry is this module's
-function. Each distinct call of a layer (shapes, dtypes, scaling; not the length), and each of the first lengths a
-process sees (until torch.compile has its kernel for any length), is also computed by the eager function and
-compared bit for bit; a difference (a torch whose Inductor rounds otherwise) turns the fusion off for the rest of the
-process, with one line in the worker's log, and the eager result is used.
+- rows of up to 2048 keys on a GPU (`child/backends/warp_softmax.py`): one CUDA kernel does the scaling, the mask,
+  the upcast, PyTorch's fp32 warp softmax (its arithmetic in its order) and the cast: the scores read once, the
+  probabilities written once;
+- otherwise ("fused prefix"): the scaling, the mask and the upcast are one Inductor kernel (`emulate_precision_casts`
+  keeps each bf16 rounding: elementwise work, exact by construction), then the same softmax kernel on the same fp32
+  input, the same cast.
+
+AWQ only: GPTQ and static scales run the attention twice a layer (forward, propagate), little to save there against
+the first call's compilation. Installed (`installed()`) around an AWQ layer's session where `applies(model, device)`
+(the Calibrator asks once), that is when all of these hold, else nothing changes: the device is a GPU (on the CPU
+the fused prefix is slower than eager's chain: the products dominate there, measured), the model's attention is
+eager, and every module of its layers that picks its attention through transformers' AttentionInterface defaults
+to an `eager_attention_forward` whose bytecode is Llama's (Llama, Qwen2/3, their MoE, Mistral, Mixtral, Gemma, Phi-3,
+DeepSeek-V3, ...; not Gemma-2/3's soft-capping nor GPT-OSS's sinks). While installed, the AttentionInterface's
+"eager" entry is this module's function. Each kind of call of a layer (shapes but the lengths, dtypes, scaling, the
+path and kernel variant), and for the fused prefix each of the first lengths a process sees (until torch.compile has
+its kernel for any length), is also computed by the eager function and compared bit for bit. A difference in the
+one-kernel softmax (a torch whose softmax computes otherwise) turns that kernel off for the process and the fused
+prefix goes on; a difference in the fused prefix (an Inductor that rounds otherwise) turns the fusion off; either
+way one line goes to the worker's log and the eager result is used.
 """
 from __future__ import annotations
 
