@@ -27,6 +27,7 @@ the scores' are not handled here: `probabilities` returns None and the caller ke
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 
 import torch
@@ -59,11 +60,11 @@ __device__ __forceinline__ u16 round_to_half(float f) {  // c10's conversion on 
 
 extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, const u16* __restrict__ mask,
                                                u16* __restrict__ out, int rows, int K, int Q, int H, int has_mask,
-                                               int ms0, int ms1, int ms2, int ms3, double scaling) {
+                                               int ms0, int ms1, int ms2, int ms3, int scaling_bits) {
     const int lane = threadIdx.x;
     const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
     if (row >= rows) return;  // a whole warp: its shuffles stay among live lanes
-    const float scale = (float)scaling;  // the mul kernel's scalar, as its opmath type
+    const float scale = __int_as_float(scaling_bits);  // the mul kernel's scalar as its opmath type, float(scaling)
     const u16* src = scores + row * (long long)K;
     u16* dst = out + row * (long long)K;
     long long moff = 0;
@@ -120,9 +121,10 @@ def elements_per_lane(k: int) -> int:
 def _nvrtc_ptx(source: str, name: str, arch: str) -> bytes:
     """`source` compiled to PTX by NVRTC with nvcc's defaults (torch.cuda._compile_kernel's steps, without the
     CUDA toolkit's include directory it insists on: this source includes nothing)."""
-    from torch.cuda._utils import _get_gpu_rtc_library
+    from torch.cuda import _utils
 
-    nvrtc = _get_gpu_rtc_library()
+    nvrtc = getattr(_utils, "_get_gpu_rtc_library", None) or _utils._get_nvrtc_library  # named so before torch 2.9
+    nvrtc = nvrtc()
     prog = ctypes.c_void_p()
     check = _nvrtc_checker(nvrtc)
     check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None))
@@ -181,7 +183,8 @@ def probabilities(scores: torch.Tensor, mask: torch.Tensor | None, scaling) -> t
     """`softmax(float(half(half(scores * scaling) + mask)), -1)` rounded to `scores.dtype`, computed as PyTorch's
     CUDA kernels compute it, in one pass; None where this kernel does not apply (see the module docstring)."""
     if _state["error"] is not None or not scores.is_cuda or scores.dtype not in (torch.bfloat16, torch.float16) \
-            or scores.dim() != 4 or not scores.is_contiguous() or not isinstance(scaling, float):
+            or scores.dim() != 4 or not scores.is_contiguous() or not isinstance(scaling, float) \
+            or not abs(scaling) < 3e38:
         return None
     b, h, q, k = scores.shape
     if not 0 < k <= MAX_ROW or scores.numel() // k >= 2 ** 31:
@@ -205,5 +208,5 @@ def probabilities(scores: torch.Tensor, mask: torch.Tensor | None, scaling) -> t
     rows = b * h * q
     kernel(grid=((rows + _WARPS - 1) // _WARPS, 1, 1), block=(32, _WARPS, 1),
            args=[scores, scores if mask is None else mask, out, rows, k, q, h, int(mask is not None), *strides,
-                 float(scaling)])
+                 struct.unpack("<i", struct.pack("<f", scaling))[0]])  # float(scaling)'s bits: an int in any torch
     return out
