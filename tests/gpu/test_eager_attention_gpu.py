@@ -7,21 +7,12 @@ import pytest
 import torch
 
 from child.backends import eager_attention, warp_softmax
+from tests.test_eager_attention import fresh_state  # noqa: F401 - autouse: the fusion on, nothing compared yet
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 CUDA = torch.device("cuda")
 LENGTHS = [1, 7, 31, 32, 33, 100, 128, 257, 1000, 1024, 1025, 1536, 2047, 2048]
-
-
-@pytest.fixture(autouse=True)
-def fresh_state(monkeypatch):
-    monkeypatch.setitem(eager_attention._state, "off", False)
-    monkeypatch.setitem(warp_softmax._state, "error", None)
-    eager_attention._checked.clear()
-    eager_attention._lengths.clear()
-    yield
-    eager_attention._checked.clear()
 
 
 def _eagers(scores, mask, scaling):
