@@ -16,7 +16,7 @@ export SUPERVISOR_BIN=/tmp/bin/supervisor PATH=/tmp/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/machine.txt"
 nproc >> "$OUT/machine.txt"
 
-quiet() { grep -v "^W11\|WARNING\|it/s]\|Failed to load"; }
+quiet() { grep --line-buffered -v "^W11\|WARNING\|it/s]\|Failed to load"; }
 t() {  # t SECONDS NAME PYTEST-ARGS...: one pytest run, bounded, its whole output in $OUT/NAME.txt
   local secs=$1 name=$2; shift 2
   timeout "$secs" python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short "$@" 2>&1 | quiet > "$OUT/$name.txt"
@@ -127,6 +127,13 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
+s38c)  # thirty-seventh session (issue 34), s38a and s38b in one call (device starts are scarce): the one-kernel
+  # softmax's GPU tests, the default AWQ against oneshot on 8 layers of the 8B shape, then AWQ's GPU equality tests
+  t 150 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
+  cb 380 awq_warp --method awq
+  grep "worker logs" "$OUT/awq_warp.txt"
+  t 170 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq or awq_match"
+  ;;
 s38a)  # thirty-seventh session (issue 34): eager attention's probabilities in one CUDA kernel (scaling, mask, PyTorch's
   # warp softmax, cast; child/backends/warp_softmax.py): its GPU tests, the attention probe (8B shape, 128 x 2048),
   # then AWQ's GPU equality tests against oneshot on the small models
