@@ -199,14 +199,14 @@ def probabilities(scores: torch.Tensor, mask: torch.Tensor | None, scaling) -> t
             return None
         if max(strides) >= 2 ** 31:
             return None
-    try:
-        kernel = _kernel(scores.device, scores.dtype, elements_per_lane(k))
-    except Exception as exc:  # no NVRTC in this torch's environment, an architecture it does not know, ...
-        _state["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-        return None
     out = torch.empty_like(scores)
     rows = b * h * q
-    kernel(grid=((rows + _WARPS - 1) // _WARPS, 1, 1), block=(32, _WARPS, 1),
-           args=[scores, scores if mask is None else mask, out, rows, k, q, h, int(mask is not None), *strides,
-                 struct.unpack("<i", struct.pack("<f", scaling))[0]])  # float(scaling)'s bits: an int in any torch
+    try:
+        kernel = _kernel(scores.device, scores.dtype, elements_per_lane(k))
+        kernel(grid=((rows + _WARPS - 1) // _WARPS, 1, 1), block=(32, _WARPS, 1),
+               args=[scores, scores if mask is None else mask, out, rows, k, q, h, int(mask is not None), *strides,
+                     struct.unpack("<i", struct.pack("<f", scaling))[0]])  # float(scaling)'s bits: an int anywhere
+    except Exception as exc:  # no NVRTC in this torch's environment, an architecture it does not know, a launcher
+        _state["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]  # that
+        return None  # refuses the arguments, ...
     return out
