@@ -114,7 +114,7 @@ def test_samples_of_many_lengths_are_eagers_and_only_the_first_lengths_are_compa
 
 def test_a_difference_from_eager_turns_it_off_and_gives_eagers_result(monkeypatch, capfd):
     model, ids = _model("llama")
-    wrong = lambda scores, m, scaling: (scores * scaling + m).float() * 1.001  # noqa: E731 - not eager's rounding
+    wrong = lambda scores, m, scaling, upcast: (scores * scaling + m).float() * 1.001  # noqa: E731 - not eager's
     monkeypatch.setitem(eager_attention._state, "compiled", wrong)
     with torch.no_grad():
         ref = model(ids).logits

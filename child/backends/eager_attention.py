@@ -58,11 +58,11 @@ _checked: set = set()  # the kinds of call (shapes but the lengths, dtypes, scal
 _lengths: set = set()  # the (query, key) lengths this process has run
 
 
-def _prefix(scores: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+def _prefix(scores: torch.Tensor, mask: torch.Tensor | None, scaling: float, upcast: bool) -> torch.Tensor:
     x = scores * scaling
     if mask is not None:
         x = x + mask
-    return x.float()
+    return x.float() if upcast else x
 
 
 def _compiled():
@@ -97,10 +97,13 @@ def fused_eager_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     path = ("warp softmax", warp_softmax.elements_per_lane(scores.shape[-1]))
     if attn_weights is None:
         path = ("fused prefix",)
-        x = _compiled()(scores, attention_mask, scaling)
+        # bf16: eager's softmax(dtype=float32) converts its input, then runs the fp32 kernel, so the conversion is
+        # fused too; fp16 on a GPU: that softmax reads the half input itself (half_to_float, a kernel of its own for
+        # rows over 1024), so it gets the half input as in eager
+        x = _compiled()(scores, attention_mask, scaling, query.dtype == torch.bfloat16)
         del scores
-        attn_weights = nn.functional.softmax(x, dim=-1).to(query.dtype)  # eager: softmax(dtype=fp32) = fp32 x's
-        del x  # kernel
+        attn_weights = nn.functional.softmax(x, dim=-1, dtype=torch.float32).to(query.dtype)  # eager's call
+        del x
     else:
         del scores
     attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)

@@ -8,8 +8,10 @@ step, each step a pass over a [heads, tokens, tokens] tensor::
     p = softmax(float(x), dim=-1)       PyTorch's CUDA softmax in fp32 (fp16 reads its input itself: the same values)
     probs = half(p)
 
-For rows of at most 2048 (`torch.softmax`'s dispatch in torch 2.10 and later: `dim_size <= 2048 && dim_size *
-sizeof(float) <= 8192`), PyTorch computes `p` with its persistent warp softmax (`softmax_warp_forward`,
+For rows of at most 2048 keys in bf16 (`torch.softmax`'s dispatch in torch 2.10 and later: `dim_size <= 2048 &&
+dim_size * sizeof(float) <= 8192` for the upcast input) and 1024 in fp16 (whose softmax reads the half input itself,
+`half_to_float`, a branch that kept the bound of 1024: rows of 1025 and over differed on an H100, the shorter ones
+did not), PyTorch computes `p` with its persistent warp softmax (`softmax_warp_forward`,
 aten/src/ATen/native/cuda/PersistentSoftmax.cuh): one warp a row; lane `l` holds the row's elements `l + 32 * it`
 (the missing ones as -inf); the maximum, then `sum += expf(x - max)` in the lane's order, then a butterfly of
 `__shfl_xor_sync` over offsets 16, 8, 4, 2, 1 (every lane ends with the same sum); each output `e / sum` (IEEE
@@ -20,9 +22,9 @@ kernels come from, with nvcc's defaults: IEEE division, no flush to zero, `expf`
 variant per dtype and row width (lanes hold `next_power_of_two(K) / 32` elements, PyTorch's WARP_ITERATIONS).
 
 Exact by construction where the torch at hand computes as described; `child/backends/eager_attention.py` compares
-its first calls with eager attention bit for bit and turns the fusion off at any difference (another torch's
-dispatch or kernel). Rows longer than 2048 (PyTorch's block softmax), other dtypes, and masks of another dtype than
-the scores' are not handled here: `probabilities` returns None and the caller keeps eager's chain.
+its first calls with eager attention bit for bit and turns this kernel off at any difference (another torch's
+dispatch or kernel). Longer rows (PyTorch's block softmax), other dtypes, and masks of another dtype than the scores'
+are not handled here: `probabilities` returns None and the caller keeps eager's chain (its fused prefix).
 """
 from __future__ import annotations
 
@@ -34,7 +36,10 @@ import torch
 
 __all__ = ["probabilities", "elements_per_lane", "MAX_ROW", "available", "turn_off"]
 
-MAX_ROW = 2048  # PyTorch's warp softmax covers fp32 rows up to here; longer rows take its block kernels
+# the longest rows PyTorch's CUDA softmax gives its warp kernel, for eager's input (torch 2.10 and later): bf16
+# scores reach it upcast (`dim_size <= 2048 && dim_size * sizeof(float) <= 8192`); fp16 ones as half, read by the
+# kernel itself (`half_to_float`), whose bound stayed at 1024 (measured: rows of 1025 and over differ on an H100)
+MAX_ROW = {torch.bfloat16: 2048, torch.float16: 1024}
 _WARPS = 4  # warps (rows) per block of 128 threads, as PyTorch launches it
 
 KERNEL = r"""
@@ -187,7 +192,7 @@ def probabilities(scores: torch.Tensor, mask: torch.Tensor | None, scaling) -> t
             or not abs(scaling) < 3e38:
         return None
     b, h, q, k = scores.shape
-    if not 0 < k <= MAX_ROW or scores.numel() // k >= 2 ** 31:
+    if not 0 < k <= MAX_ROW[scores.dtype] or scores.numel() // k >= 2 ** 31:
         return None
     strides = (0, 0, 0, 0)
     if mask is not None:

@@ -57,6 +57,9 @@ def test_the_kernel_gives_eagers_probabilities(dtype, length):
     }
     for name, (scores, mask) in cases.items():
         ours = warp_softmax.probabilities(scores, mask, scaling)
+        if length > warp_softmax.MAX_ROW[dtype]:  # fp16's longer rows: PyTorch's own kernel (the fused prefix's path)
+            assert ours is None and warp_softmax.available() is None
+            continue
         assert ours is not None, (name, warp_softmax.available())
         ref = _eagers(scores, mask, scaling)
         assert torch.equal(ours, ref), f"{name}, length {length}: {_describe(ours, ref)}"
@@ -77,7 +80,7 @@ def test_a_mask_broadcast_over_queries_and_a_strided_mask():
 
 def test_what_the_kernel_leaves_to_eagers_chain():
     dtype = torch.bfloat16
-    assert warp_softmax.probabilities(_scores(dtype, 2, 4, warp_softmax.MAX_ROW + 1, 1.0, 0), None, 0.1) is None
+    assert warp_softmax.probabilities(_scores(dtype, 2, 4, warp_softmax.MAX_ROW[dtype] + 1, 1.0, 0), None, 0.1) is None
     scores = _scores(dtype, 2, 16, 16, 1.0, 0)
     assert warp_softmax.probabilities(scores, _causal(torch.float32, 16, 16), 0.1) is None  # a mask of another dtype
     assert warp_softmax.probabilities(scores.float(), None, 0.1) is None
@@ -103,8 +106,8 @@ def _model(kind, dtype, **overrides):
     ("llama", torch.float16, {}),
 ])
 def test_models_through_the_fused_attention_give_eagers_logits(kind, dtype, overrides):
-    """Every layer's attention through the one kernel (lengths 700, 2048 and 2100: the last by eager's chain with the
-    fused prefix), logits equal eager's, and the kernel was the path taken."""
+    """Every layer's attention through the one kernel (lengths 700, 2048 and 2100: the last, and fp16's 2048, by
+    eager's chain with the fused prefix), logits equal eager's, and each path was the one expected."""
     model = _model(kind, dtype, **overrides)
     paths = []
     for length in (700, 2048, 2100):
@@ -115,5 +118,6 @@ def test_models_through_the_fused_attention_give_eagers_logits(kind, dtype, over
                 ours = model(ids).logits
         assert torch.equal(ref, ours), (kind, length)
         paths.append({call[-1][0] for call in eager_attention._checked})  # the kinds of call compared
-    assert paths == [{"warp softmax"}, {"warp softmax"}, {"fused prefix"}]
+    middle = "warp softmax" if dtype == torch.bfloat16 else "fused prefix"
+    assert paths == [{"warp softmax"}, {middle}, {"fused prefix"}]
     assert not eager_attention._state["off"] and warp_softmax.available() is None
