@@ -464,7 +464,7 @@ def main() -> None:
         print(f"| {name} | {r['wall']:.1f} | {startup:.1f} | {r['per_layer']:.2f} | "
               f"{r['peak_gpu'] / gib:.2f} / {r['tree'].peak_gpu / gib:.2f} | {r['tree'].peak_rss / gib:.2f} |")
     if one:
-        print(f"\noneshot: imports {one['startup']:.1f} s, load {one['load']:.1f} s, GPTQ {one['gptq']:.1f} s, "
+        print(f"\noneshot: imports {one['startup']:.1f} s, load {one['load']:.1f} s, {args.method} {one['gptq']:.1f} s, "
               f"save {one['save']:.1f} s, peak reserved {one['peak_reserved'] / gib:.2f} GiB")
         for name, r in rows:
             if name.startswith("supervisor"):

@@ -127,30 +127,12 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
-s38d)  # thirty-seventh session (issue 34): the one-kernel softmax's GPU tests after fp16's bound (1024), then the
-  # attention probe (8B shape, 128 x 2048): a pass of the kernel against eager's and the floor
-  t 60 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
-  timeout 100 python3 bench/attention_floor_probe.py --layer-s 9.27 --wall-s 88.4 --oneshot-wall-s 134.8 2>&1 \
-    | quiet > "$OUT/probe.txt"; tail -12 "$OUT/probe.txt"
-  ;;
 s38c)  # thirty-seventh session (issue 34), s38a and s38b in one call (device starts are scarce): the one-kernel
   # softmax's GPU tests, the default AWQ against oneshot on 8 layers of the 8B shape, then AWQ's GPU equality tests
   t 150 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
   cb 380 awq_warp --method awq
   grep "worker logs" "$OUT/awq_warp.txt"
   t 170 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq or awq_match"
-  ;;
-s38a)  # thirty-seventh session (issue 34): eager attention's probabilities in one CUDA kernel (scaling, mask, PyTorch's
-  # warp softmax, cast; child/backends/warp_softmax.py): its GPU tests, the attention probe (8B shape, 128 x 2048),
-  # then AWQ's GPU equality tests against oneshot on the small models
-  t 240 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
-  timeout 200 python3 bench/attention_floor_probe.py 2>&1 | quiet > "$OUT/probe.txt"; tail -14 "$OUT/probe.txt"
-  t 170 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq or awq_match"
-  ;;
-s38b)  # thirty-seventh session (issue 34): the default AWQ with the one-kernel probabilities, 8 layers of the 8B
-  # shape, 128 x 2048, ours against oneshot (every tensor compared)
-  cb 420 awq_warp --method awq
-  grep "worker logs" "$OUT/awq_warp.txt"
   ;;
 s37a)  # thirty-sixth session (issue 34): the default AWQ with eager attention's scaling, mask and upcast fused (same
   # bits, child/backends/eager_attention.py): 8 layers of the 8B shape, 128 x 2048, ours against oneshot (every
