@@ -127,8 +127,9 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
-s38c)  # thirty-seventh session (issue 34), s38a and s38b in one call (device starts are scarce): the one-kernel
-  # softmax's GPU tests, the default AWQ against oneshot on 8 layers of the 8B shape, then AWQ's GPU equality tests
+s38c)  # thirty-seventh session (issue 34): eager attention's probabilities in one CUDA kernel (scaling, mask, PyTorch's
+  # warp softmax, cast; child/backends/warp_softmax.py): its GPU tests, the default AWQ against oneshot on 8 layers of
+  # the 8B shape, 128 x 2048 (every tensor compared), then AWQ's GPU equality tests against oneshot on small models
   t 150 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
   cb 380 awq_warp --method awq
   grep "worker logs" "$OUT/awq_warp.txt"
