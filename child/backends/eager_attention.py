@@ -13,12 +13,12 @@ which most architectures share) materialises its rounding step by step on the [h
 
 Everything between the two products is fused here, in one of two ways, and the products stay the same calls:
 
-- rows of up to 2048 keys on a GPU (`child/backends/warp_softmax.py`): one CUDA kernel does the scaling, the mask,
-  the upcast, PyTorch's fp32 warp softmax (its arithmetic in its order) and the cast: the scores read once, the
-  probabilities written once;
-- otherwise ("fused prefix"): the scaling, the mask and the upcast are one Inductor kernel (`emulate_precision_casts`
-  keeps each bf16 rounding: elementwise work, exact by construction), then the same softmax kernel on the same fp32
-  input, the same cast.
+- rows of up to 2048 keys on a GPU, 1024 in fp16 (`child/backends/warp_softmax.py`): one CUDA kernel does the
+  scaling, the mask, the upcast, PyTorch's fp32 warp softmax (its arithmetic in its order) and the cast: the scores
+  read once, the probabilities written once;
+- otherwise ("fused prefix"): the scaling, the mask and (bf16) the upcast are one Inductor kernel
+  (`emulate_precision_casts` keeps each rounding: elementwise work, exact by construction), then eager's own softmax
+  call on the same input, the same cast.
 
 AWQ only: GPTQ and static scales run the attention twice a layer (forward, propagate), little to save there against
 the first call's compilation. Installed (`installed()`) around an AWQ layer's session where `applies(model, device)`
@@ -54,7 +54,7 @@ LOG_PREFIX = "fused attention:"
 
 _lock = threading.Lock()
 _state = {"users": 0, "off": False, "compiled": None, "told": False}
-_checked: set = set()  # the kinds of call (shapes but the lengths, dtypes, scaling) compared since the last install
+_checked: set = set()  # the kinds of call (shapes but the lengths, dtypes, scaling, path) compared since the last install
 _lengths: set = set()  # the (query, key) lengths this process has run
 
 

@@ -115,7 +115,8 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
 
 _lock = threading.Lock()
 _kernels: dict = {}  # (device index, dtype, lanes' elements) -> the loaded kernel
-_state = {"error": None}  # why the kernel cannot be built here (NVRTC missing, a compile error), once known
+_state = {"error": None}  # why the kernel is off for the process (NVRTC missing, a build or launch that failed, a
+# difference from eager's result), once known
 
 
 def elements_per_lane(k: int) -> int:
