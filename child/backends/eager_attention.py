@@ -20,19 +20,21 @@ Everything between the two products is fused here, in one of two ways, and the p
   (`emulate_precision_casts` keeps each rounding: elementwise work, exact by construction), then eager's own softmax
   call on the same input, the same cast.
 
-AWQ only: GPTQ and static scales run the attention twice a layer (forward, propagate), little to save there against
-the first call's compilation. Installed (`installed()`) around an AWQ layer's session where `applies(model, device)`
-(the Calibrator asks once), that is when all of these hold, else nothing changes: the device is a GPU (on the CPU
-the fused prefix is slower than eager's chain: the products dominate there, measured), the model's attention is
-eager, and every module of its layers that picks its attention through transformers' AttentionInterface defaults
-to an `eager_attention_forward` whose bytecode is Llama's (Llama, Qwen2/3, their MoE, Mistral, Mixtral, Gemma, Phi-3,
-DeepSeek-V3, ...; not Gemma-2/3's soft-capping nor GPT-OSS's sinks). While installed, the AttentionInterface's
-"eager" entry is this module's function. Each kind of call of a layer (shapes but the lengths, dtypes, scaling, the
-path and kernel variant), and for the fused prefix each of the first lengths a process sees (until torch.compile has
-its kernel for any length), is also computed by the eager function and compared bit for bit. A difference in the
-one-kernel softmax (a torch whose softmax computes otherwise) turns that kernel off for the process and the fused
-prefix goes on; a difference in the fused prefix (an Inductor that rounds otherwise) turns the fusion off; either
-way one line goes to the worker's log and the eager result is used.
+AWQ only: GPTQ and static scales run the attention twice a layer (forward, propagate). Against the fused prefix's
+compilation (about 4 s per worker process) that was little to save; the one-kernel softmax compiles in a fraction of
+a second, so it might pay there too, but that is not measured and not switched on. Installed (`installed()`) around
+an AWQ layer's session where `applies(model, device)` (the Calibrator asks once), that is when all of these hold,
+else nothing changes: the device is a GPU (on the CPU the fused prefix is slower than eager's chain: the products
+dominate there, measured), the model's attention is eager, and every module of its layers that picks its attention
+through transformers' AttentionInterface defaults to an `eager_attention_forward` whose bytecode is Llama's (Llama,
+Qwen2/3, their MoE, Mistral, Mixtral, Gemma, Phi-3, DeepSeek-V3, ...; not Gemma-2/3's soft-capping nor GPT-OSS's
+sinks). While installed, the AttentionInterface's "eager" entry is this module's function. Each kind of call of a
+layer (shapes but the lengths, dtypes, scaling, the path and kernel variant), and for the fused prefix each of the
+first lengths a process sees (until torch.compile has its kernel for any length), is also computed by the eager
+function and compared bit for bit. A difference in the one-kernel softmax (a torch whose softmax computes otherwise)
+turns that kernel off for the process and the fused prefix goes on; a difference in the fused prefix (an Inductor
+that rounds otherwise) turns the fusion off; either way one line goes to the worker's log and the eager result is
+used.
 """
 from __future__ import annotations
 
@@ -94,18 +96,17 @@ def fused_eager_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
         _state["told"] = True
         print(f"{LOG_PREFIX} the one-kernel softmax is off here ({warp_softmax.available()}); the fused prefix only",
               file=sys.stderr, flush=True)
-    path = ("warp softmax", warp_softmax.elements_per_lane(scores.shape[-1]))
-    if attn_weights is None:
+    if attn_weights is not None:
+        path = ("warp softmax", warp_softmax.elements_per_lane(scores.shape[-1]))
+    else:
         path = ("fused prefix",)
         # bf16: eager's softmax(dtype=float32) converts its input, then runs the fp32 kernel, so the conversion is
         # fused too; fp16 on a GPU: that softmax reads the half input itself (half_to_float, a kernel of its own for
         # rows over 1024), so it gets the half input as in eager
         x = _compiled()(scores, attention_mask, scaling, query.dtype == torch.bfloat16)
-        del scores
         attn_weights = nn.functional.softmax(x, dim=-1, dtype=torch.float32).to(query.dtype)  # eager's call
         del x
-    else:
-        del scores
+    del scores
     attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
     attn_output = torch.matmul(attn_weights, value_states)
     attn_output = attn_output.transpose(1, 2).contiguous()
