@@ -127,6 +127,15 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
+s39a)  # thirty-eighth session (issue 34): the one-kernel softmax's fp16 fix on the GPU (bound 1024; the prefix gives
+  # fp16's softmax the half input), a pass's time against the floor (bench/attention_floor_probe.py), then where the
+  # default AWQ's search goes now: oneshot's search with the product's fused attention installed, each mapping's
+  # passes timed and one candidate's pass per parent profiled (bench/awq_probe.py --fused)
+  t 150 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
+  timeout 120 python3 bench/attention_floor_probe.py 2>&1 | quiet > "$OUT/floor_probe.txt"; tail -12 "$OUT/floor_probe.txt"
+  timeout 240 python3 bench/awq_probe.py --fused --workdir /tmp/awqp 2>&1 | quiet | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_probe.txt"
+  tail -70 "$OUT/awq_probe.txt"; rm -rf /tmp/awqp
+  ;;
 s38c)  # thirty-seventh session (issue 34): eager attention's probabilities in one CUDA kernel (scaling, mask, PyTorch's
   # warp softmax, cast; child/backends/warp_softmax.py): its GPU tests, the default AWQ against oneshot on 8 layers of
   # the 8B shape, 128 x 2048 (every tensor compared), then AWQ's GPU equality tests against oneshot on small models
