@@ -53,6 +53,26 @@ def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0, read_ah
     return out
 
 
+def _unscaled_passes(monkeypatch) -> list[tuple[int, int]]:
+    """Each AWQ layer's (unscaled passes served from its forward, unscaled passes the library ran), appended as the
+    layer's session ends (child/backends/awq_outputs.py)."""
+    import contextlib
+
+    from child.backends.awq_outputs import UnscaledOutputs
+
+    passes = []
+    installed = UnscaledOutputs.installed
+
+    @contextlib.contextmanager
+    def recorded(self):
+        with installed(self):
+            yield self
+        passes.append((self.served, self.ran))
+
+    monkeypatch.setattr(UnscaledOutputs, "installed", recorded)
+    return passes
+
+
 @pytest.fixture(scope="module")
 def ids_dataset(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("calib") / "ids.jsonl", token_rows(N))
@@ -92,6 +112,7 @@ def test_calibrator_equals_oneshot(kind, scheme, method, tiny_models, moe_models
     served = []
     finish = SharedHessians.finish
     monkeypatch.setattr(SharedHessians, "finish", lambda self: (served.append(self.served), finish(self))[1])
+    unscaled = _unscaled_passes(monkeypatch)
     if kind == "gemma":
         source = make_tiny_gemma(str(tmp_path_factory.mktemp("gemma")))
     else:
@@ -105,6 +126,43 @@ def test_calibrator_equals_oneshot(kind, scheme, method, tiny_models, moe_models
     _assert_same_export(ref, ours)
     if method == "gptq":
         assert len(served) == 2 and all(served), served  # each layer served some module from another's input
+    if method == "awq":  # every mapping's unscaled outputs came from the layer's forward: attention, MLP, down_proj
+        assert unscaled == [(3, 0)] * 2, unscaled
+
+
+@pytest.mark.parametrize("case", ["parent changed", "output changed"])
+def test_awq_runs_the_unscaled_pass_itself_where_the_forwards_outputs_are_not_its(case, tiny_models, ids_dataset,
+                                                                                   tmp_path, monkeypatch):
+    """AWQ's unscaled outputs come from the layer's forward only where they are what its pass would compute: with
+    the up_proj -> down_proj mapping searched before the MLP's (which then smooths the MLP's own up_proj and
+    down_proj before the MLP's search), or with an output changed in place after the forward, the library runs that
+    pass itself, and every tensor still equals oneshot's (whose mappings are the same)."""
+    from llmcompressor.modifiers.transform.awq import mappings as awq_mappings
+
+    from child.backends.awq_outputs import UnscaledOutputs
+
+    unscaled = _unscaled_passes(monkeypatch)
+    if case == "parent changed":
+        m = awq_mappings.default_mappings
+        monkeypatch.setitem(awq_mappings.AWQ_MAPPING_REGISTRY, "LlamaForCausalLM", [m[0], m[1], m[3], m[2]])
+    else:  # the attention's outputs: each bumped in place (its values unchanged) once kept
+        keep = UnscaledOutputs._keep
+
+        def bumped(self, module, args, output):
+            keep(self, module, args, output)
+            if module.__class__.__name__.endswith("Attention"):
+                output[0].add_(0)
+
+        monkeypatch.setattr(UnscaledOutputs, "_keep", bumped)
+    source = tiny_models("llama")
+    rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
+    with threads(1):
+        ref = oneshot_calibrated(source, "W4A16", "awq", rows, SEQ, str(tmp_path / "ref"))
+        ours = _export_in_process(source, "W4A16", "awq", ids_dataset, tmp_path / "ours")
+    _assert_same_export(ref, ours)
+    # served: the attention and down_proj, whose modules nothing had changed; ran: the MLP's (parent changed) or the
+    # attention's (output changed)
+    assert unscaled == [(2, 1)] * 2, unscaled
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
@@ -152,16 +210,19 @@ def test_a_layer_read_ahead_to_the_device_is_oneshots_and_its_errors_are_against
     ("gptneox", "W4A16", "gptq"),
     ("olmo2", "W4A16_ASYM", "gptq"),
 ])
-def test_other_dense_architectures_equal_oneshot(kind, scheme, method, ids_dataset, tmp_path):
+def test_other_dense_architectures_equal_oneshot(kind, scheme, method, ids_dataset, tmp_path, monkeypatch):
     """Architectures whose layers differ from Llama's (tests/ref_calib.py DENSE: fused projections, biases,
     LayerNorm, parallel blocks, offset norms, q/k norms, layers under `gpt_neox.layers`): every tensor, config.json
     and the logits equal oneshot's (its sequential pipeline given the causal mask, docs/fidelity.md)."""
+    unscaled = _unscaled_passes(monkeypatch)
     source = make_tiny_dense(kind, str(tmp_path / "src"))
     rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
     with threads(1):
         ref = oneshot_calibrated(source, scheme, method, rows, SEQ, str(tmp_path / "ref"), fix_masks=True)
         ours = _export_in_process(source, scheme, method, ids_dataset, tmp_path / "ours")
     _assert_same_export(ref, ours)
+    if method == "awq":  # each mapping's unscaled outputs came from the layer's forward, none from another pass
+        assert len(unscaled) == 2 and all(served >= 3 and ran == 0 for served, ran in unscaled), unscaled
 
 
 def test_gptq_with_every_hessian_as_stripes_equals_oneshot(tiny_models, ids_dataset, tmp_path, monkeypatch):
