@@ -127,6 +127,10 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
+s39b)  # the one-kernel softmax's variants (bench/softmax_kernel_probe.py: the same arithmetic, data moved and held
+  # otherwise): s39a found the product's kernel at 0.076 s of a 0.165 s attention pass (128 x 32 x 2048 x 2048)
+  timeout 200 python3 bench/softmax_kernel_probe.py 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -14 "$OUT/softmax_probe.txt"
+  ;;
 s39a)  # thirty-eighth session (issue 34): the one-kernel softmax's fp16 fix on the GPU (bound 1024; the prefix gives
   # fp16's softmax the half input), a pass's time against the floor (bench/attention_floor_probe.py), then where the
   # default AWQ's search goes now: oneshot's search with the product's fused attention installed, each mapping's
