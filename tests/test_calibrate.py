@@ -55,21 +55,23 @@ def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0, read_ah
 
 def _unscaled_passes(monkeypatch) -> list[tuple[int, int]]:
     """Each AWQ layer's (unscaled passes served from its forward, unscaled passes the library ran), appended as the
-    layer's session ends (child/backends/awq_outputs.py)."""
+    layer's session ends (child/backends/awq_capture.py), once its activation hooks were found replaced, one per
+    mapping, by those that keep the sums on the device."""
     import contextlib
 
-    from child.backends.awq_outputs import UnscaledOutputs
+    from child.backends.awq_capture import AWQCapture
 
     passes = []
-    installed = UnscaledOutputs.installed
+    installed = AWQCapture.installed
 
     @contextlib.contextmanager
     def recorded(self):
         with installed(self):
             yield self
+        assert self.hooks_replaced > 0 and self.hooks_replaced == self.served + self.ran, self.hooks_replaced
         passes.append((self.served, self.ran))
 
-    monkeypatch.setattr(UnscaledOutputs, "installed", recorded)
+    monkeypatch.setattr(AWQCapture, "installed", recorded)
     return passes
 
 
@@ -130,6 +132,20 @@ def test_calibrator_equals_oneshot(kind, scheme, method, tiny_models, moe_models
         assert unscaled == [(3, 0)] * 2, unscaled
 
 
+def test_awq_on_a_moe_equals_oneshot_with_its_sums_on_the_device(moe_models, ids_dataset, tmp_path, monkeypatch):
+    """AWQ on a Qwen3-MoE, whose cached arguments child/backends/calibrate.py offloads to the host: its activation
+    sums added on the device (child/backends/awq_capture.py), no outputs kept (each unscaled pass the library's):
+    every tensor, config.json and the logits equal oneshot's (its causal mask fixed, docs/fidelity.md)."""
+    unscaled = _unscaled_passes(monkeypatch)
+    source = moe_models("qwen3moe")
+    rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
+    with threads(1):
+        ref = oneshot_calibrated(source, "W4A16", "awq", rows, SEQ, str(tmp_path / "ref"), fix_masks=True)
+        ours = _export_in_process(source, "W4A16", "awq", ids_dataset, tmp_path / "ours")
+    _assert_same_export(ref, ours)
+    assert len(unscaled) == 2 and all(served == 0 and ran > 0 for served, ran in unscaled), unscaled
+
+
 @pytest.mark.parametrize("case", ["parent changed", "output changed"])
 def test_awq_runs_the_unscaled_pass_itself_where_the_forwards_outputs_are_not_its(case, tiny_models, ids_dataset,
                                                                                    tmp_path, monkeypatch):
@@ -139,21 +155,21 @@ def test_awq_runs_the_unscaled_pass_itself_where_the_forwards_outputs_are_not_it
     pass itself, and every tensor still equals oneshot's (whose mappings are the same)."""
     from llmcompressor.modifiers.transform.awq import mappings as awq_mappings
 
-    from child.backends.awq_outputs import UnscaledOutputs
+    from child.backends.awq_capture import AWQCapture
 
     unscaled = _unscaled_passes(monkeypatch)
     if case == "parent changed":
         m = awq_mappings.default_mappings
         monkeypatch.setitem(awq_mappings.AWQ_MAPPING_REGISTRY, "LlamaForCausalLM", [m[0], m[1], m[3], m[2]])
     else:  # the attention's outputs: each bumped in place (its values unchanged) once kept
-        keep = UnscaledOutputs._keep
+        keep = AWQCapture._keep
 
         def bumped(self, module, args, output):
             keep(self, module, args, output)
             if module.__class__.__name__.endswith("Attention"):
                 output[0].add_(0)
 
-        monkeypatch.setattr(UnscaledOutputs, "_keep", bumped)
+        monkeypatch.setattr(AWQCapture, "_keep", bumped)
     source = tiny_models("llama")
     rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
     with threads(1):

@@ -73,7 +73,7 @@ from child import faults
 from child.errors import Refused
 
 from child.backends import eager_attention, factorize, group, quant_error
-from child.backends.awq_outputs import UnscaledOutputs
+from child.backends.awq_capture import AWQCapture
 from child.backends.hessians import SharedHessians
 from child.backends.boundary import Activations, BoundaryWriter, PendingWrite, host_buffer_meanwhile
 from child.backends.naming import LayerStub, find_decoder_layers
@@ -346,10 +346,10 @@ class Calibrator:
                 outer.enter_context(_attention_as_built())
             if self._fused_attention:
                 outer.enter_context(eager_attention.installed())
-            # AWQ: each parent's unscaled outputs from this forward, not from one more pass (child/backends/awq_outputs.py),
-            # where its cached arguments stay on the device
-            if self.method == "awq" and self._awq_offload is None:
-                outer.enter_context(UnscaledOutputs().installed())
+            # AWQ: its activation sums kept on the device, and each parent's unscaled outputs from this forward, not from
+            # one more pass, where its cached arguments stay on the device (child/backends/awq_capture.py)
+            if self.method == "awq":
+                outer.enter_context(AWQCapture(keep_outputs=self._awq_offload is None).installed())
             # GPTQ: one Hessian per distinct input (q/k/v, gate/up, ...), each module handed the one the library
             # would have computed for it, bit for bit (child/backends/hessians.py)
             fast = not self.job.calibration.match_oneshot  # [calibration] match_oneshot = false: tensor cores
