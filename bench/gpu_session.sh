@@ -127,9 +127,15 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
-s39b)  # the one-kernel softmax's variants (bench/softmax_kernel_probe.py: the same arithmetic, data moved and held
-  # otherwise): s39a found the product's kernel at 0.076 s of a 0.165 s attention pass (128 x 32 x 2048 x 2048)
-  timeout 200 python3 bench/softmax_kernel_probe.py 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -14 "$OUT/softmax_probe.txt"
+s39c)  # the one-kernel softmax's variants (bench/softmax_kernel_probe.py: the same arithmetic, data moved and held
+  # otherwise; s39a found the kernel at 0.076 s of a 0.165 s attention pass), its GPU tests (packed halves, rows through
+  # shared memory), then the default AWQ against oneshot on 8 layers of the 8B shape with the unscaled outputs and
+  # activation sums from the forward (child/backends/awq_capture.py), then AWQ's GPU equality tests
+  timeout 150 python3 bench/softmax_kernel_probe.py 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -18 "$OUT/softmax_probe.txt"
+  t 100 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
+  cb 330 awq_capture --method awq
+  grep "worker logs" "$OUT/awq_capture.txt"
+  t 150 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq or awq_match"
   ;;
 s39a)  # thirty-eighth session (issue 34): the one-kernel softmax's fp16 fix on the GPU (bound 1024; the prefix gives
   # fp16's softmax the half input), a pass's time against the floor (bench/attention_floor_probe.py), then where the

@@ -1,18 +1,21 @@
 """Variants of child/backends/warp_softmax.py's kernel, the same arithmetic in the same order, timed and compared
 bit for bit: which one reads and writes eager attention's scores fastest?
 
-Each variant computes what the product's kernel computes (`softmax(float(half(half(scores * scaling) + mask)), -1)`
-cast to the scores' dtype, PyTorch's warp softmax's order), and differs only in how it moves data and holds it:
+Each variant is the product's kernel source (`warp_softmax.KERNEL`) built with other switches: it computes
+`softmax(float(half(half(scores * scaling) + mask)), -1)` cast to the scores' dtype in PyTorch's warp softmax's
+order, and differs only in how it moves data and holds it:
 
-    product   the product's kernel as it is (lane l loads elements l + 32 it of the row, 2 bytes at a time)
-    pack      x held as packed halves (2 a register), e = expf(x - max) recomputed for the division: fewer registers
+    plain     lane l loads elements l + 32 it of the row, 2 bytes at a time, and holds them as floats (the
+              thirty-seventh session's kernel)
+    pack      x held as packed halves (2 a register), e = expf(x - max) computed again for the division
     smem      the row (and its mask row) loaded with 16-byte loads into shared memory, read back by lane in PyTorch's
               order, the probabilities written back through it with 16-byte stores
-    smem+pack both
+    smem+pack both (warp_softmax.PACK and SMEM say which the product takes)
 
 Each is run over the scores of the 8B shape's attention (32 heads, 2048 x 2048, a causal mask, bf16) `--samples`
-times, the fastest of `--rounds`; its output is compared with the product kernel's and with eager's chain (scale,
-mask, upcast, softmax, cast) bit for bit, for bf16 at several row lengths and for fp16 up to 1024.
+times, the fastest of `--rounds`; its output is compared with eager's chain (scale,
+mask, upcast, softmax, cast) bit for bit, for bf16 at several row lengths (shared memory where a row is a multiple
+of 8 keys) and for fp16 up to 1024.
 
     python bench/softmax_kernel_probe.py            # cuda
 """
@@ -26,153 +29,23 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VARIANTS = {"product": (0, 0), "pack": (1, 0), "smem": (0, 1), "smem+pack": (1, 1)}
+VARIANTS = {"plain": (0, 0), "pack": (1, 0), "smem": (0, 1), "smem+pack": (1, 1)}
 
-KERNEL = r"""
-typedef unsigned short u16;
-
-__device__ __forceinline__ float to_float(u16 v) {
-#if IS_BF16
-    return __uint_as_float(((unsigned int)v) << 16);
-#else
-    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f;
-#endif
-}
-
-__device__ __forceinline__ u16 round_to_half(float f) {
-    u16 h;
-#if IS_BF16
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#else
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#endif
-    return h;
-}
-
-#define ROW (ITER * 32)
-
-extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, const u16* __restrict__ mask,
-                                               u16* __restrict__ out, int rows, int K, int Q, int H, int has_mask,
-                                               int ms0, int ms1, int ms2, int ms3, int scaling_bits) {
-#if SMEM
-    __shared__ __align__(16) u16 srow[WARPS][ROW];
-    __shared__ __align__(16) u16 mrow[WARPS][ROW];
-#endif
-    const int lane = threadIdx.x;
-    const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
-    if (row >= rows) return;
-    const float scale = __int_as_float(scaling_bits);
-    const u16* src = scores + row * (long long)K;
-    u16* dst = out + row * (long long)K;
-    long long moff = 0;
-    if (has_mask) {
-        const long long q = row % Q, bh = row / Q;
-        moff = (bh / H) * (long long)ms0 + (bh % H) * (long long)ms1 + q * (long long)ms2;
-    }
-#if SMEM
-    // the caller launches this only for K == ROW, K % 8 == 0, a contiguous mask row: 16-byte loads
-    {
-        const uint4* s4 = reinterpret_cast<const uint4*>(src);
-        uint4* d4 = reinterpret_cast<uint4*>(srow[threadIdx.y]);
-#pragma unroll
-        for (int j = 0; j < ROW / 8 / 32; ++j) d4[lane + 32 * j] = s4[lane + 32 * j];
-        if (has_mask) {
-            const uint4* m4 = reinterpret_cast<const uint4*>(mask + moff);
-            uint4* e4 = reinterpret_cast<uint4*>(mrow[threadIdx.y]);
-#pragma unroll
-            for (int j = 0; j < ROW / 8 / 32; ++j) e4[lane + 32 * j] = m4[lane + 32 * j];
-        }
-        __syncwarp();
-    }
-#define LOAD_S(k) srow[threadIdx.y][k]
-#define LOAD_M(k) mrow[threadIdx.y][k]
-#else
-#define LOAD_S(k) src[k]
-#define LOAD_M(k) mask[moff + (long long)(k) * ms3]
-#endif
-#if PACK
-    unsigned int xs[(ITER + 1) / 2];
-#define GET_X(it) to_float((u16)((it) % 2 ? (xs[(it) / 2] >> 16) : (xs[(it) / 2] & 0xffffu)))
-#else
-    float e[ITER];
-#define GET_X(it) e[it]
-#endif
-#pragma unroll
-    for (int it = 0; it < ITER; ++it) {
-        const int k = lane + it * 32;
-        u16 h;
-        if (k < K) {
-            h = round_to_half(to_float(LOAD_S(k)) * scale);
-            if (has_mask) h = round_to_half(to_float(h) + to_float(LOAD_M(k)));
-        } else {
-            h = IS_BF16 ? 0xff80 : 0xfc00;  // -inf as a half: to_float gives fp32's -inf, as PyTorch pads a row
-        }
-#if PACK
-        if (it % 2) xs[it / 2] |= ((unsigned int)h) << 16; else xs[it / 2] = h;
-#else
-        e[it] = to_float(h);
-#endif
-    }
-    float m = GET_X(0);
-#pragma unroll
-    for (int it = 1; it < ITER; ++it) { const float x = GET_X(it); m = m > x ? m : x; }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-        const float b = __shfl_xor_sync(0xffffffffu, m, offset, 32);
-        m = m < b ? b : m;
-    }
-    float sum = 0.0f;
-#pragma unroll
-    for (int it = 0; it < ITER; ++it) {
-#if PACK
-        sum += expf(GET_X(it) - m);
-#else
-        e[it] = expf(e[it] - m);
-        sum += e[it];
-#endif
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) sum = sum + __shfl_xor_sync(0xffffffffu, sum, offset, 32);
-#pragma unroll
-    for (int it = 0; it < ITER; ++it) {
-        const int k = lane + it * 32;
-#if PACK
-        const float ev = expf(GET_X(it) - m);
-#else
-        const float ev = e[it];
-#endif
-        const u16 p = round_to_half(sum == 0.0f ? __int_as_float(0x7fffffff) : ev / sum);
-#if SMEM
-        srow[threadIdx.y][k] = p;
-#else
-        if (k < K) dst[k] = p;
-#endif
-    }
-#if SMEM
-    __syncwarp();
-    {
-        const uint4* s4 = reinterpret_cast<const uint4*>(srow[threadIdx.y]);
-        uint4* d4 = reinterpret_cast<uint4*>(dst);
-#pragma unroll
-        for (int j = 0; j < ROW / 8 / 32; ++j) d4[lane + 32 * j] = s4[lane + 32 * j];
-    }
-#endif
-}
-"""
 
 
 def build(variant: str, dtype, lanes: int, warps: int):
     import torch
-    from torch.cuda._utils import _cuda_load_module
 
-    from child.backends.warp_softmax import _nvrtc_ptx
+    from child.backends import warp_softmax
 
     pack, smem = VARIANTS[variant]
-    major, minor = torch.cuda.get_device_capability()
-    src = (f"#define IS_BF16 {int(dtype == torch.bfloat16)}\n#define ITER {lanes}\n#define PACK {pack}\n"
-           f"#define SMEM {smem}\n#define WARPS {warps}\n" + KERNEL)
-    ptx = _nvrtc_ptx(src, "eager_probabilities", f"{major}{minor}")
-    return _cuda_load_module(ptx, ["eager_probabilities"])["eager_probabilities"]
+    return warp_softmax._kernel(torch.device("cuda", torch.cuda.current_device()), dtype, lanes, bool(smem),
+                                pack=bool(pack), warps=warps)
+
+
+def fits(variant: str, lanes: int, warps: int) -> bool:
+    """Static shared memory (48 KiB) holds a block's rows and mask rows."""
+    return not VARIANTS[variant][1] or warps * lanes * 32 * 2 * 2 <= 48 * 1024
 
 
 def launch(kernel, scores, mask, scaling: float, warps: int):
@@ -207,7 +80,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--warps", default="2,4,8")
     args = ap.parse_args()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -217,8 +90,9 @@ def main() -> None:
     def causal(n, dtype):
         return torch.full((1, 1, n, n), torch.finfo(dtype).min, dtype=dtype, device=dev).triu(1)
 
-    # bit-equality: each variant against the product kernel and eager's chain, several lengths and both dtypes
-    checks = [(torch.bfloat16, n) for n in (64, 256, 1024, 2048)] + [(torch.float16, n) for n in (256, 1024)]
+    # bit-equality: each variant against eager's chain, several lengths and both dtypes
+    checks = [(torch.bfloat16, n) for n in (8, 64, 100, 256, 1000, 1024, 1536, 2047, 2048)] + \
+        [(torch.float16, n) for n in (256, 1000, 1024)]
     equal: dict[tuple, bool] = {}
     for dtype, n in checks:
         scores = (torch.randn(1, 8, n, n, device=dev, generator=g) * 8).to(dtype)
@@ -227,7 +101,7 @@ def main() -> None:
         lanes = elements_per_lane(n)
         for variant in VARIANTS:
             for warps in map(int, args.warps.split(",")):
-                if VARIANTS[variant][1] and (n != lanes * 32 or n % 8 or lanes < 8):
+                if not fits(variant, lanes, warps) or (VARIANTS[variant][1] and n % 8):
                     continue
                 out = launch(build(variant, dtype, lanes, warps), scores, mask, scaling, warps)
                 equal[(variant, warps)] = equal.get((variant, warps), True) and torch.equal(out, ref)
@@ -239,6 +113,8 @@ def main() -> None:
     rows = []
     for variant in VARIANTS:
         for warps in map(int, args.warps.split(",")):
+            if not fits(variant, lanes, warps):
+                continue
             kernel = build(variant, torch.bfloat16, lanes, warps)
             launch(kernel, scores, mask, scaling, warps)
             best = float("inf")
@@ -257,7 +133,7 @@ def main() -> None:
     torch.cuda.synchronize()
     chain = time.perf_counter() - t
     print(f"\n{args.samples} x [1, {args.heads}, {n}, {n}] bf16, causal mask; eager's chain {chain:.3f} s\n")
-    print("| variant | warps a block | s (all samples) | GB/s (scores in, probabilities out) | equal to eager's and the product's everywhere |")
+    print("| variant | warps a block | s (all samples) | GB/s (scores in, probabilities out) | equal to eager's chain everywhere |")
     print("| --- | --- | --- | --- | --- |")
     for variant, warps, best, gbs, eq in rows:
         print(f"| {variant} | {warps} | {best:.4f} | {gbs:.0f} | {eq} |")

@@ -91,13 +91,14 @@ def fused_eager_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     key_states = repeat_kv(key, module.num_key_value_groups)
     value_states = repeat_kv(value, module.num_key_value_groups)
     scores = torch.matmul(query, key_states.transpose(2, 3))
+    kernel = warp_softmax.variant(scores, attention_mask)
     attn_weights = warp_softmax.probabilities(scores, attention_mask, scaling)  # one kernel, where it applies
     if warp_softmax.available() is not None and not _state["told"]:
         _state["told"] = True
         print(f"{LOG_PREFIX} the one-kernel softmax is off here ({warp_softmax.available()}); the fused prefix only",
               file=sys.stderr, flush=True)
     if attn_weights is not None:
-        path = ("warp softmax", warp_softmax.elements_per_lane(scores.shape[-1]))
+        path = ("warp softmax", *(kernel or ()))  # (elements a lane holds, through shared memory)
     else:
         path = ("fused prefix",)
         # bf16: eager's softmax(dtype=float32) converts its input, then runs the fp32 kernel, so the conversion is

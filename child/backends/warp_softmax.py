@@ -34,13 +34,17 @@ import threading
 
 import torch
 
-__all__ = ["probabilities", "elements_per_lane", "MAX_ROW", "available", "turn_off"]
+__all__ = ["probabilities", "variant", "elements_per_lane", "MAX_ROW", "available", "turn_off"]
 
 # the longest rows PyTorch's CUDA softmax gives its warp kernel, for eager's input (torch 2.10 and later): bf16
 # scores reach it upcast (`dim_size <= 2048 && dim_size * sizeof(float) <= 8192`); fp16 ones as half, read by the
 # kernel itself (`half_to_float`), whose bound stayed at 1024 (measured: rows of 1025 and over differ on an H100)
 MAX_ROW = {torch.bfloat16: 2048, torch.float16: 1024}
 _WARPS = 4  # warps (rows) per block of 128 threads, as PyTorch launches it
+# how the kernel moves and holds a row (the same arithmetic either way; bench/softmax_kernel_probe.py times them):
+# x held as packed halves and e recomputed (PACK), rows moved through shared memory with 16-byte loads where their
+# layout allows it (SMEM)
+PACK, SMEM = True, True
 
 KERNEL = r"""
 typedef unsigned short u16;
@@ -63,9 +67,21 @@ __device__ __forceinline__ u16 round_to_half(float f) {  // c10's conversion on 
     return h;
 }
 
+#define ROW (ITER * 32)
+#define VECS ((ROW / 8 + 31) / 32)  // 16-byte vectors a lane moves per row (SMEM)
+
+// ITER: elements a lane holds (PyTorch's WARP_ITERATIONS). PACK: x held as packed halves, e = expf(x - max)
+// computed again for the division (the same function of the same value: the same bits), half the registers.
+// SMEM: the row and its mask row moved with 16-byte loads through shared memory, read there in PyTorch's order, the
+// probabilities written back the same way (the host launches it only for K % 8 == 0, 16-byte aligned rows, a mask
+// whose last dimension is contiguous and whose other strides are multiples of 8).
 extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, const u16* __restrict__ mask,
                                                u16* __restrict__ out, int rows, int K, int Q, int H, int has_mask,
                                                int ms0, int ms1, int ms2, int ms3, int scaling_bits) {
+#if SMEM
+    __shared__ __align__(16) u16 srow[WARPS][ROW];
+    __shared__ __align__(16) u16 mrow[WARPS][ROW];
+#endif
     const int lane = threadIdx.x;
     const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
     if (row >= rows) return;  // a whole warp: its shuffles stay among live lanes
@@ -77,21 +93,51 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
         const long long q = row % Q, bh = row / Q;
         moff = (bh / H) * (long long)ms0 + (bh % H) * (long long)ms1 + q * (long long)ms2;
     }
+#if SMEM
+    const int nv = K / 8;
+    {
+        const uint4* s4 = reinterpret_cast<const uint4*>(src);
+        uint4* d4 = reinterpret_cast<uint4*>(srow[threadIdx.y]);
+#pragma unroll
+        for (int j = 0; j < VECS; ++j) if (lane + 32 * j < nv) d4[lane + 32 * j] = s4[lane + 32 * j];
+        if (has_mask) {
+            const uint4* m4 = reinterpret_cast<const uint4*>(mask + moff);
+            uint4* e4 = reinterpret_cast<uint4*>(mrow[threadIdx.y]);
+#pragma unroll
+            for (int j = 0; j < VECS; ++j) if (lane + 32 * j < nv) e4[lane + 32 * j] = m4[lane + 32 * j];
+        }
+        __syncwarp();
+    }
+#define SCORE(k) srow[threadIdx.y][k]
+#define MASK(k) mrow[threadIdx.y][k]
+#else
+#define SCORE(k) src[k]
+#define MASK(k) mask[moff + (long long)(k) * ms3]
+#endif
+#if PACK
+    unsigned int xs[(ITER + 1) / 2];
+#define X(it) to_float((u16)((it) % 2 ? (xs[(it) / 2] >> 16) : (xs[(it) / 2] & 0xffffu)))
+#else
     float e[ITER];
+#define X(it) e[it]
+#endif
 #pragma unroll
     for (int it = 0; it < ITER; ++it) {
         const int k = lane + it * 32;
+        u16 h = IS_BF16 ? 0xff80 : 0xfc00;  // -inf, as PyTorch pads a row
         if (k < K) {
-            float x = to_float(round_to_half(to_float(src[k]) * scale));
-            if (has_mask) x = to_float(round_to_half(x + to_float(mask[moff + (long long)k * ms3])));
-            e[it] = x;
-        } else {
-            e[it] = __int_as_float(0xff800000);  // -inf, as PyTorch pads a row
+            h = round_to_half(to_float(SCORE(k)) * scale);
+            if (has_mask) h = round_to_half(to_float(h) + to_float(MASK(k)));
         }
+#if PACK
+        if (it % 2) xs[it / 2] |= ((unsigned int)h) << 16; else xs[it / 2] = h;
+#else
+        e[it] = to_float(h);
+#endif
     }
-    float m = e[0];
+    float m = X(0);
 #pragma unroll
-    for (int it = 1; it < ITER; ++it) m = m > e[it] ? m : e[it];
+    for (int it = 1; it < ITER; ++it) { const float x = X(it); m = m > x ? m : x; }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {
         const float b = __shfl_xor_sync(0xffffffffu, m, offset, 32);
@@ -100,16 +146,41 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
     float sum = 0.0f;
 #pragma unroll
     for (int it = 0; it < ITER; ++it) {
+#if PACK
+        sum += expf(X(it) - m);
+#else
         e[it] = expf(e[it] - m);
         sum += e[it];
+#endif
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) sum = sum + __shfl_xor_sync(0xffffffffu, sum, offset, 32);
 #pragma unroll
     for (int it = 0; it < ITER; ++it) {
         const int k = lane + it * 32;
-        if (k < K) dst[k] = round_to_half(sum == 0.0f ? __int_as_float(0x7fffffff) : e[it] / sum);
+#if PACK
+        const float ev = expf(X(it) - m);
+#else
+        const float ev = e[it];
+#endif
+        if (k < K) {
+            const u16 p = round_to_half(sum == 0.0f ? __int_as_float(0x7fffffff) : ev / sum);
+#if SMEM
+            srow[threadIdx.y][k] = p;
+#else
+            dst[k] = p;
+#endif
+        }
     }
+#if SMEM
+    __syncwarp();
+    {
+        const uint4* s4 = reinterpret_cast<const uint4*>(srow[threadIdx.y]);
+        uint4* d4 = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+        for (int j = 0; j < VECS; ++j) if (lane + 32 * j < nv) d4[lane + 32 * j] = s4[lane + 32 * j];
+    }
+#endif
 }
 """
 
@@ -161,14 +232,17 @@ def _nvrtc_checker(nvrtc):
     return check
 
 
-def _kernel(device: torch.device, dtype: torch.dtype, lanes: int):
-    key = (device.index, dtype, lanes)
+def _kernel(device: torch.device, dtype: torch.dtype, lanes: int, smem: bool, pack: bool | None = None,
+            warps: int = _WARPS):
+    pack = PACK if pack is None else pack
+    key = (device.index, dtype, lanes, smem, pack, warps)
     with _lock:
         if key not in _kernels:
             from torch.cuda._utils import _cuda_load_module
 
             major, minor = torch.cuda.get_device_capability(device)
-            source = f"#define IS_BF16 {int(dtype == torch.bfloat16)}\n#define ITER {lanes}\n" + KERNEL
+            source = (f"#define IS_BF16 {int(dtype == torch.bfloat16)}\n#define ITER {lanes}\n#define PACK {int(pack)}\n"
+                      f"#define SMEM {int(smem)}\n#define WARPS {warps}\n" + KERNEL)
             with torch.cuda.device(device):
                 ptx = _nvrtc_ptx(source, "eager_probabilities", f"{major}{minor}")
                 _kernels[key] = _cuda_load_module(ptx, ["eager_probabilities"])["eager_probabilities"]
@@ -185,17 +259,16 @@ def turn_off(why: str) -> None:
     _state["error"] = why
 
 
-def probabilities(scores: torch.Tensor, mask: torch.Tensor | None, scaling) -> torch.Tensor | None:
-    """`softmax(float(half(half(scores * scaling) + mask)), -1)` rounded to `scores.dtype`, computed as PyTorch's
-    CUDA kernels compute it, in one pass; None where this kernel does not apply (see the module docstring)."""
+def variant(scores: torch.Tensor, mask: torch.Tensor | None) -> tuple | None:
+    """Which kernel `probabilities` runs for these arguments: (elements a lane holds, through shared memory), or
+    None where it runs none (see the module docstring)."""
     if _state["error"] is not None or not scores.is_cuda or scores.dtype not in (torch.bfloat16, torch.float16) \
-            or scores.dim() != 4 or not scores.is_contiguous() or not isinstance(scaling, float) \
-            or not abs(scaling) < 3e38:
+            or scores.dim() != 4 or not scores.is_contiguous():
         return None
     b, h, q, k = scores.shape
     if not 0 < k <= MAX_ROW[scores.dtype] or scores.numel() // k >= 2 ** 31:
         return None
-    strides = (0, 0, 0, 0)
+    aligned = SMEM and k % 8 == 0 and scores.data_ptr() % 16 == 0
     if mask is not None:
         if mask.dtype != scores.dtype or mask.dim() != 4 or mask.device != scores.device:
             return None
@@ -205,10 +278,23 @@ def probabilities(scores: torch.Tensor, mask: torch.Tensor | None, scaling) -> t
             return None
         if max(strides) >= 2 ** 31:
             return None
+        aligned = aligned and strides[3] == 1 and all(st % 8 == 0 for st in strides[:3]) and mask.data_ptr() % 16 == 0
+    return elements_per_lane(k), aligned
+
+
+def probabilities(scores: torch.Tensor, mask: torch.Tensor | None, scaling) -> torch.Tensor | None:
+    """`softmax(float(half(half(scores * scaling) + mask)), -1)` rounded to `scores.dtype`, computed as PyTorch's
+    CUDA kernels compute it, in one pass; None where this kernel does not apply (see the module docstring)."""
+    which = variant(scores, mask)
+    if which is None or not isinstance(scaling, float) or not abs(scaling) < 3e38:
+        return None
+    lanes, smem = which
+    b, h, q, k = scores.shape
+    strides = mask.expand(b, h, q, k).stride() if mask is not None else (0, 0, 0, 0)
     out = torch.empty_like(scores)
     rows = b * h * q
     try:
-        kernel = _kernel(scores.device, scores.dtype, elements_per_lane(k))
+        kernel = _kernel(scores.device, scores.dtype, lanes, smem)
         kernel(grid=((rows + _WARPS - 1) // _WARPS, 1, 1), block=(32, _WARPS, 1),
                args=[scores, scores if mask is None else mask, out, rows, k, q, h, int(mask is not None), *strides,
                      struct.unpack("<i", struct.pack("<f", scaling))[0]])  # float(scaling)'s bits: an int anywhere

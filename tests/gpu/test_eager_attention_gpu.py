@@ -61,6 +61,8 @@ def test_the_kernel_gives_eagers_probabilities(dtype, length):
             assert ours is None and warp_softmax.available() is None
             continue
         assert ours is not None, (name, warp_softmax.available())
+        # rows of a multiple of 8 keys (16-byte aligned) go through shared memory, the others lane by lane
+        assert warp_softmax.variant(scores, mask)[1] == (length % 8 == 0)
         ref = _eagers(scores, mask, scaling)
         assert torch.equal(ours, ref), f"{name}, length {length}: {_describe(ours, ref)}"
 
@@ -69,13 +71,15 @@ def test_a_mask_broadcast_over_queries_and_a_strided_mask():
     """Masks as other models build them: [batch, 1, 1, keys] (broadcast over the queries), and a slice of a wider one
     (a cache's mask cut to the keys)."""
     dtype, scaling = torch.bfloat16, 0.125
-    scores = _scores(dtype, 4, 300, 300, 1.0, 7)
-    row = torch.zeros(1, 1, 1, 300, dtype=dtype, device=CUDA)
-    row[..., 250:] = torch.finfo(dtype).min
-    wide = _causal(dtype, 300, 400)[..., 100:]
-    for mask in (row, wide):
-        ours = warp_softmax.probabilities(scores, mask, scaling)
-        assert ours is not None and torch.equal(ours, _eagers(scores, mask, scaling))
+    for n in (300, 296):  # lane by lane; through shared memory where the layout allows it
+        scores = _scores(dtype, 4, n, n, 1.0, 7)
+        row = torch.zeros(1, 1, 1, n, dtype=dtype, device=CUDA)
+        row[..., 250:] = torch.finfo(dtype).min
+        wide = _causal(dtype, n, n + 100)[..., 100:]  # starts 200 bytes in: not 16-byte aligned
+        for mask, smem in ((row, n % 8 == 0), (wide, False)):
+            ours = warp_softmax.probabilities(scores, mask, scaling)
+            assert warp_softmax.variant(scores, mask)[1] == smem
+            assert ours is not None and torch.equal(ours, _eagers(scores, mask, scaling))
 
 
 def test_what_the_kernel_leaves_to_eagers_chain():
