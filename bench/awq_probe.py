@@ -8,7 +8,8 @@ the GPU is), the products' TFLOP and rate, and the kernels that take the most ti
     python bench/awq_probe.py --device cpu --hidden 256 --intermediate 512 --vocab 512 --samples 4 --seq-len 64
 
 `--fused`: with the product's eager attention installed (child/backends/eager_attention.py: the one-kernel softmax
-or the fused prefix, each call kind checked against eager), as an AWQ worker on a GPU runs the search.
+or the fused prefix, and the rotary kernel, each call kind checked against the library's), as an AWQ worker on a GPU
+runs the search.
 
 `--overlap N`: could the searches of two mappings run side by side, bit for bit? N samples through one decoder
 layer's eager attention (the q/k/v search's parent) R times and through its MLP (the gate/up search's parent) R
@@ -188,17 +189,21 @@ def main() -> None:
         print(f"attention: {model.config._attn_implementation}; torch {torch.__version__}; device "
               f"{torch.cuda.get_device_name() if cuda else 'cpu'}", flush=True)
 
-    fused = contextlib.nullcontext()
+    fused = contextlib.ExitStack()
     if args.fused:
         sys.path.insert(0, os.path.dirname(HERE))
-        from child.backends import eager_attention, warp_softmax
+        from child.backends import eager_attention, rotary, warp_softmax
 
-        fused = eager_attention.installed()
-        print(f"fused attention installed; the one-kernel softmax: {warp_softmax.available() or 'available'}", flush=True)
+        def loaded(model, named=loaded):  # noqa: F811
+            named(model)
+            fused.enter_context(eager_attention.installed(model))
+            print(f"fused attention installed; the one-kernel softmax: {warp_softmax.available() or 'available'}",
+                  flush=True)
     with fused:
         total = run_oneshot(args, src, data, loaded)
     if args.fused:
-        print(f"after the run, the one-kernel softmax: {warp_softmax.available() or 'on'}", flush=True)
+        print(f"after the run, the one-kernel softmax: {warp_softmax.available() or 'on'}; the rotary kernel: "
+              f"{rotary.available() or 'on'}", flush=True)
 
     print(f"\noneshot AWQ {args.scheme}, {args.layers} layer(s), {args.samples} x {args.seq_len}: {total:.1f} s; "
           f"grid searches {sum(s for *_, s in searches):.1f} s; losses {sum(losses):.2f} s over {len(losses)} calls")

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from child.backends import eager_attention, warp_softmax
+from child.backends import eager_attention, rotary, warp_softmax
 from tests.models import assert_same_tensors, load_tensors
 from tests.ref_calib import make_tiny_dense, oneshot_calibrated, threads
 from tests.test_calibrate import SEQ, _export_in_process, ids_dataset  # noqa: F401 - the fixture
@@ -22,6 +22,8 @@ def fresh_state(monkeypatch):
     monkeypatch.setitem(eager_attention._state, "off", False)
     monkeypatch.setitem(eager_attention._state, "told", False)
     monkeypatch.setitem(warp_softmax._state, "error", None)
+    monkeypatch.setitem(eager_attention._state, "rotary told", False)
+    monkeypatch.setitem(rotary._state, "error", None)
     eager_attention._checked.clear()
     eager_attention._lengths.clear()
     yield
@@ -42,6 +44,20 @@ def _skeleton(kind: str, attn: str = "eager", **overrides):
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "mixtral", "phi3", "deepseek_v3"])
 def test_it_applies_where_the_eager_attention_is_llamas(kind):
     assert eager_attention.applies(_skeleton(kind), CUDA) is None
+
+
+@pytest.mark.parametrize("kind,rotary_is_llamas", [("llama", True), ("qwen3", True), ("mistral", True),
+                                                   ("mixtral", True), ("phi3", False), ("deepseek_v3", True),
+                                                   ("gemma2", True), ("gpt_neox", False)])
+def test_the_rotary_kernel_stands_in_where_the_rotary_embedding_is_llamas(kind, rotary_is_llamas):
+    """Phi-3's and GPT-NeoX's rotary embeddings (partial rotary) are their own, and keep them; the others' modules get the kernel's stand-in while installed, and their own back after."""
+    model = _skeleton(kind)
+    found = eager_attention._rotary_globals(model)
+    assert bool(found) == rotary_is_llamas
+    originals = [names["apply_rotary_pos_emb"] for names in found]
+    with eager_attention.installed(model):
+        assert all(names["apply_rotary_pos_emb"] is not fn for names, fn in zip(found, originals))
+    assert [names["apply_rotary_pos_emb"] for names in found] == originals
 
 
 @pytest.mark.parametrize("kind,why", [("gemma2", "Gemma2Attention's eager attention is not Llama's"),
@@ -128,6 +144,38 @@ def test_a_difference_from_eager_turns_it_off_and_gives_eagers_result(monkeypatc
 
 def _eagers_probabilities(scores, mask, scaling):
     return torch.nn.functional.softmax(scores * scaling + mask, dim=-1, dtype=torch.float32).to(scores.dtype)
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_the_rotary_kernel_is_compared_and_a_difference_turns_it_off(wrong, monkeypatch, capfd):
+    """The GPU's rotary kernel (child/backends/rotary.py, stood in for here) is compared with the library's
+    apply_rotary_pos_emb once a layer per kind of call: where it differs, that call gets the library's result and
+    the kernel is off for the process, with one line in the log; the logits are the library's either way."""
+    model, ids = _model("llama")
+    ran = []
+
+    def kernel(library, q, k, cos, sin, unsqueeze_dim=1):
+        if rotary.available() is not None:
+            return None
+        ran.append(q.shape)
+        q_embed, k_embed = library(q, k, cos, sin, unsqueeze_dim)
+        if wrong:
+            q_embed = q_embed.clone()
+            q_embed[0, 0, 0, 0] += 1
+        return q_embed, k_embed
+    monkeypatch.setattr(rotary, "rotated", kernel)
+    with torch.no_grad():
+        ref = model(ids).logits
+        with eager_attention.installed(model):
+            ours = model(ids).logits
+    assert torch.equal(ref, ours)
+    kinds = [call for call in eager_attention._checked if call[0] == "rotary"]
+    err = capfd.readouterr().err
+    if wrong:  # the first layer's call found the difference; the second layer took the library's
+        assert len(ran) == 1 and len(kinds) == 1 and "differed from the library's" in rotary.available()
+        assert err.count("fused attention: the rotary kernel differs from apply_rotary_pos_emb") == 1
+    else:  # both layers' calls the kernel's: one kind, compared once
+        assert len(ran) == 2 and len(kinds) == 1 and rotary.available() is None and "rotary" not in err
 
 
 @pytest.mark.parametrize("wrong", [False, True])

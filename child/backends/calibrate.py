@@ -345,7 +345,7 @@ class Calibrator:
             if self.method == "awq" and self._model.config._attn_implementation != "eager":
                 outer.enter_context(_attention_as_built())
             if self._fused_attention:
-                outer.enter_context(eager_attention.installed())
+                outer.enter_context(eager_attention.installed(layer))  # its rotary embedding too
             # AWQ: its activation sums kept on the device, and each parent's unscaled outputs from this forward, not from
             # one more pass, where its cached arguments stay on the device (child/backends/awq_capture.py)
             if self.method == "awq":

@@ -46,7 +46,7 @@ import threading
 import torch
 from torch import nn
 
-from child.backends import warp_softmax
+from child.backends import rotary, warp_softmax
 
 __all__ = ["installed", "applies", "fused_eager_attention", "DEVICES", "FORCE_ENV"]
 
@@ -55,7 +55,7 @@ FORCE_ENV = "SUPERVISOR_TEST_FUSED_ATTENTION"  # test-only: "1" installs it on a
 LOG_PREFIX = "fused attention:"
 
 _lock = threading.Lock()
-_state = {"users": 0, "off": False, "compiled": None, "told": False}
+_state = {"users": 0, "off": False, "compiled": None, "told": False, "rotary told": False}
 _checked: set = set()  # the kinds of call (shapes but the lengths, dtypes, scaling, path) compared since the last install
 _lengths: set = set()  # the (query, key) lengths this process has run
 
@@ -169,18 +169,82 @@ def applies(model: nn.Module, device: torch.device) -> str | None:
 
 
 @contextlib.contextmanager
-def installed():
-    """While inside, transformers' eager attention is `fused_eager_attention` (for a model `applies` said yes to)."""
+def installed(model: nn.Module | None = None):
+    """While inside, transformers' eager attention is `fused_eager_attention` (for a model `applies` said yes to),
+    and, given the model, its attention's `apply_rotary_pos_emb` is `child/backends/rotary.py`'s kernel wherever that
+    function (and the rotate_half it calls) is Llama's (compared by bytecode), each kind of call compared with the
+    library's once a layer."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     with _lock:
         _checked.clear()  # each layer's calls are compared once
         _state["users"] += 1
         ALL_ATTENTION_FUNCTIONS["eager"] = fused_eager_attention  # the global instance's own (local) mapping
+    patched = []
     try:
+        for names in _rotary_globals(model) if model is not None else ():
+            library = names["apply_rotary_pos_emb"]
+            names["apply_rotary_pos_emb"] = _fused_rotary(library)
+            patched.append((names, library))
         yield
     finally:
+        for names, library in patched:
+            names["apply_rotary_pos_emb"] = library
         with _lock:
             _state["users"] -= 1
             if _state["users"] == 0:
                 del ALL_ATTENTION_FUNCTIONS["eager"]
+
+
+def _rotary_globals(model: nn.Module) -> list[dict]:
+    """The module globals of each attention class whose forward calls an `apply_rotary_pos_emb` with Llama's
+    bytecode (and a rotate_half with Llama's): where the fused rotary stands in for it."""
+    from transformers.models.llama import modeling_llama
+
+    found: dict[int, dict] = {}
+    for sub in model.modules():
+        forward = getattr(type(sub).forward, "__code__", None)
+        if forward is None or "apply_rotary_pos_emb" not in forward.co_names:
+            continue
+        names = type(sub).forward.__globals__
+        fn = names.get("apply_rotary_pos_emb")
+        rotate = getattr(fn, "__globals__", {}).get("rotate_half")
+        if getattr(fn, "__code__", None) is not None and getattr(rotate, "__code__", None) is not None and \
+                _same_code(fn.__code__, modeling_llama.apply_rotary_pos_emb.__code__) and \
+                _same_code(rotate.__code__, modeling_llama.rotate_half.__code__):
+            found[id(names)] = names
+    return list(found.values())
+
+
+def _fused_rotary(library):
+    """`library` (a module's Llama apply_rotary_pos_emb) through child/backends/rotary.py's kernel where it applies,
+    each kind of call (shapes but the tokens, strides' order, dtype, device) compared with the library's once a
+    layer: a difference turns the kernel off for the process (one line in the log) and that call gets the library's
+    result."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        out = rotary.rotated(library, q, k, cos, sin, unsqueeze_dim)
+        if rotary.available() is not None and not _state["rotary told"]:
+            _state["rotary told"] = True
+            print(f"{LOG_PREFIX} the rotary kernel is off here ({rotary.available()})", file=sys.stderr, flush=True)
+        if out is None:
+            return library(q, k, cos, sin, unsqueeze_dim)
+        call = ("rotary",) + tuple((t.shape[:-2], t.shape[-1], _order(t)) for t in (q, k, cos, sin)) + \
+            (q.dtype, q.device)
+        if call not in _checked:
+            _checked.add(call)
+            ref = library(q, k, cos, sin, unsqueeze_dim)
+            if not all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(out, ref)):
+                rotary.turn_off(f"its result differed from the library's for queries {list(q.shape)} ({q.dtype})")
+                _state["rotary told"] = True
+                print(f"{LOG_PREFIX} the rotary kernel differs from apply_rotary_pos_emb for queries {list(q.shape)} "
+                      f"({q.dtype}); the library's from here on", file=sys.stderr, flush=True)
+                return ref
+        return out
+
+    return apply_rotary_pos_emb
+
+
+def _order(t: torch.Tensor) -> tuple:
+    """The order of a tensor's dimensions by stride: its layout, whatever the lengths."""
+    return tuple(sorted(range(t.dim()), key=lambda i: -t.stride(i)))

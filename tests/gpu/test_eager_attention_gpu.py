@@ -1,12 +1,13 @@
 """On a GPU: child/backends/warp_softmax.py's one kernel gives eager attention's probabilities bit for bit (the
 scaling, the mask, PyTorch's fp32 softmax and the cast as transformers' eager attention runs them), for every row
 length it takes, both half dtypes, with and without masks; longer rows are left to eager's chain; whole models through
-the fused attention give eager's logits with the kernel in use. (AWQ exports on cuda against oneshot, with the
+the fused attention give eager's logits with the kernel in use; child/backends/rotary.py's kernel gives Llama's
+apply_rotary_pos_emb bit for bit, strides included, and is in use in those models. (AWQ exports on cuda against oneshot, with the
 fusion on: tests/gpu/test_calibrated_gpu.py.)"""
 import pytest
 import torch
 
-from child.backends import eager_attention, warp_softmax
+from child.backends import eager_attention, rotary, warp_softmax
 from tests.test_eager_attention import fresh_state  # noqa: F401 - autouse: the fusion on, nothing compared yet
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -111,17 +112,48 @@ def _model(kind, dtype, **overrides):
 ])
 def test_models_through_the_fused_attention_give_eagers_logits(kind, dtype, overrides):
     """Every layer's attention through the one kernel (lengths 700, 2048 and 2100: the last, and fp16's 2048, by
-    eager's chain with the fused prefix), logits equal eager's, and each path was the one expected."""
+    eager's chain with the fused prefix) and the rotary kernel, logits equal eager's, and each path was the one
+    expected."""
     model = _model(kind, dtype, **overrides)
     paths = []
     for length in (700, 2048, 2100):
         ids = torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(length)).to(CUDA)
         with torch.no_grad():
             ref = model(ids).logits
-            with eager_attention.installed():
+            with eager_attention.installed(model):
                 ours = model(ids).logits
         assert torch.equal(ref, ours), (kind, length)
-        paths.append({call[-1][0] for call in eager_attention._checked})  # the kinds of call compared
+        # the kinds of call compared: the attention's paths, and the rotary kernel's
+        paths.append({call[-1][0] for call in eager_attention._checked if call[0] != "rotary"})
+        assert any(call[0] == "rotary" for call in eager_attention._checked)
     middle = "warp softmax" if dtype == torch.bfloat16 else "fused prefix"
     assert paths == [{"warp softmax"}, {middle}, {"fused prefix"}]
-    assert not eager_attention._state["off"] and warp_softmax.available() is None
+    assert not eager_attention._state["off"] and warp_softmax.available() is None and rotary.available() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("batch,cos_batch,heads,kv_heads,tokens,head_dim", [
+    (1, 1, 32, 8, 2048, 128),  # the 8B shape
+    (1, 1, 8, 2, 7, 64),
+    (1, 1, 4, 1, 1, 80),
+    (2, 1, 4, 4, 33, 128),  # cos and sin broadcast over the batch
+    (2, 2, 4, 2, 300, 96),
+])
+def test_the_rotary_kernel_gives_llamas_rotary_embedding(dtype, batch, cos_batch, heads, kv_heads, tokens, head_dim):
+    """Queries and keys as Llama's attention makes them (a [batch, tokens, heads, dim] projection transposed), and
+    contiguous ones; cos and sin of wide and narrow values: every output and its strides equal the library's."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator(device=CUDA).manual_seed(tokens)
+    for layout in ("transposed", "contiguous"):
+        q = torch.randn(batch, tokens, heads, head_dim, generator=g, device=CUDA).mul(4).to(dtype)
+        k = torch.randn(batch, tokens, kv_heads, head_dim, generator=g, device=CUDA).mul(4).to(dtype)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if layout == "contiguous":
+            q, k = q.contiguous(), k.contiguous()
+        angles = torch.rand(cos_batch, tokens, head_dim, generator=g, device=CUDA) * 1000
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        ours = rotary.rotated(apply_rotary_pos_emb, q, k, cos, sin)
+        assert ours is not None, rotary.available()
+        for a, b in zip(ours, apply_rotary_pos_emb(q, k, cos, sin)):
+            assert torch.equal(a, b) and a.stride() == b.stride(), (layout, (a != b).sum())
