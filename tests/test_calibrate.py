@@ -56,19 +56,25 @@ def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0, read_ah
 def _unscaled_passes(monkeypatch) -> list[tuple[int, int]]:
     """Each AWQ layer's (unscaled passes served from its forward, unscaled passes the library ran), appended as the
     layer's session ends (child/backends/awq_capture.py), once its activation hooks were found replaced, one per
-    mapping, by those that keep the sums on the device."""
+    mapping, by those that keep the sums on the device, and each mapping searched by child/backends/awq_search.py's
+    grid search (its waits at the grid's end)."""
     import contextlib
 
+    from child.backends import awq_search
     from child.backends.awq_capture import AWQCapture
 
-    passes = []
+    passes, searched = [], []
     installed = AWQCapture.installed
+    best_scale = awq_search.best_scale
+    monkeypatch.setattr(awq_search, "best_scale", lambda *a, **k: (searched.append(1), best_scale(*a, **k))[1])
 
     @contextlib.contextmanager
     def recorded(self):
+        searched.clear()
         with installed(self):
             yield self
         assert self.hooks_replaced > 0 and self.hooks_replaced == self.served + self.ran, self.hooks_replaced
+        assert len(searched) == self.hooks_replaced, searched
         passes.append((self.served, self.ran))
 
     monkeypatch.setattr(AWQCapture, "installed", recorded)

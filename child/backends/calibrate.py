@@ -72,7 +72,7 @@ from transformers import AutoModelForCausalLM
 from child import faults
 from child.errors import Refused
 
-from child.backends import eager_attention, factorize, group, quant_error
+from child.backends import awq_search, eager_attention, factorize, group, quant_error
 from child.backends.awq_capture import AWQCapture
 from child.backends.hessians import SharedHessians
 from child.backends.boundary import Activations, BoundaryWriter, PendingWrite, host_buffer_meanwhile
@@ -349,6 +349,9 @@ class Calibrator:
             # AWQ: its activation sums kept on the device, and each parent's unscaled outputs from this forward, not from
             # one more pass, where its cached arguments stay on the device (child/backends/awq_capture.py)
             if self.method == "awq":
+                # its grid search without a wait for the GPU per candidate (child/backends/awq_search.py), wrapped by
+                # the capture's bookkeeping
+                outer.enter_context(awq_search.installed())
                 outer.enter_context(AWQCapture(keep_outputs=self._awq_offload is None).installed())
             # GPTQ: one Hessian per distinct input (q/k/v, gate/up, ...), each module handed the one the library
             # would have computed for it, bit for bit (child/backends/hessians.py)

@@ -1,0 +1,163 @@
+"""AWQ's grid search with its waits for the GPU moved to the end of each mapping's grid, bit for bit.
+
+llm-compressor's `AWQModifier._compute_best_scale` (0.14.0.1) tries 20 candidate scalings of a mapping one after the
+other, and waits for the GPU several times per candidate: `scales[torch.isinf(scales)] = 1` and the same for NaN
+(boolean indexing finds the positions on the host), and `_compute_loss`'s `.item()`, which its comparison with the
+best loss so far needs at once. Each wait leaves the GPU idle while Python prepares the next candidate (its scales,
+its weights quantized and scaled back, the next pass's first kernels): measured on one H100 (bench/awq_probe.py,
+one layer of the 8B shape, 128 x 2048), 0.87 s of a layer's search outside its passes, of which the losses' own
+kernels are a fraction.
+
+`best_scale` is that method with the same operations in the same order on the device, except that:
+
+- inf and NaN scales become 1 through `masked_fill_` (the same values, no wait);
+- each candidate's loss stays a device tensor (`_compute_loss`'s arithmetic without its `.item()`), and all of the
+  grid's losses come to the host together after the last candidate's pass has been queued, as the same fp32
+  values `.item()` would give;
+- the library's choice is then made on those values exactly as it makes it (the first candidate whose loss is below
+  the best so far, the history, the initial error, the error metrics).
+
+So the host prepares each candidate while the GPU still runs the one before, and the chosen scales, and every tensor
+after them, are the library's. A group's ranks (torch.distributed) all-reduce each candidate's loss as the library
+does, in the same order. Installed by child/backends/calibrate.py around an AWQ layer's session (`installed()`).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from compressed_tensors.offload.dist_utils import is_distributed
+from compressed_tensors.quantization import forward_quantize
+from compressed_tensors.utils import get_execution_device, patch_attr, patch_attrs
+from llmcompressor.core import active_session
+from llmcompressor.modifiers.quantization.calibration import observe, update_qparams
+from llmcompressor.modifiers.transform.awq import AWQModifier
+from llmcompressor.modifiers.transform.awq import base as awq_base
+from llmcompressor.observers.base import Observer
+from llmcompressor.observers.helpers import fuse_weight_observers
+
+__all__ = ["best_scale", "installed"]
+
+
+@contextlib.contextmanager
+def installed():
+    """AWQModifier's `_compute_best_scale` is `best_scale` while inside."""
+    with patch_attr(AWQModifier, "_compute_best_scale", best_scale):
+        yield
+
+
+@torch.no_grad()
+def best_scale(self, mapping, fp16_outputs: list[torch.Tensor],
+               orig_layer_weights: dict[torch.nn.Module, torch.Tensor]) -> torch.Tensor:
+    """llm-compressor 0.14.0.1's `AWQModifier._compute_best_scale`, its waits moved to the grid's end (see the
+    module docstring)."""
+    device = get_execution_device(mapping.parent)
+
+    x_sum, count = self._smooth_activation_stats[mapping.smooth_name]
+    if is_distributed():
+        x_sum, count = awq_base._allreduce_data_sum([x_sum, count])
+    x_mean = x_sum.to(device) / count.to(device)
+
+    if self.duo_scaling:
+        w_mean = self._compute_layer_means(mapping.balance_layers).to(device)
+
+    balance_layers_to_patch = [
+        balance_layer
+        for balance_layer in mapping.balance_layers
+        if hasattr(balance_layer, "quantization_scheme") and hasattr(balance_layer.quantization_scheme, "weights")
+    ]
+    grid = self._get_grid_search_params()
+    losses, candidates = [], []
+    with patch_attrs(
+        balance_layers_to_patch,
+        "weight_observer",
+        [
+            Observer.load_from_registry("memoryless_minmax", base_name="weight",
+                                        args=balance_layer.quantization_scheme.weights)
+            for balance_layer in balance_layers_to_patch
+        ],
+    ):
+        fuse_weight_observers(mapping.parent)
+        for ratio, use_duo_scaling in grid:
+            if use_duo_scaling:
+                scales = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
+            else:
+                scales = x_mean.pow(ratio).clamp(min=1e-4).view(-1)
+            scales = scales / (scales.max() * scales.min()).sqrt()
+            scales.masked_fill_(torch.isinf(scales), 1)  # the library: scales[torch.isinf(scales)] = 1
+            scales.masked_fill_(torch.isnan(scales), 1)
+            _scalesview = scales.view(1, -1).to(device)
+
+            for balance_layer in balance_layers_to_patch:
+                balance_layer.weight.data.copy_(orig_layer_weights[balance_layer].to(_scalesview.device)
+                                                * _scalesview)
+                balance_layer.weight_observer.delete_statistics(check_fused=False)
+
+            observe(balance_layers_to_patch, "weight")
+            update_qparams(balance_layers_to_patch, "weight", only_update_onload=True)
+
+            for balance_layer in balance_layers_to_patch:
+                w_qscheme = balance_layer.quantization_scheme.weights
+                balance_layer.weight.data = (
+                    forward_quantize(balance_layer, balance_layer.weight, "weight", w_qscheme) / _scalesview
+                ).to(balance_layer.weight.dtype)
+
+            int_w_outputs = self._run_samples(mapping.parent)
+            losses.append(_loss(fp16_outputs, int_w_outputs))
+            del int_w_outputs
+            candidates.append(scales.clone())
+
+    history = []
+    best_ratio, best_scales, best_error, initial_error = -1, None, float("inf"), None
+    for (ratio, use_duo_scaling), loss, scales in zip(grid, torch.stack(losses).tolist(), candidates):
+        if initial_error is None:
+            initial_error = loss
+        history.append({"ratio": ratio, "duo_scaling": use_duo_scaling, "error": loss})
+        if loss < best_error:
+            best_error, best_ratio, best_scales = loss, ratio, scales
+
+    if best_ratio == -1:
+        awq_base.logger.debug(history)
+        raise Exception(
+            "No finite loss was found in best scalesgrid search. This typically means NaN values are appearing in "
+            "the forward pass of the parent module. If you encounter this error, raise an issue at "
+            "https://github.com/vllm-project/llm-compressor/issues"
+        )
+    err_reduction = best_error / initial_error if initial_error > 0 else 1.0
+    awq_base.logger.debug(
+        f"AWQ grid search for {mapping.smooth_name}: initial error = {initial_error:.3e}, best error = "
+        f"{best_error:.3e}, error reduction rate (best/initial) = {err_reduction * 100:.3f}%"
+    )
+    self._error_metrics.append({
+        "layer_name": mapping.smooth_name,
+        "parent_name": mapping.parent_name,
+        "initial_error": initial_error,
+        "best_error": best_error,
+        "reduction": err_reduction,
+    })
+    assert torch.isnan(best_scales).sum() == 0, f"Nan found in scales: {best_scales}"
+    return best_scales.detach().cpu()
+
+
+def _loss(fp16_outputs: list[torch.Tensor], int_w_outputs: list[torch.Tensor]) -> torch.Tensor:
+    """llm-compressor 0.14.0.1's `AWQModifier._compute_loss`, its result left on the device (no `.item()`)."""
+    session = active_session()
+    loss_masks = session.state.loss_masks if session.state else None
+
+    device = fp16_outputs[0].device
+    loss = torch.tensor(0.0, device=device)
+    num_elements = torch.tensor(0, device=device)
+    for batch_idx, (fp16_batch, int_w_batch) in enumerate(zip(fp16_outputs, int_w_outputs)):
+        loss_mask = loss_masks[batch_idx] if loss_masks else None
+        if loss_mask is not None:
+            token_mask = loss_mask.to(fp16_batch.device) == 1
+            fp16_masked = fp16_batch[token_mask]
+            int_w_masked = int_w_batch.to(fp16_batch.device)[token_mask]
+            loss += torch.nn.functional.mse_loss(fp16_masked, int_w_masked, reduction="sum")
+            num_elements += fp16_masked.numel()
+        else:
+            loss += torch.nn.functional.mse_loss(fp16_batch, int_w_batch.to(fp16_batch.device), reduction="sum")
+            num_elements += fp16_batch.numel()
+    if is_distributed():
+        loss, num_elements = awq_base._allreduce_data_sum([loss, num_elements])
+    return loss / num_elements
