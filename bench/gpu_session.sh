@@ -129,9 +129,11 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 case "${1:-tests}" in
 s39c)  # the one-kernel softmax's variants (bench/softmax_kernel_probe.py: the same arithmetic, data moved and held
   # otherwise; s39a found the kernel at 0.076 s of a 0.165 s attention pass), its GPU tests (packed halves, rows through
-  # shared memory), then the default AWQ against oneshot on 8 layers of the 8B shape with the unscaled outputs and
-  # activation sums from the forward (child/backends/awq_capture.py), then AWQ's GPU equality tests
-  timeout 150 python3 bench/softmax_kernel_probe.py 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -18 "$OUT/softmax_probe.txt"
+  # shared memory; the rotary kernel), then the default AWQ against oneshot on 8 layers of the 8B shape with the
+  # unscaled outputs and activation sums from the forward (child/backends/awq_capture.py), the search's waits at the
+  # grid's end (child/backends/awq_search.py) and the rotary kernel (child/backends/rotary.py), then AWQ's GPU
+  # equality tests
+  timeout 120 python3 bench/softmax_kernel_probe.py --warps 4 --rounds 2 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -18 "$OUT/softmax_probe.txt"
   t 100 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
