@@ -133,11 +133,11 @@ s39c)  # the one-kernel softmax's variants (bench/softmax_kernel_probe.py: the s
   # unscaled outputs and activation sums from the forward (child/backends/awq_capture.py), the search's waits at the
   # grid's end (child/backends/awq_search.py) and the rotary kernel (child/backends/rotary.py), then AWQ's GPU
   # equality tests
-  timeout 120 python3 bench/softmax_kernel_probe.py --warps 4 --rounds 2 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -18 "$OUT/softmax_probe.txt"
   t 100 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
   t 150 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq or awq_match"
+  timeout 120 python3 bench/softmax_kernel_probe.py --warps 4 --rounds 2 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -18 "$OUT/softmax_probe.txt"
   ;;
 s39a)  # thirty-eighth session (issue 34): the one-kernel softmax's fp16 fix on the GPU (bound 1024; the prefix gives
   # fp16's softmax the half input), a pass's time against the floor (bench/attention_floor_probe.py), then where the
