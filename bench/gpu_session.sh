@@ -127,6 +127,12 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
+s39d)  # s39c cut to what the session's device time left allows: the kernels' GPU tests, then ours alone (no oneshot:
+  # its wall from s38c, another H100) on 8 layers of the 8B shape
+  t 60 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
+  cb 200 awq_ours --method awq --skip oneshot,kill,retry
+  grep "worker logs" "$OUT/awq_ours.txt"
+  ;;
 s39c)  # the one-kernel softmax's variants (bench/softmax_kernel_probe.py: the same arithmetic, data moved and held
   # otherwise; s39a found the kernel at 0.076 s of a 0.165 s attention pass), its GPU tests (packed halves, rows through
   # shared memory; the rotary kernel), then the default AWQ against oneshot on 8 layers of the 8B shape with the
