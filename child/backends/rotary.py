@@ -24,31 +24,11 @@ import threading
 
 import torch
 
-from child.backends.warp_softmax import _nvrtc_ptx
+from child.backends.warp_softmax import HALVES, _nvrtc_ptx
 
 __all__ = ["rotated", "available", "turn_off"]
 
-KERNEL = r"""
-typedef unsigned short u16;
-
-__device__ __forceinline__ float to_float(u16 v) {
-#if IS_BF16
-    return __uint_as_float(((unsigned int)v) << 16);
-#else
-    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f;
-#endif
-}
-
-__device__ __forceinline__ u16 round_to_half(float f) {  // c10's conversion on the device: round to nearest even
-    u16 h;
-#if IS_BF16
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#else
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#endif
-    return h;
-}
-
+KERNEL = HALVES + r"""
 #define AT(t, b, h, s, d) ((long long)(b) * t##0 + (long long)(h) * t##1 + (long long)(s) * t##2 + (long long)(d) * t##3)
 
 // one thread an element of `out` [B, H, S, D] (logical order); x, cos, sin and out each with their own strides

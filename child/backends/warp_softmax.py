@@ -34,7 +34,7 @@ import threading
 
 import torch
 
-__all__ = ["probabilities", "variant", "elements_per_lane", "MAX_ROW", "available", "turn_off"]
+__all__ = ["HALVES", "probabilities", "variant", "elements_per_lane", "MAX_ROW", "available", "turn_off"]
 
 # the longest rows PyTorch's CUDA softmax gives its warp kernel, for eager's input (torch 2.10 and later): bf16
 # scores reach it upcast (`dim_size <= 2048 && dim_size * sizeof(float) <= 8192`); fp16 ones as half, read by the
@@ -46,7 +46,8 @@ _WARPS = 4  # warps (rows) per block of 128 threads, as PyTorch launches it
 # layout allows it (SMEM)
 PACK, SMEM = True, True
 
-KERNEL = r"""
+# CUDA helpers for a half dtype (IS_BF16: bf16, else fp16) as c10 converts it on the device; rotary.py's kernel too
+HALVES = r"""
 typedef unsigned short u16;
 
 __device__ __forceinline__ float to_float(u16 v) {
@@ -67,6 +68,9 @@ __device__ __forceinline__ u16 round_to_half(float f) {  // c10's conversion on 
     return h;
 }
 
+"""
+
+KERNEL = HALVES + r"""
 #define ROW (ITER * 32)
 #define VECS ((ROW / 8 + 31) / 32)  // 16-byte vectors a lane moves per row (SMEM)
 
