@@ -8,8 +8,9 @@ the GPU is), the products' TFLOP and rate, and the kernels that take the most ti
     python bench/awq_probe.py --device cpu --hidden 256 --intermediate 512 --vocab 512 --samples 4 --seq-len 64
 
 `--fused`: with the product's eager attention installed (child/backends/eager_attention.py: the one-kernel softmax
-or the fused prefix, and the rotary kernel, each call kind checked against the library's), as an AWQ worker on a GPU
-runs the search.
+or the fused prefix, and the rotary kernel, each call kind checked against the library's), and AWQ's search as the
+product runs it (child/backends/awq_capture.py: the unscaled outputs from the forward, the activation sums on the
+device; child/backends/awq_search.py: the grid's waits at its end), as an AWQ worker on a GPU runs the search.
 
 `--overlap N`: could the searches of two mappings run side by side, bit for bit? N samples through one decoder
 layer's eager attention (the q/k/v search's parent) R times and through its MLP (the gate/up search's parent) R
@@ -124,7 +125,9 @@ def main() -> None:
     ap.add_argument("--overlap", type=int, default=0, metavar="N", help="samples for the side-by-side test (0: none)")
     ap.add_argument("--rounds", type=int, default=4, help="passes of each parent in the side-by-side test")
     ap.add_argument("--only-overlap", action="store_true")
-    ap.add_argument("--fused", action="store_true", help="the product's fused eager attention installed")
+    ap.add_argument("--untimed-passes", action="store_true",
+                    help="no wait around each pass (but the profiled one): each search's seconds as it runs")
+    ap.add_argument("--fused", action="store_true", help="the product's fused attention and AWQ search installed")
     args = ap.parse_args()
     args.torch_device = "cpu"
     if args.only_overlap:
@@ -145,11 +148,22 @@ def main() -> None:
     losses: list[float] = []
     profiles: list[str] = []
     cls = awq_base.AWQModifier
+    product = contextlib.ExitStack()  # the product's search, installed first: the timers below wrap it
+    if args.fused:
+        sys.path.insert(0, os.path.dirname(HERE))
+        from child.backends import awq_search
+        from child.backends.awq_capture import AWQCapture
+
+        product.enter_context(awq_search.installed())  # its losses no longer go through _compute_loss
+        product.enter_context(AWQCapture().installed())  # a served unscaled pass is timed at about 0 s
     run_samples, best_scale, compute_loss = cls._run_samples, cls._compute_best_scale, cls._compute_loss
 
     def timed_run_samples(self, module):
         name = names.get(id(module), type(module).__name__)
         index = len(passes[name])
+        if args.untimed_passes and index != args.profile_pass:
+            passes[name].append(float("nan"))
+            return run_samples(self, module)
         sync()
         t = time.perf_counter()
         if index == args.profile_pass:
@@ -199,7 +213,7 @@ def main() -> None:
             fused.enter_context(eager_attention.installed(model))
             print(f"fused attention installed; the one-kernel softmax: {warp_softmax.available() or 'available'}",
                   flush=True)
-    with fused:
+    with product, fused:
         total = run_oneshot(args, src, data, loaded)
     if args.fused:
         print(f"after the run, the one-kernel softmax: {warp_softmax.available() or 'on'}; the rotary kernel: "
