@@ -131,9 +131,9 @@ s39e)  # what the session's last device time allows: the kernels' GPU tests (pac
   # rotary kernel), then s39a's probe with everything the product now does in AWQ's search installed on oneshot's
   # (the fused attention and rotary kernel, the unscaled outputs from the forward, the sums on the device, the grid's
   # waits at its end), its passes not waited for (but the profiled one)
-  t 60 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
   timeout 150 python3 bench/awq_probe.py --fused --untimed-passes --workdir /tmp/awqp 2>&1 | quiet | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_probe.txt"
   tail -40 "$OUT/awq_probe.txt"
+  t 60 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
   ;;
 s39d)  # s39c cut to what the session's device time left allows: the kernels' GPU tests, then ours alone (no oneshot:
   # its wall from s38c, another H100) on 8 layers of the 8B shape
