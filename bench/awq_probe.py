@@ -216,8 +216,9 @@ def main() -> None:
     with product, fused:
         total = run_oneshot(args, src, data, loaded)
     if args.fused:
-        print(f"after the run, the one-kernel softmax: {warp_softmax.available() or 'on'}; the rotary kernel: "
-              f"{rotary.available() or 'on'}", flush=True)
+        print(f"after the run, the one-kernel softmax: {warp_softmax.available() or 'on'} (packed halves "
+              f"{warp_softmax.PACK}, shared memory {warp_softmax.SMEM}); the rotary kernel: "
+              f"{(rotary.available() or 'on') if rotary.ENABLED else 'not enabled'}", flush=True)
 
     print(f"\noneshot AWQ {args.scheme}, {args.layers} layer(s), {args.samples} x {args.seq_len}: {total:.1f} s; "
           f"grid searches {sum(s for *_, s in searches):.1f} s; losses {sum(losses):.2f} s over {len(losses)} calls")

@@ -127,31 +127,23 @@ cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, 
 }
 
 case "${1:-tests}" in
-s39e)  # what the session's last device time allows: the kernels' GPU tests (packed halves and shared memory; the
-  # rotary kernel), then s39a's probe with everything the product now does in AWQ's search installed on oneshot's
-  # (the fused attention and rotary kernel, the unscaled outputs from the forward, the sums on the device, the grid's
-  # waits at its end), its passes not waited for (but the profiled one)
-  timeout 150 python3 bench/awq_probe.py --fused --untimed-passes --workdir /tmp/awqp 2>&1 | quiet | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_probe.txt"
-  tail -40 "$OUT/awq_probe.txt"
-  t 60 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
-  ;;
-s39d)  # s39c cut to what the session's device time left allows: the kernels' GPU tests, then ours alone (no oneshot:
-  # its wall from s38c, another H100) on 8 layers of the 8B shape
-  t 60 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
-  cb 200 awq_ours --method awq --skip oneshot,kill,retry
-  grep "worker logs" "$OUT/awq_ours.txt"
-  ;;
-s39c)  # the one-kernel softmax's variants (bench/softmax_kernel_probe.py: the same arithmetic, data moved and held
-  # otherwise; s39a found the kernel at 0.076 s of a 0.165 s attention pass), its GPU tests (packed halves, rows through
-  # shared memory; the rotary kernel), then the default AWQ against oneshot on 8 layers of the 8B shape with the
-  # unscaled outputs and activation sums from the forward (child/backends/awq_capture.py), the search's waits at the
-  # grid's end (child/backends/awq_search.py) and the rotary kernel (child/backends/rotary.py), then AWQ's GPU
-  # equality tests
-  t 100 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
+s39c)  # thirty-eighth session's code (issue 34), its first GPU run: the one-kernel softmax's and the rotary kernel's
+  # GPU tests (every way of moving a row: packed halves, shared memory), the variants timed
+  # (bench/softmax_kernel_probe.py; s39a: the kernel 0.076 s of a 0.165 s attention pass), then the default AWQ
+  # against oneshot on 8 layers of the 8B shape with the unscaled outputs and activation sums from the forward
+  # (child/backends/awq_capture.py) and the grid's waits at its end (child/backends/awq_search.py), the kernels as
+  # in s38c
+  t 150 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
+  timeout 120 python3 bench/softmax_kernel_probe.py --warps 4 --rounds 2 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -18 "$OUT/softmax_probe.txt"
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
+  ;;
+s39f)  # after s39c: the default AWQ with the kernels' switches on (packed halves, shared memory, the rotary kernel;
+  # ours only, against s39c's run on the same machine), then AWQ's GPU equality tests against oneshot
+  SUPERVISOR_TEST_KERNELS=pack,smem,rotary cb 200 awq_kernels --method awq --skip oneshot,kill,retry
+  grep "worker logs" "$OUT/awq_kernels.txt"
   t 150 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq or awq_match"
-  timeout 120 python3 bench/softmax_kernel_probe.py --warps 4 --rounds 2 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -18 "$OUT/softmax_probe.txt"
+  SUPERVISOR_TEST_KERNELS=pack,smem,rotary t 150 awq_gpu_kernels tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq"
   ;;
 s39a)  # thirty-eighth session (issue 34): the one-kernel softmax's fp16 fix on the GPU (bound 1024; the prefix gives
   # fp16's softmax the half input), a pass's time against the floor (bench/attention_floor_probe.py), then where the

@@ -171,9 +171,9 @@ def applies(model: nn.Module, device: torch.device) -> str | None:
 @contextlib.contextmanager
 def installed(model: nn.Module | None = None):
     """While inside, transformers' eager attention is `fused_eager_attention` (for a model `applies` said yes to),
-    and, given the model, its attention's `apply_rotary_pos_emb` is `child/backends/rotary.py`'s kernel wherever that
-    function (and the rotate_half it calls) is Llama's (compared by bytecode), each kind of call compared with the
-    library's once a layer."""
+    and, given the model (and `rotary.ENABLED`), its attention's `apply_rotary_pos_emb` is `child/backends/rotary.py`'s
+    kernel wherever that function (and the rotate_half it calls) is Llama's (compared by bytecode), each kind of call
+    compared with the library's once a layer."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     with _lock:
@@ -182,7 +182,7 @@ def installed(model: nn.Module | None = None):
         ALL_ATTENTION_FUNCTIONS["eager"] = fused_eager_attention  # the global instance's own (local) mapping
     patched = []
     try:
-        for names in _rotary_globals(model) if model is not None else ():
+        for names in _rotary_globals(model) if model is not None and rotary.ENABLED else ():
             library = names["apply_rotary_pos_emb"]
             names["apply_rotary_pos_emb"] = _fused_rotary(library)
             patched.append((names, library))

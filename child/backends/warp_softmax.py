@@ -29,6 +29,7 @@ are not handled here: `probabilities` returns None and the caller keeps eager's 
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import threading
 
@@ -43,8 +44,12 @@ MAX_ROW = {torch.bfloat16: 2048, torch.float16: 1024}
 _WARPS = 4  # warps (rows) per block of 128 threads, as PyTorch launches it
 # how the kernel moves and holds a row (the same arithmetic either way; bench/softmax_kernel_probe.py times them):
 # x held as packed halves and e recomputed (PACK), rows moved through shared memory with 16-byte loads where their
-# layout allows it (SMEM)
-PACK, SMEM = True, True
+# layout allows it (SMEM). Both off: built and compiled (NVRTC 12.8, sm_90) but not yet run on a GPU; the kernel
+# as measured on an H100 (thirty-seventh session) is both off. tests/gpu/test_eager_attention_gpu.py checks every
+# combination, bench/gpu_session.sh s39c times them: switched on where they are measured faster
+# (SWITCHES, a test and bench switch: "pack,smem" turns them on in every process that inherits it)
+SWITCHES = "SUPERVISOR_TEST_KERNELS"
+PACK, SMEM = (name in os.environ.get(SWITCHES, "").split(",") for name in ("pack", "smem"))
 
 # CUDA helpers for a half dtype (IS_BF16: bf16, else fp16) as c10 converts it on the device; rotary.py's kernel too
 HALVES = r"""

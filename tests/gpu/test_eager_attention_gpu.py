@@ -36,6 +36,15 @@ def _causal(dtype, q, k):
     return torch.full((1, 1, q, k), torch.finfo(dtype).min, dtype=dtype, device=CUDA).triu(k - q + 1)
 
 
+@pytest.fixture(params=[(False, False), (True, False), (False, True), (True, True)],
+                ids=["plain", "pack", "smem", "pack+smem"])
+def switches(request, monkeypatch):
+    """The kernel's ways of moving and holding a row (warp_softmax.PACK, SMEM): every one must give eager's bits."""
+    monkeypatch.setattr(warp_softmax, "PACK", request.param[0])
+    monkeypatch.setattr(warp_softmax, "SMEM", request.param[1])
+    return request.param
+
+
 def _describe(ours, ref) -> str:
     differ = (ours != ref).view(-1, ref.shape[-1]).any(-1)
     return f"{int(differ.sum())} of {differ.numel()} rows differ"
@@ -43,7 +52,7 @@ def _describe(ours, ref) -> str:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("length", LENGTHS)
-def test_the_kernel_gives_eagers_probabilities(dtype, length):
+def test_the_kernel_gives_eagers_probabilities(dtype, length, switches):
     scaling = 128 ** -0.5
     cases = {
         "causal": (_scores(dtype, 4, length, length, 1.0, length), _causal(dtype, length, length)),
@@ -62,13 +71,13 @@ def test_the_kernel_gives_eagers_probabilities(dtype, length):
             assert ours is None and warp_softmax.available() is None
             continue
         assert ours is not None, (name, warp_softmax.available())
-        # rows of a multiple of 8 keys (16-byte aligned) go through shared memory, the others lane by lane
-        assert warp_softmax.variant(scores, mask)[1] == (length % 8 == 0)
+        # with SMEM, rows of a multiple of 8 keys (16-byte aligned) go through shared memory, the others lane by lane
+        assert warp_softmax.variant(scores, mask)[1] == (switches[1] and length % 8 == 0)
         ref = _eagers(scores, mask, scaling)
         assert torch.equal(ours, ref), f"{name}, length {length}: {_describe(ours, ref)}"
 
 
-def test_a_mask_broadcast_over_queries_and_a_strided_mask():
+def test_a_mask_broadcast_over_queries_and_a_strided_mask(switches):
     """Masks as other models build them: [batch, 1, 1, keys] (broadcast over the queries), and a slice of a wider one
     (a cache's mask cut to the keys)."""
     dtype, scaling = torch.bfloat16, 0.125
@@ -77,7 +86,7 @@ def test_a_mask_broadcast_over_queries_and_a_strided_mask():
         row = torch.zeros(1, 1, 1, n, dtype=dtype, device=CUDA)
         row[..., 250:] = torch.finfo(dtype).min
         wide = _causal(dtype, n, n + 100)[..., 100:]  # starts 200 bytes in: not 16-byte aligned
-        for mask, smem in ((row, n % 8 == 0), (wide, False)):
+        for mask, smem in ((row, switches[1] and n % 8 == 0), (wide, False)):
             ours = warp_softmax.probabilities(scores, mask, scaling)
             assert warp_softmax.variant(scores, mask)[1] == smem
             assert ours is not None and torch.equal(ours, _eagers(scores, mask, scaling))
@@ -110,10 +119,11 @@ def _model(kind, dtype, **overrides):
     ("mistral", torch.bfloat16, {"sliding_window": 64}),
     ("llama", torch.float16, {}),
 ])
-def test_models_through_the_fused_attention_give_eagers_logits(kind, dtype, overrides):
+def test_models_through_the_fused_attention_give_eagers_logits(kind, dtype, overrides, switches, monkeypatch):
     """Every layer's attention through the one kernel (lengths 700, 2048 and 2100: the last, and fp16's 2048, by
     eager's chain with the fused prefix) and the rotary kernel, logits equal eager's, and each path was the one
     expected."""
+    monkeypatch.setattr(rotary, "ENABLED", True)
     model = _model(kind, dtype, **overrides)
     paths = []
     for length in (700, 2048, 2100):
