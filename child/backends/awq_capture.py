@@ -9,8 +9,8 @@ Two things, each what llm-compressor's AWQModifier would have, computed the same
   in the same order, are added on the device (IEEE addition: the same bits), and the search reads them there
   (it moves them to the device anyway). Loss masks, where a session has them, are applied as the library does.
 
-**Unscaled outputs.** llm-compressor's AWQModifier (run as oneshot runs it, child/backends/calibrate.py) searches each mapping's scaling
-after the layer's calibration forward. Its first step is a pass of the mapping's parent over every cached sample
+**Unscaled outputs.** llm-compressor's AWQModifier (run as oneshot runs it, child/backends/calibrate.py) searches
+each mapping's scaling after the layer's calibration forward. Its first step is a pass of the mapping's parent over every cached sample
 (`_run_samples`): the parent's unscaled outputs, which each of its 20 candidates' outputs is then compared with.
 The calibration forward has already run every parent on exactly those arguments (AWQ's forward-pre hook caches them
 as they go in), so its outputs are the ones that pass would compute again, where all of these hold:
@@ -25,10 +25,11 @@ as they go in), so its outputs are the ones that pass would compute again, where
 
 Else the library's own pass runs, as before. Each output is kept as `_run_samples` keeps it (a tuple's first
 element); the parents' outputs are held from the forward until their search (the attention's and the MLP's outputs
-of an 8B-shaped layer over 128 x 2048 samples: 2 GiB each; o_proj's and down_proj's are the same tensors). Outputs are
-kept only where AWQ keeps its cached arguments on the device (`keep_outputs`; not where child/backends/calibrate.py
-offloads them to the host, MoE models: holding outputs on the GPU there would undo that). One pass of each mapping's 21 is saved: for an
-8B-shaped layer, about 0.3-0.4 s of a 9 s search on an H100.
+of an 8B-shaped layer over 128 x 2048 samples: 2 GiB each; o_proj's and down_proj's are the same tensors). Outputs
+are kept only where AWQ keeps its cached arguments on the device (`keep_outputs`; not where
+child/backends/calibrate.py offloads them to the host, MoE models: holding outputs on the GPU there would undo
+that). One pass of each mapping's 21 is saved: for an 8B-shaped layer, about 0.35 s of a 9 s search on an H100
+(the three unscaled passes' times, bench/awq_probe.py --fused).
 """
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ class AWQCapture:
             return run_samples(modifier, module)
 
         def search(modifier, mapping, *args, **kwargs):
-            # from here this mapping's balance layers are rewritten (each candidate), then smoothed with its smooth layer
+            # from here this mapping's balance layers are rewritten (each candidate), then smoothed with its smooth
+            # layer
             me._changed.update([mapping.smooth_layer, *mapping.balance_layers])
             me._searching = True
             try:
