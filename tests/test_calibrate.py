@@ -152,6 +152,30 @@ def test_awq_on_a_moe_equals_oneshot_with_its_sums_on_the_device(moe_models, ids
     assert len(unscaled) == 2 and all(served == 0 and ran > 0 for served, ran in unscaled), unscaled
 
 
+def test_with_another_llm_compressor_awq_runs_the_librarys_own_search_and_hooks(tiny_models, ids_dataset, tmp_path,
+                                                                                monkeypatch):
+    """child/backends/awq_search.py and awq_capture.py's activation hook copy llm-compressor 0.14.0.1's code: under
+    another version (stood in for by its version string) neither stands in, the library's own search and hooks run,
+    and the export is still oneshot's."""
+    import llmcompressor
+
+    from child.backends import awq_search
+    from child.backends.awq_capture import AWQCapture
+
+    searched, captures = [], []
+    best_scale, installed = awq_search.best_scale, AWQCapture.installed
+    monkeypatch.setattr(awq_search, "best_scale", lambda *a, **k: (searched.append(1), best_scale(*a, **k))[1])
+    monkeypatch.setattr(AWQCapture, "installed", lambda self: (captures.append(self), installed(self))[1])
+    monkeypatch.setattr(llmcompressor, "__version__", "0.15.0")
+    source = tiny_models("llama")
+    rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
+    with threads(1):
+        ref = oneshot_calibrated(source, "W4A16", "awq", rows, SEQ, str(tmp_path / "ref"))
+        ours = _export_in_process(source, "W4A16", "awq", ids_dataset, tmp_path / "ours")
+    _assert_same_export(ref, ours)
+    assert not searched and len(captures) == 2 and all(c.hooks_replaced == 0 for c in captures)
+
+
 @pytest.mark.parametrize("case", ["parent changed", "output changed"])
 def test_awq_runs_the_unscaled_pass_itself_where_the_forwards_outputs_are_not_its(case, tiny_models, ids_dataset,
                                                                                    tmp_path, monkeypatch):

@@ -41,6 +41,8 @@ from llmcompressor.core import active_session
 from llmcompressor.modifiers.transform.awq import AWQModifier
 from torch import nn
 
+from child.backends.awq_search import COPIED_FROM
+
 __all__ = ["AWQCapture"]
 
 
@@ -124,8 +126,13 @@ class AWQCapture:
 def _sums_on_the_device(modifier) -> int:
     """The library's activation hooks (`cache_smooth_activations_hook`, one per mapping) replaced by the same
     computation whose sums stay on the device (see the module docstring): registered on the same modules, in the
-    same order, for the same mappings. How many were replaced (none, and nothing changed, where the library
-    registered another number of them than it has mappings: a version that hooks otherwise)."""
+    same order, for the same mappings. How many were replaced (none, and nothing changed, with another
+    llm-compressor than the one copied, or where the library registered another number of them than it has
+    mappings)."""
+    import llmcompressor
+
+    if llmcompressor.__version__ != COPIED_FROM:  # _activation_sums copies that version's hook
+        return 0
     handles = []
     for handle in modifier._hooks:
         hooks = handle.hooks_dict_ref()

@@ -19,7 +19,8 @@ kernels are a fraction.
 
 So the host prepares each candidate while the GPU still runs the one before, and the chosen scales, and every tensor
 after them, are the library's. A group's ranks (torch.distributed) all-reduce each candidate's loss as the library
-does, in the same order. Installed by child/backends/calibrate.py around an AWQ layer's session (`installed()`).
+does, in the same order. Installed by child/backends/calibrate.py around an AWQ layer's session (`installed()`),
+with the llm-compressor whose method this copies (`COPIED_FROM`); with another, the library's own search runs.
 """
 from __future__ import annotations
 
@@ -36,12 +37,19 @@ from llmcompressor.modifiers.transform.awq import base as awq_base
 from llmcompressor.observers.base import Observer
 from llmcompressor.observers.helpers import fuse_weight_observers
 
-__all__ = ["best_scale", "installed"]
+__all__ = ["best_scale", "installed", "COPIED_FROM"]
+
+COPIED_FROM = "0.14.0.1"  # the llm-compressor whose _compute_best_scale and _compute_loss best_scale follows
 
 
 @contextlib.contextmanager
 def installed():
-    """AWQModifier's `_compute_best_scale` is `best_scale` while inside."""
+    """AWQModifier's `_compute_best_scale` is `best_scale` while inside (with the llm-compressor it copies)."""
+    import llmcompressor
+
+    if llmcompressor.__version__ != COPIED_FROM:
+        yield
+        return
     with patch_attr(AWQModifier, "_compute_best_scale", best_scale):
         yield
 
