@@ -53,6 +53,15 @@ def _export_in_process(source, scheme, method, dataset, out, ram_gb=0.0, read_ah
     return out
 
 
+def _awq_equals_oneshot(source, dataset, tmp_path, fix_masks: bool = False) -> None:
+    """AWQ W4A16 of `source`, ours layer by layer and oneshot's (one thread each): the same export."""
+    rows = [json.loads(line)["input_ids"] for line in open(dataset)]
+    with threads(1):
+        ref = oneshot_calibrated(source, "W4A16", "awq", rows, SEQ, str(tmp_path / "ref"), fix_masks=fix_masks)
+        ours = _export_in_process(source, "W4A16", "awq", dataset, tmp_path / "ours")
+    _assert_same_export(ref, ours)
+
+
 def _unscaled_passes(monkeypatch) -> list[tuple[int, int]]:
     """Each AWQ layer's (unscaled passes served from its forward, unscaled passes the library ran), appended as the
     layer's session ends (child/backends/awq_capture.py), once its activation hooks were found replaced, one per
@@ -143,12 +152,7 @@ def test_awq_on_a_moe_equals_oneshot_with_its_sums_on_the_device(moe_models, ids
     sums added on the device (child/backends/awq_capture.py), no outputs kept (each unscaled pass the library's):
     every tensor, config.json and the logits equal oneshot's (its causal mask fixed, docs/fidelity.md)."""
     unscaled = _unscaled_passes(monkeypatch)
-    source = moe_models("qwen3moe")
-    rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
-    with threads(1):
-        ref = oneshot_calibrated(source, "W4A16", "awq", rows, SEQ, str(tmp_path / "ref"), fix_masks=True)
-        ours = _export_in_process(source, "W4A16", "awq", ids_dataset, tmp_path / "ours")
-    _assert_same_export(ref, ours)
+    _awq_equals_oneshot(moe_models("qwen3moe"), ids_dataset, tmp_path, fix_masks=True)
     assert len(unscaled) == 2 and all(served == 0 and ran > 0 for served, ran in unscaled), unscaled
 
 
@@ -167,12 +171,7 @@ def test_with_another_llm_compressor_awq_runs_the_librarys_own_search_and_hooks(
     monkeypatch.setattr(awq_search, "best_scale", lambda *a, **k: (searched.append(1), best_scale(*a, **k))[1])
     monkeypatch.setattr(AWQCapture, "installed", lambda self: (captures.append(self), installed(self))[1])
     monkeypatch.setattr(llmcompressor, "__version__", "0.15.0")
-    source = tiny_models("llama")
-    rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
-    with threads(1):
-        ref = oneshot_calibrated(source, "W4A16", "awq", rows, SEQ, str(tmp_path / "ref"))
-        ours = _export_in_process(source, "W4A16", "awq", ids_dataset, tmp_path / "ours")
-    _assert_same_export(ref, ours)
+    _awq_equals_oneshot(tiny_models("llama"), ids_dataset, tmp_path)
     assert not searched and len(captures) == 2 and all(c.hooks_replaced == 0 for c in captures)
 
 
@@ -200,12 +199,7 @@ def test_awq_runs_the_unscaled_pass_itself_where_the_forwards_outputs_are_not_it
                 output[0].add_(0)
 
         monkeypatch.setattr(AWQCapture, "_keep", bumped)
-    source = tiny_models("llama")
-    rows = [json.loads(line)["input_ids"] for line in open(ids_dataset)]
-    with threads(1):
-        ref = oneshot_calibrated(source, "W4A16", "awq", rows, SEQ, str(tmp_path / "ref"))
-        ours = _export_in_process(source, "W4A16", "awq", ids_dataset, tmp_path / "ours")
-    _assert_same_export(ref, ours)
+    _awq_equals_oneshot(tiny_models("llama"), ids_dataset, tmp_path)
     # served: the attention and down_proj, whose modules nothing had changed; ran: the MLP's (parent changed) or the
     # attention's (output changed)
     assert unscaled == [(2, 1)] * 2, unscaled
