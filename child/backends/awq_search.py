@@ -113,7 +113,7 @@ def best_scale(self, mapping, fp16_outputs: list[torch.Tensor],
             int_w_outputs = self._run_samples(mapping.parent)
             losses.append(_loss(fp16_outputs, int_w_outputs))
             del int_w_outputs
-            candidates.append(scales.clone())
+            candidates.append(scales)  # a fresh tensor each candidate, not written after
 
     history = []
     best_ratio, best_scales, best_error, initial_error = -1, None, float("inf"), None
