@@ -116,6 +116,14 @@ bytecode_both() {  # every process with bytecode (PYTHONPYCACHEPREFIX, writing o
   return 0
 }
 
+cbk() {  # cbk SECS NAME ARGS...: as cb, on /tmp/cbk's checkpoint built once (--build-only), each run's output fresh
+  local secs=$1 name=$2; shift 2
+  rm -rf /tmp/cbk/sup /tmp/cbk/oneshot*
+  timeout "$secs" python3 bench/calib_bench.py --layers 8 --skip kill,retry --workdir /tmp/cbk --keep "$@" 2>&1 \
+    | quiet > "$OUT/$name.txt"
+  grep "^supervisor (W" "$OUT/$name.txt"; grep -A11 "^| layer" "$OUT/$name.txt" | head -12; tail -14 "$OUT/$name.txt"
+}
+
 cb() {  # cb SECS NAME ARGS...: bench/calib_bench.py (8 layers of the 8B shape, no kill or retry runs) into
   # $OUT/NAME.txt, in a work folder of its own removed after; shows the run's line, its stage clock and its table
   local secs=$1 name=$2; shift 2
@@ -138,12 +146,20 @@ s39c)  # thirty-eighth session's code (issue 34), its first GPU run: the one-ker
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
   ;;
+s40a)  # thirty-ninth session (issue 34): the default AWQ, now with the one-kernel softmax's rows through shared memory
+  # and the rotary kernel on (s39c/s39f: their GPU tests pass; the kernel 0.058 s against 0.140), against oneshot on
+  # 8 layers of the 8B shape, 128 x 2048 (every tensor compared); then, on the same checkpoint and machine, ours with
+  # the AWQ search's and capture's stand-ins off (the library's own steps): what those two save
+  rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
+  cbk 330 awq_default --method awq
+  SUPERVISOR_TEST_KERNELS=nocapture,nosearch cbk 120 awq_library_steps --method awq --skip oneshot,kill,retry
+  ;;
 s39f)  # after s39c: the default AWQ with the kernels' switches on (packed halves, shared memory, the rotary kernel;
   # ours only, against s39c's run on the same machine), then AWQ's GPU equality tests against oneshot
-  SUPERVISOR_TEST_KERNELS=pack,smem,rotary cb 200 awq_kernels --method awq --skip oneshot,kill,retry
+  SUPERVISOR_TEST_KERNELS=smem,rotary cb 200 awq_kernels --method awq --skip oneshot,kill,retry
   grep "worker logs" "$OUT/awq_kernels.txt"
   t 150 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq or awq_match"
-  SUPERVISOR_TEST_KERNELS=pack,smem,rotary t 150 awq_gpu_kernels tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq"
+  SUPERVISOR_TEST_KERNELS=smem,rotary t 150 awq_gpu_kernels tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq"
   ;;
 s39a)  # thirty-eighth session (issue 34): the one-kernel softmax's fp16 fix on the GPU (bound 1024; the prefix gives
   # fp16's softmax the half input), a pass's time against the floor (bench/attention_floor_probe.py), then where the

@@ -156,11 +156,13 @@ def test_awq_on_a_moe_equals_oneshot_with_its_sums_on_the_device(moe_models, ids
     assert len(unscaled) == 2 and all(served == 0 and ran > 0 for served, ran in unscaled), unscaled
 
 
-def test_with_another_llm_compressor_awq_runs_the_librarys_own_search_and_hooks(tiny_models, ids_dataset, tmp_path,
-                                                                                monkeypatch):
+@pytest.mark.parametrize("why", ["another llm-compressor", "switched off"])
+def test_awq_runs_the_librarys_own_search_and_hooks_under_another_llm_compressor_or_switched_off(
+        why, tiny_models, ids_dataset, tmp_path, monkeypatch):
     """child/backends/awq_search.py and awq_capture.py's activation hook copy llm-compressor 0.14.0.1's code: under
     another version (stood in for by its version string) neither stands in, the library's own search and hooks run,
-    and the export is still oneshot's."""
+    and the export is still oneshot's. The benches' switch (SUPERVISOR_TEST_KERNELS=nocapture,nosearch) leaves both
+    out the same way."""
     import llmcompressor
 
     from child.backends import awq_search
@@ -170,9 +172,16 @@ def test_with_another_llm_compressor_awq_runs_the_librarys_own_search_and_hooks(
     best_scale, installed = awq_search.best_scale, AWQCapture.installed
     monkeypatch.setattr(awq_search, "best_scale", lambda *a, **k: (searched.append(1), best_scale(*a, **k))[1])
     monkeypatch.setattr(AWQCapture, "installed", lambda self: (captures.append(self), installed(self))[1])
-    monkeypatch.setattr(llmcompressor, "__version__", "0.15.0")
+    if why == "switched off":
+        monkeypatch.setenv("SUPERVISOR_TEST_KERNELS", "nocapture,nosearch")
+    else:
+        monkeypatch.setattr(llmcompressor, "__version__", "0.15.0")
     _awq_equals_oneshot(tiny_models("llama"), ids_dataset, tmp_path)
-    assert not searched and len(captures) == 2 and all(c.hooks_replaced == 0 for c in captures)
+    assert not searched
+    if why == "switched off":
+        assert not captures
+    else:
+        assert len(captures) == 2 and all(c.hooks_replaced == 0 for c in captures)
 
 
 @pytest.mark.parametrize("case", ["parent changed", "output changed"])

@@ -55,13 +55,23 @@ def test_the_rotary_kernel_stands_in_where_the_rotary_embedding_is_llamas(kind, 
     found = eager_attention._rotary_globals(model)
     assert bool(found) == rotary_is_llamas
     originals = [names["apply_rotary_pos_emb"] for names in found]
-    with eager_attention.installed(model):  # off by default (not yet run on a GPU): nothing stands in
-        assert [names["apply_rotary_pos_emb"] for names in found] == originals
-    with monkeypatch.context() as m:
-        m.setattr(rotary, "ENABLED", True)
-        with eager_attention.installed(model):
-            assert all(names["apply_rotary_pos_emb"] is not fn for names, fn in zip(found, originals))
+    assert rotary.ENABLED  # on by default
+    with eager_attention.installed(model):
+        assert all(names["apply_rotary_pos_emb"] is not fn for names, fn in zip(found, originals))
     assert [names["apply_rotary_pos_emb"] for names in found] == originals
+    with monkeypatch.context() as m:
+        m.setattr(rotary, "ENABLED", False)  # SUPERVISOR_TEST_KERNELS=norotary: nothing stands in
+        with eager_attention.installed(model):
+            assert [names["apply_rotary_pos_emb"] for names in found] == originals
+
+
+@pytest.mark.parametrize("value,expected", [("", (True, False)), ("pack", (True, True)), ("nosmem,pack", (False, True)),
+                                            ("norotary,smem", (True, False))])
+def test_the_kernels_switches(value, expected, monkeypatch):
+    """SUPERVISOR_TEST_KERNELS: a name turns its part on, "no" and the name off, else its default."""
+    monkeypatch.setenv(warp_softmax.SWITCHES, value)
+    assert (warp_softmax.switched("smem", True), warp_softmax.switched("pack", False)) == expected
+    assert warp_softmax.switched("rotary", True) == ("norotary" not in value)
 
 
 @pytest.mark.parametrize("kind,why", [("gemma2", "Gemma2Attention's eager attention is not Llama's"),

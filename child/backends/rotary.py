@@ -20,19 +20,17 @@ child/backends/eager_attention.py, which installs it, compares its first calls w
 """
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
 
-from child.backends.warp_softmax import HALVES, SWITCHES, _nvrtc_ptx
+from child.backends.warp_softmax import HALVES, _nvrtc_ptx, switched
 
 __all__ = ["rotated", "available", "turn_off", "ENABLED"]
 
-# whether child/backends/eager_attention.py installs it: not yet, since the kernel is compiled (NVRTC 12.8, sm_90) and
-# tested on the CPU through stand-ins only, not yet run on a GPU (tests/gpu/test_eager_attention_gpu.py checks it,
-# bench/gpu_session.sh s39c measures AWQ with it)
-ENABLED = "rotary" in os.environ.get(SWITCHES, "").split(",")  # the same test and bench switch as warp_softmax's
+# whether child/backends/eager_attention.py installs it (on: run on an H100 in s39f, equal to the library's in
+# tests/gpu/test_eager_attention_gpu.py; "norotary" in warp_softmax.SWITCHES turns it off for a test or a bench)
+ENABLED = switched("rotary", True)
 
 KERNEL = HALVES + r"""
 #define AT(t, b, h, s, d) ((long long)(b) * t##0 + (long long)(h) * t##1 + (long long)(s) * t##2 + (long long)(d) * t##3)

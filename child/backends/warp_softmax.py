@@ -35,7 +35,7 @@ import threading
 
 import torch
 
-__all__ = ["HALVES", "probabilities", "variant", "elements_per_lane", "MAX_ROW", "available", "turn_off"]
+__all__ = ["HALVES", "switched", "probabilities", "variant", "elements_per_lane", "MAX_ROW", "available", "turn_off"]
 
 # the longest rows PyTorch's CUDA softmax gives its warp kernel, for eager's input (torch 2.10 and later): bf16
 # scores reach it upcast (`dim_size <= 2048 && dim_size * sizeof(float) <= 8192`); fp16 ones as half, read by the
@@ -43,13 +43,20 @@ __all__ = ["HALVES", "probabilities", "variant", "elements_per_lane", "MAX_ROW",
 MAX_ROW = {torch.bfloat16: 2048, torch.float16: 1024}
 _WARPS = 4  # warps (rows) per block of 128 threads, as PyTorch launches it
 # how the kernel moves and holds a row (the same arithmetic either way; bench/softmax_kernel_probe.py times them):
-# x held as packed halves and e recomputed (PACK), rows moved through shared memory with 16-byte loads where their
-# layout allows it (SMEM). Both off: built and compiled (NVRTC 12.8, sm_90) but not yet run on a GPU; the kernel
-# as measured on an H100 (thirty-seventh session) is both off. tests/gpu/test_eager_attention_gpu.py checks every
-# combination, bench/gpu_session.sh s39c times them: switched on where they are measured faster
-# (SWITCHES, a test and bench switch: "pack,smem" turns them on in every process that inherits it)
+# rows moved through shared memory with 16-byte loads where their layout allows it (SMEM: on, 2.4x the lane-by-lane
+# kernel's speed on an H100, s39c: 0.058 s against 0.140 for the 8B layer's 128 samples), x held as packed halves and
+# e recomputed (PACK: off, slower with SMEM: 0.072 s). tests/gpu/test_eager_attention_gpu.py checks every combination
 SWITCHES = "SUPERVISOR_TEST_KERNELS"
-PACK, SMEM = (name in os.environ.get(SWITCHES, "").split(",") for name in ("pack", "smem"))
+
+
+def switched(name: str, default: bool) -> bool:
+    """A test and bench switch of the GPU path's parts (SWITCHES, read at import, inherited by every process):
+    "name" turns one on, "noname" off, e.g. SUPERVISOR_TEST_KERNELS=pack,norotary; absent, its default."""
+    names = os.environ.get(SWITCHES, "").split(",")
+    return True if name in names else False if f"no{name}" in names else default
+
+
+PACK, SMEM = switched("pack", False), switched("smem", True)
 
 # CUDA helpers for a half dtype (IS_BF16: bf16, else fp16) as c10 converts it on the device; rotary.py's kernel too
 HALVES = r"""
