@@ -7,6 +7,10 @@ the GPU is), the products' TFLOP and rate, and the kernels that take the most ti
     python bench/awq_probe.py                                    # 1 layer of the 8B shape, 128 x 2048, cuda
     python bench/awq_probe.py --device cpu --hidden 256 --intermediate 512 --vocab 512 --samples 4 --seq-len 64
 
+`--untimed-passes` leaves out the waits around each pass (but the profiled one); on a GPU each pass, and with
+`--fused` each of awq_search's losses, is then timed by CUDA events, its span on the stream, so "rest" is the
+search's wall outside its passes: the weights' quantization, the losses and the GPU's idle time.
+
 `--fused`: with the product's eager attention installed (child/backends/eager_attention.py: the one-kernel softmax
 or the fused prefix, and the rotary kernel, each call kind checked against the library's), and AWQ's search as the
 product runs it (child/backends/awq_capture.py: the unscaled outputs from the forward, the activation sums on the
@@ -162,8 +166,16 @@ def main() -> None:
         name = names.get(id(module), type(module).__name__)
         index = len(passes[name])
         if args.untimed_passes and index != args.profile_pass:
-            passes[name].append(float("nan"))
-            return run_samples(self, module)
+            if not cuda:
+                passes[name].append(float("nan"))
+                return run_samples(self, module)
+            # timed on the device by events (no wait): the pass's span on the stream, read after the search
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = run_samples(self, module)
+            end.record()
+            passes[name].append((start, end))
+            return out
         sync()
         t = time.perf_counter()
         if index == args.profile_pass:
@@ -185,6 +197,9 @@ def main() -> None:
         t = time.perf_counter()
         out = best_scale(self, mapping, *a, **k)
         sync()
+        for spans in (passes, device_losses):  # the events recorded in this search are complete: their seconds
+            for key, values in spans.items():
+                spans[key] = [v[0].elapsed_time(v[1]) / 1e3 if isinstance(v, tuple) else v for v in values]
         balance = ",".join(n.rsplit(".", 1)[-1] for n in mapping.balance_names)
         searches.append((f"{mapping.smooth_name.rsplit('.', 1)[-1]} -> {balance}", mapping.parent_name,
                          time.perf_counter() - t))
@@ -197,6 +212,19 @@ def main() -> None:
         return out
 
     cls._run_samples, cls._compute_best_scale, cls._compute_loss = timed_run_samples, timed_best_scale, timed_loss
+    device_losses: dict[str, list] = defaultdict(list)  # --fused --untimed-passes: awq_search's losses, by events
+    if args.fused and args.untimed_passes and cuda:
+        device_loss = awq_search._loss
+
+        def evented_loss(*a, **k):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = device_loss(*a, **k)
+            end.record()
+            device_losses["all"].append((start, end))
+            return out
+
+        awq_search._loss = evented_loss
 
     def loaded(model):
         names.update({id(m): n for n, m in model.named_modules()})
@@ -237,6 +265,9 @@ def main() -> None:
         print(f"| {mapping} | {parent} | {secs:.2f} | {len(chunk)} | {mean:.3f} | "
               f"{chunk[0] if chunk else float('nan'):.3f} | {secs - sum(grid):.2f} |")
     print("\n(mean pass: the candidates' passes without the profiled one; rest: the search's time outside its passes)")
+    if device_losses:
+        print(f"passes timed on the device by events (no waits); awq_search's losses on the device: "
+              f"{sum(device_losses['all']):.3f} s over {len(device_losses['all'])} calls (in the rest above)")
     if profiles:
         print("\n" + "\n".join(profiles))
     if cuda:
