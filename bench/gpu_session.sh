@@ -9,11 +9,7 @@
 #   bash bench/gpu_session.sh floor2   # issue 34: AWQ and NVFP4 static scales, then tests/gpu/test_calibrated_gpu.py
 set -uo pipefail
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
-# compiled to bytecode at install, as a user's pip install leaves them, and the checkout's own modules too (until
-# s39f, --no-compile left each module's compilation to whichever tool imported it first; s39c's first supervisor
-# run started in 16.8 s, s39f's, on the same machine after it, in 5.4)
-python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m compileall -q child supervisor shared bench > /dev/null
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m supervisor.cli "$@"\n' > /tmp/bin/supervisor && chmod +x /tmp/bin/supervisor
 export SUPERVISOR_BIN=/tmp/bin/supervisor PATH=/tmp/bin:$PATH
