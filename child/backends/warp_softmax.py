@@ -50,8 +50,10 @@ SWITCHES = "SUPERVISOR_TEST_KERNELS"
 
 
 def switched(name: str, default: bool) -> bool:
-    """A test and bench switch of the GPU path's parts (SWITCHES, read at import, inherited by every process):
-    "name" turns one on, "noname" off, e.g. SUPERVISOR_TEST_KERNELS=pack,norotary; absent, its default."""
+    """A test and bench switch of the GPU path's parts (the environment variable SWITCHES, which every process
+    started from one inherits): "name" turns one on, "noname" off, e.g. SUPERVISOR_TEST_KERNELS=pack,norotary;
+    absent, its default. Read when called: PACK, SMEM and rotary.ENABLED at import, AWQ's "search" and "capture"
+    (child/backends/calibrate.py) at each layer."""
     names = os.environ.get(SWITCHES, "").split(",")
     return True if name in names else False if f"no{name}" in names else default
 
