@@ -66,16 +66,21 @@ def _unscaled_passes(monkeypatch) -> list[tuple[int, int]]:
     """Each AWQ layer's (unscaled passes served from its forward, unscaled passes the library ran), appended as the
     layer's session ends (child/backends/awq_capture.py), once its activation hooks were found replaced, one per
     mapping, by those that keep the sums on the device, and each mapping searched by child/backends/awq_search.py's
-    grid search (its waits at the grid's end)."""
+    grid search (its waits at the grid's end, each candidate's qparams made without a wait)."""
     import contextlib
 
     from child.backends import awq_search
     from child.backends.awq_capture import AWQCapture
 
-    passes, searched = [], []
+    from compressed_tensors.quantization.utils import helpers as qparams_helpers
+
+    passes, searched, filled = [], [], []
     installed = AWQCapture.installed
-    best_scale = awq_search.best_scale
+    best_scale, update = awq_search.best_scale, awq_search.update_qparams
     monkeypatch.setattr(awq_search, "best_scale", lambda *a, **k: (searched.append(1), best_scale(*a, **k))[1])
+    # each candidate's qparams made with their numbers filled on the device (no wait for the stream)
+    monkeypatch.setattr(awq_search, "update_qparams", lambda *a, **k: (
+        filled.append(qparams_helpers.torch is awq_search._NO_HOST_COPIES), update(*a, **k))[1])
 
     @contextlib.contextmanager
     def recorded(self):
@@ -84,6 +89,8 @@ def _unscaled_passes(monkeypatch) -> list[tuple[int, int]]:
             yield self
         assert self.hooks_replaced > 0 and self.hooks_replaced == self.served + self.ran, self.hooks_replaced
         assert len(searched) == self.hooks_replaced, searched
+        assert filled and all(filled), filled
+        filled.clear()
         passes.append((self.served, self.ran))
 
     monkeypatch.setattr(AWQCapture, "installed", recorded)

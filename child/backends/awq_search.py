@@ -11,9 +11,11 @@ kernels are a fraction.
 `best_scale` is that method with the same operations in the same order on the device, except that:
 
 - inf and NaN scales become 1 through `masked_fill_` (the same values, no wait);
-- each candidate's loss stays a device tensor (`_compute_loss`'s arithmetic without its `.item()`), and all of the
-  grid's losses come to the host together after the last candidate's pass has been queued, as the same fp32
-  values `.item()` would give;
+- each candidate's loss stays a device tensor (`_compute_loss`'s arithmetic without its `.item()`, its two zeros
+  made on the device rather than copied there from the host, which waits too), and all of the grid's losses come to
+  the host together after the last candidate's pass has been queued, as the same fp32 values `.item()` would give;
+- compressed-tensors' `calculate_qparams`, which quantizes each candidate's weights, makes its eps on the device by
+  a fill instead of a copy from the host, which waits (`_NumbersFilledOnTheDevice`: the same value);
 - the library's choice is then made on those values exactly as it makes it (the first candidate whose loss is below
   the best so far, the history, the initial error, the error metrics).
 
@@ -29,6 +31,7 @@ import contextlib
 import torch
 from compressed_tensors.offload.dist_utils import is_distributed
 from compressed_tensors.quantization import forward_quantize
+from compressed_tensors.quantization.utils import helpers as qparams_helpers
 from compressed_tensors.utils import get_execution_device, patch_attr, patch_attrs
 from llmcompressor.core import active_session
 from llmcompressor.modifiers.quantization.calibration import observe, update_qparams
@@ -76,7 +79,7 @@ def best_scale(self, mapping, fp16_outputs: list[torch.Tensor],
     ]
     grid = self._get_grid_search_params()
     losses, candidates = [], []
-    with patch_attrs(
+    with patch_attr(qparams_helpers, "torch", _NO_HOST_COPIES), patch_attrs(
         balance_layers_to_patch,
         "weight_observer",
         [
@@ -147,14 +150,46 @@ def best_scale(self, mapping, fp16_outputs: list[torch.Tensor],
     return best_scales.detach().cpu()
 
 
+class _NumbersFilledOnTheDevice:
+    """What compressed-tensors' qparams helpers see as `torch` during the grid: torch itself, except that
+    `torch.tensor(number, dtype=..., device=...)` is `torch.full((), number, ...)`: the same value of the same dtype
+    (both convert the Python number on the host; where full refuses one out of the dtype's range, torch.tensor
+    makes it), filled on the device. `calculate_qparams` makes its eps that way
+    for each balance layer of each candidate (`torch.tensor(eps, dtype=scales.dtype, device=device)`), and a
+    host-to-device copy waits for the stream (pytorch/pytorch#120996): for the candidate's weights, the previous
+    candidate's whole pass. Anything else goes to torch.tensor as written."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def tensor(data, *args, dtype=None, device=None, **kwargs):
+        if args or kwargs or device is None or isinstance(data, bool) or not isinstance(data, (int, float)) or \
+                dtype not in _FILLED:
+            return torch.tensor(data, *args, dtype=dtype, device=device, **kwargs)
+        if dtype is None:  # as torch.tensor infers it from a Python number
+            dtype = torch.int64 if isinstance(data, int) else torch.get_default_dtype()
+        try:
+            return torch.full((), data, dtype=dtype, device=device)
+        except RuntimeError:  # out of the dtype's range: full refuses, torch.tensor gives inf
+            return torch.tensor(data, dtype=dtype, device=device)
+
+
+_FILLED = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
+_NO_HOST_COPIES = _NumbersFilledOnTheDevice()
+
+
 def _loss(fp16_outputs: list[torch.Tensor], int_w_outputs: list[torch.Tensor]) -> torch.Tensor:
     """llm-compressor 0.14.0.1's `AWQModifier._compute_loss`, its result left on the device (no `.item()`)."""
     session = active_session()
     loss_masks = session.state.loss_masks if session.state else None
 
     device = fp16_outputs[0].device
-    loss = torch.tensor(0.0, device=device)
-    num_elements = torch.tensor(0, device=device)
+    # the library's torch.tensor(0.0, device=device) and torch.tensor(0, device=device): the same zeros (the default
+    # dtype, int64), but made on the device by a fill; torch.tensor copies its value from the host and waits for the
+    # stream to finish first (pytorch/pytorch#120996), a wait for the candidate's whole pass
+    loss = torch.zeros((), device=device)
+    num_elements = torch.zeros((), dtype=torch.int64, device=device)
     for batch_idx, (fp16_batch, int_w_batch) in enumerate(zip(fp16_outputs, int_w_outputs)):
         loss_mask = loss_masks[batch_idx] if loss_masks else None
         if loss_mask is not None:
