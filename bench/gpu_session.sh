@@ -146,12 +146,16 @@ s39c)  # thirty-eighth session's code (issue 34), its first GPU run: the one-ker
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
   ;;
-s40a)  # thirty-ninth session (issue 34): the default AWQ, now with the one-kernel softmax's rows through shared memory
-  # and the rotary kernel on (s39c/s39f: their GPU tests pass; the kernel 0.058 s against 0.140), against oneshot on
+s40a)  # thirty-ninth session (issue 34): awq_search's candidates without a wait (tests/gpu/test_awq_search_gpu.py)
+  # and the default AWQ equal to oneshot on cuda; then the default AWQ, now with the one-kernel softmax's rows through
+  # shared memory, the rotary kernel on (s39c/s39f: their GPU tests pass; the kernel 0.058 s against 0.140) and no
+  # wait per candidate in the search, against oneshot on
   # 8 layers of the 8B shape, 128 x 2048 (every tensor compared); then, on the same checkpoint and machine, ours with
   # the AWQ search's and capture's stand-ins off (the library's own steps): what those two save; between them, where
   # the search's time outside its passes goes (bench/awq_probe.py --fused --untimed-passes: passes and losses timed
   # by CUDA events, no waits)
+  t 60 awq_search_gpu tests/gpu/test_awq_search_gpu.py -m gpu
+  t 90 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq"
   rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
   cbk 330 awq_default --method awq
   timeout 120 python3 bench/awq_probe.py --fused --untimed-passes --profile-pass -1 --workdir /tmp/awqp 2>&1 | quiet \
