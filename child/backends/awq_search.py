@@ -2,8 +2,9 @@
 
 llm-compressor's `AWQModifier._compute_best_scale` (0.14.0.1) tries 20 candidate scalings of a mapping one after the
 other, and waits for the GPU several times per candidate: `scales[torch.isinf(scales)] = 1` and the same for NaN
-(boolean indexing finds the positions on the host), and `_compute_loss`'s `.item()`, which its comparison with the
-best loss so far needs at once. Each wait leaves the GPU idle while Python prepares the next candidate (its scales,
+(boolean indexing finds the positions on the host), `_compute_loss`'s `.item()`, which its comparison with the
+best loss so far needs at once, and every `torch.tensor(number, device=cuda)` (a copy from the host, which waits
+for the stream first: `_compute_loss`'s two zeros, `calculate_qparams`' eps for each balance layer). Each wait leaves the GPU idle while Python prepares the next candidate (its scales,
 its weights quantized and scaled back, the next pass's first kernels): measured on one H100 (bench/awq_probe.py,
 one layer of the 8B shape, 128 x 2048), 0.87 s of a layer's search outside its passes, of which the losses' own
 kernels are a fraction.
