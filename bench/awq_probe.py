@@ -11,6 +11,9 @@ the GPU is), the products' TFLOP and rate, and the kernels that take the most ti
 `--fused` each of awq_search's losses, is then timed by CUDA events, its span on the stream, so "rest" is the
 search's wall outside its passes: the weights' quantization, the losses and the GPU's idle time.
 
+`--count-syncs` (a GPU): every wait for the device during AWQ's smoothing step (the unscaled passes and the grid
+searches), counted by the Python line that made it (torch.cuda.set_sync_debug_mode("warn")).
+
 `--fused`: with the product's eager attention installed (child/backends/eager_attention.py: the one-kernel softmax
 or the fused prefix, and the rotary kernel, each call kind checked against the library's), and AWQ's search as the
 product runs it (child/backends/awq_capture.py: the unscaled outputs from the forward, the activation sums on the
@@ -132,6 +135,9 @@ def main() -> None:
     ap.add_argument("--untimed-passes", action="store_true",
                     help="no wait around each pass (but the profiled one): each search's seconds as it runs")
     ap.add_argument("--fused", action="store_true", help="the product's fused attention and AWQ search installed")
+    ap.add_argument("--count-syncs", action="store_true",
+                    help="on a GPU: every wait for the device during AWQ's smoothing (the searches), by the line that "
+                         "made it (torch.cuda.set_sync_debug_mode)")
     args = ap.parse_args()
     args.torch_device = "cpu"
     if args.only_overlap:
@@ -226,6 +232,28 @@ def main() -> None:
 
         awq_search._loss = evented_loss
 
+    syncs: dict[str, int] = defaultdict(int)  # --count-syncs: "file:line" -> waits for the device made there
+    if args.count_syncs and cuda:
+        import warnings
+
+        smoothing = cls._apply_smoothing
+
+        def counted_smoothing(self, *a, **k):
+            sync()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return smoothing(self, *a, **k)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    for w in caught:
+                        if "synchroniz" in str(w.message):
+                            where = w.filename.split("site-packages/")[-1].replace(os.path.dirname(HERE) + "/", "")
+                            syncs[f"{where}:{w.lineno}"] += 1
+
+        cls._apply_smoothing = counted_smoothing
+
     def loaded(model):
         names.update({id(m): n for n, m in model.named_modules()})
         print(f"attention: {model.config._attn_implementation}; torch {torch.__version__}; device "
@@ -268,6 +296,10 @@ def main() -> None:
     if device_losses:
         print(f"passes timed on the device by events (no waits); awq_search's losses on the device: "
               f"{sum(device_losses['all']):.3f} s over {len(device_losses['all'])} calls (in the rest above)")
+    if args.count_syncs and cuda:
+        print(f"\nwaits for the device during the smoothing (the searches): {sum(syncs.values())}, by where:")
+        for where, count in sorted(syncs.items(), key=lambda kv: -kv[1]):
+            print(f"  {count:6d}  {where}")
     if profiles:
         print("\n" + "\n".join(profiles))
     if cuda:

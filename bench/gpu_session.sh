@@ -153,13 +153,13 @@ s40a)  # thirty-ninth session (issue 34): awq_search's candidates without a wait
   # 8 layers of the 8B shape, 128 x 2048 (every tensor compared); then, on the same checkpoint and machine, ours with
   # the AWQ search's and capture's stand-ins off (the library's own steps): what those two save; between them, where
   # the search's time outside its passes goes (bench/awq_probe.py --fused --untimed-passes: passes and losses timed
-  # by CUDA events, no waits)
+  # by CUDA events, no waits; --count-syncs: every wait for the device left in the smoothing, by the line that makes it)
   t 60 awq_search_gpu tests/gpu/test_awq_search_gpu.py -m gpu
   t 90 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq"
   rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
   cbk 330 awq_default --method awq
-  timeout 120 python3 bench/awq_probe.py --fused --untimed-passes --profile-pass -1 --workdir /tmp/awqp 2>&1 | quiet \
-    | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_probe.txt"; tail -12 "$OUT/awq_probe.txt"; rm -rf /tmp/awqp
+  timeout 120 python3 bench/awq_probe.py --fused --untimed-passes --count-syncs --profile-pass -1 --workdir /tmp/awqp 2>&1 | quiet \
+    | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_probe.txt"; tail -24 "$OUT/awq_probe.txt"; rm -rf /tmp/awqp
   SUPERVISOR_TEST_KERNELS=nocapture,nosearch cbk 120 awq_library_steps --method awq --skip oneshot,kill,retry
   ;;
 s39f)  # after s39c: the default AWQ with the kernels' switches on (packed halves, shared memory, the rotary kernel;
