@@ -57,6 +57,13 @@ resident bytes], ...] (the file mappings with the most pages in the RSS as the p
 --rss-trace). SUPERVISOR_BENCH_NO_AHEAD=1 starts no calibrated layer ahead (child/ahead.py), so one build's memory
 and clock can be measured with and without it.
 
+And SUPERVISOR_TEST_KERNELS, a comma-separated list, switches parts of the GPU path (`switched`): a name turns a part
+on, "no" and the name off, e.g. "pack,norotary"; absent, each keeps its default. The parts: the one-kernel
+softmax's packed halves (pack, off) and shared-memory rows (smem, on) (child/backends/warp_softmax.py), the rotary
+kernel (rotary, on; child/backends/rotary.py), read at their import; AWQ's grid search without waits (search, on;
+child/backends/awq_search.py) and its capture (capture, on; child/backends/awq_capture.py), read at each layer by
+child/backends/calibrate.py. Tests and benches (bench/gpu_session.sh) compare a part with and without it.
+
 Owns nothing else; it must never be consulted by anything but the child's main loop, its writer, the boundary
 thread (child/backends/calibrate.py hands the last its point) and a layer started ahead once it is taken over
 (child/ahead.py: the points of its stages run ahead fire in the main loop then, in order; the rest in its thread,
@@ -80,6 +87,7 @@ SYNC_STAGES = "SUPERVISOR_BENCH_SYNC_STAGES"
 STAGE_PEAKS = "SUPERVISOR_BENCH_STAGE_PEAKS"
 RSS_TRACE = "SUPERVISOR_BENCH_RSS_TRACE"
 NO_AHEAD = "SUPERVISOR_BENCH_NO_AHEAD"
+KERNELS = "SUPERVISOR_TEST_KERNELS"
 
 _specs: list[dict] = []
 worker: int | None = None  # this child's slot (Hello.worker), once it has its Hello
@@ -233,6 +241,12 @@ def log_stage_peaks(index: int, peaks: list[tuple[str, int]]) -> None:
 def no_ahead() -> bool:
     """SUPERVISOR_BENCH_NO_AHEAD=1: no calibrated layer is started ahead (see the docstring)."""
     return os.environ.get(NO_AHEAD) == "1"
+
+
+def switched(name: str, default: bool) -> bool:
+    """SUPERVISOR_TEST_KERNELS: whether the GPU path's part `name` is on (see the docstring)."""
+    names = os.environ.get(KERNELS, "").split(",")
+    return True if name in names else False if f"no{name}" in names else default
 
 
 class _RssTrace:

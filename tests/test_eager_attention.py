@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from child import faults
 from child.backends import eager_attention, rotary, warp_softmax
 from tests.models import assert_same_tensors, load_tensors
 from tests.ref_calib import make_tiny_dense, oneshot_calibrated, threads
@@ -69,9 +70,9 @@ def test_the_rotary_kernel_stands_in_where_the_rotary_embedding_is_llamas(kind, 
                                             ("norotary,smem", (True, False))])
 def test_the_kernels_switches(value, expected, monkeypatch):
     """SUPERVISOR_TEST_KERNELS: a name turns its part on, "no" and the name off, else its default."""
-    monkeypatch.setenv(warp_softmax.SWITCHES, value)
-    assert (warp_softmax.switched("smem", True), warp_softmax.switched("pack", False)) == expected
-    assert warp_softmax.switched("rotary", True) == ("norotary" not in value)
+    monkeypatch.setenv(faults.KERNELS, value)
+    assert (faults.switched("smem", True), faults.switched("pack", False)) == expected
+    assert faults.switched("rotary", True) == ("norotary" not in value)
 
 
 @pytest.mark.parametrize("kind,why", [("gemma2", "Gemma2Attention's eager attention is not Llama's"),

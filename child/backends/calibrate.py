@@ -74,7 +74,6 @@ from child.errors import Refused
 
 from child.backends import awq_search, eager_attention, factorize, group, quant_error
 from child.backends.awq_capture import AWQCapture
-from child.backends.warp_softmax import switched
 from child.backends.hessians import SharedHessians
 from child.backends.boundary import Activations, BoundaryWriter, PendingWrite, host_buffer_meanwhile
 from child.backends.naming import LayerStub, find_decoder_layers
@@ -353,9 +352,9 @@ class Calibrator:
                 # its grid search without a wait for the GPU per candidate (child/backends/awq_search.py), wrapped by
                 # the capture's bookkeeping
                 # the library's own steps instead with SUPERVISOR_TEST_KERNELS=nosearch / nocapture (benches)
-                if switched("search", True):
+                if faults.switched("search", True):
                     outer.enter_context(awq_search.installed())
-                if switched("capture", True):
+                if faults.switched("capture", True):
                     outer.enter_context(AWQCapture(keep_outputs=self._awq_offload is None).installed())
             # GPTQ: one Hessian per distinct input (q/k/v, gate/up, ...), each module handed the one the library
             # would have computed for it, bit for bit (child/backends/hessians.py)

@@ -24,12 +24,13 @@ import threading
 
 import torch
 
-from child.backends.warp_softmax import HALVES, _nvrtc_ptx, switched
+from child.backends.warp_softmax import HALVES, _nvrtc_ptx
+from child.faults import switched
 
 __all__ = ["rotated", "available", "turn_off", "ENABLED"]
 
 # whether child/backends/eager_attention.py installs it (on: run on an H100 in s39f, equal to the library's in
-# tests/gpu/test_eager_attention_gpu.py; "norotary" in warp_softmax.SWITCHES turns it off for a test or a bench)
+# tests/gpu/test_eager_attention_gpu.py; "norotary" in SUPERVISOR_TEST_KERNELS turns it off for a test or a bench)
 ENABLED = switched("rotary", True)
 
 KERNEL = HALVES + r"""

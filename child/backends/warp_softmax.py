@@ -29,13 +29,14 @@ are not handled here: `probabilities` returns None and the caller keeps eager's 
 from __future__ import annotations
 
 import ctypes
-import os
 import struct
 import threading
 
 import torch
 
-__all__ = ["HALVES", "switched", "probabilities", "variant", "elements_per_lane", "MAX_ROW", "available", "turn_off"]
+from child.faults import switched
+
+__all__ = ["HALVES", "probabilities", "variant", "elements_per_lane", "MAX_ROW", "available", "turn_off"]
 
 # the longest rows PyTorch's CUDA softmax gives its warp kernel, for eager's input (torch 2.10 and later): bf16
 # scores reach it upcast (`dim_size <= 2048 && dim_size * sizeof(float) <= 8192`); fp16 ones as half, read by the
@@ -45,19 +46,8 @@ _WARPS = 4  # warps (rows) per block of 128 threads, as PyTorch launches it
 # how the kernel moves and holds a row (the same arithmetic either way; bench/softmax_kernel_probe.py times them):
 # rows moved through shared memory with 16-byte loads where their layout allows it (SMEM: on, 2.4x the lane-by-lane
 # kernel's speed on an H100, s39c: 0.058 s against 0.140 for the 8B layer's 128 samples), x held as packed halves and
-# e recomputed (PACK: off, slower with SMEM: 0.072 s). tests/gpu/test_eager_attention_gpu.py checks every combination
-SWITCHES = "SUPERVISOR_TEST_KERNELS"
-
-
-def switched(name: str, default: bool) -> bool:
-    """A test and bench switch of the GPU path's parts (the environment variable SWITCHES, which every process
-    started from one inherits): "name" turns one on, "noname" off, e.g. SUPERVISOR_TEST_KERNELS=pack,norotary;
-    absent, its default. Read when called: PACK, SMEM and rotary.ENABLED at import, AWQ's "search" and "capture"
-    (child/backends/calibrate.py) at each layer."""
-    names = os.environ.get(SWITCHES, "").split(",")
-    return True if name in names else False if f"no{name}" in names else default
-
-
+# e recomputed (PACK: off, slower with SMEM: 0.072 s). tests/gpu/test_eager_attention_gpu.py checks every combination;
+# SUPERVISOR_TEST_KERNELS switches them for a test or a bench (child/faults.py)
 PACK, SMEM = switched("pack", False), switched("smem", True)
 
 # CUDA helpers for a half dtype (IS_BF16: bf16, else fp16) as c10 converts it on the device; rotary.py's kernel too
