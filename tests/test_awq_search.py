@@ -1,7 +1,8 @@
 """child/backends/awq_search.py's pieces that keep the library's values while leaving out its waits for the GPU:
 the numbers compressed-tensors' qparams helpers make on the device (filled there, not copied from the host) equal
 torch.tensor's, value and dtype; `calculate_qparams` through them gives the library's scales and zero points; the
-loss made from device zeros equals the library's `_compute_loss`. (Whole AWQ exports through them against oneshot:
+loss made from device zeros equals the library's `_compute_loss`; and none of them calls torch.tensor with a device
+(a copy from the host, which on a GPU waits for the stream). (Whole AWQ exports through them against oneshot:
 tests/test_calibrate.py; the waits themselves, on a GPU: tests/gpu/test_awq_search_gpu.py.)"""
 import random
 
@@ -25,6 +26,21 @@ def _numbers() -> list:
         [rng.randint(-2**40, 2**40) for _ in range(50)] + [rng.randint(-1000, 1000) for _ in range(50)]
 
 
+def _host_copies(fn) -> list:
+    """The calls of torch.tensor with a device that `fn()` made (each a copy from the host, which on a GPU waits for
+    the stream)."""
+    made, tensor = [], torch.tensor
+
+    def spy(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            made.append((args, kwargs))
+        return tensor(*args, **kwargs)
+
+    with patch_attr(torch, "tensor", spy):
+        fn()
+    return made
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_numbers_filled_on_the_device_are_torch_tensors_values(dtype):
     """Every Python number torch.tensor takes gives the same value and dtype through the stand-in (a fill where the
@@ -42,6 +58,9 @@ def test_numbers_filled_on_the_device_are_torch_tensors_values(dtype):
         assert torch.equal(got, expected) or bool(got.isnan() & expected.isnan()), (number, dtype, got, expected)
         compared += 1
     assert compared > 20
+    copied = _host_copies(lambda: awq_search._NO_HOST_COPIES.tensor(0.5, dtype=dtype if dtype not in (
+        torch.int64, torch.int32) else None, device="cpu"))
+    assert not copied, copied  # a number with a device is filled there, never made by torch.tensor
     listed = awq_search._NO_HOST_COPIES.tensor([1.5, 2.5], dtype=dtype if dtype not in (torch.int64, torch.int32)
                                                 else None, device="cpu")
     assert listed.shape == (2,) and listed.tolist() == [1.5, 2.5]
@@ -64,9 +83,11 @@ def test_calculate_qparams_through_the_stand_in_gives_the_librarys(args, dtype):
     qargs = QuantizationArgs(**args)
     expected = qparams_helpers.calculate_qparams(mins, maxs, qargs)
     qparams_helpers._calculate_range.cache_clear()
+    got = []
     with patch_attr(qparams_helpers, "torch", awq_search._NO_HOST_COPIES):
-        got = qparams_helpers.calculate_qparams(mins, maxs, qargs)
+        copied = _host_copies(lambda: got.extend(qparams_helpers.calculate_qparams(mins, maxs, qargs)))
     qparams_helpers._calculate_range.cache_clear()
+    assert not copied, copied
     for a, b in zip(got, expected):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
@@ -87,6 +108,8 @@ def test_the_loss_from_device_zeros_is_the_librarys(masked, monkeypatch):
     from llmcompressor.modifiers.transform.awq import base as awq_base
 
     monkeypatch.setattr(awq_base, "active_session", lambda: session)
-    got = awq_search._loss(ref, out)
+    made = []
+    assert not _host_copies(lambda: made.append(awq_search._loss(ref, out)))  # its zeros filled, not copied
+    got = made[0]
     assert got.dtype == torch.float32 and got.dim() == 0
     assert got.item() == AWQModifier._compute_loss(None, ref, out)
