@@ -7,9 +7,10 @@ the GPU is), the products' TFLOP and rate, and the kernels that take the most ti
     python bench/awq_probe.py                                    # 1 layer of the 8B shape, 128 x 2048, cuda
     python bench/awq_probe.py --device cpu --hidden 256 --intermediate 512 --vocab 512 --samples 4 --seq-len 64
 
-`--untimed-passes` leaves out the waits around each pass (but the profiled one); on a GPU each pass, and with
-`--fused` each of awq_search's losses, is then timed by CUDA events, its span on the stream, so "rest" is the
-search's wall outside its passes: the weights' quantization, the losses and the GPU's idle time.
+`--untimed-passes` leaves out the waits around each pass (but the profiled one); on a GPU each pass is then timed by
+CUDA events, its span on the stream, so "rest" is the search's wall outside its passes: the weights' quantization,
+the losses (with `--fused`, inside each candidate's pass: awq_search adds each sample into the loss as it goes) and
+the GPU's idle time.
 
 `--count-syncs` (a GPU): every wait for the device during AWQ's smoothing step (the unscaled passes and the grid
 searches), counted by the Python line that made it (torch.cuda.set_sync_debug_mode("warn")).
@@ -17,7 +18,8 @@ searches), counted by the Python line that made it (torch.cuda.set_sync_debug_mo
 `--fused`: with the product's eager attention installed (child/backends/eager_attention.py: the one-kernel softmax
 or the fused prefix, and the rotary kernel, each call kind checked against the library's), and AWQ's search as the
 product runs it (child/backends/awq_capture.py: the unscaled outputs from the forward, the activation sums on the
-device; child/backends/awq_search.py: the grid's waits at its end), as an AWQ worker on a GPU runs the search.
+device; child/backends/awq_search.py: the grid's waits at its end, each candidate's pass and loss sample by
+sample), as an AWQ worker on a GPU runs the search.
 
 `--overlap N`: could the searches of two mappings run side by side, bit for bit? N samples through one decoder
 layer's eager attention (the q/k/v search's parent) R times and through its MLP (the gate/up search's parent) R
@@ -25,7 +27,7 @@ times, one after the other on one stream, then at once from two threads on two s
 whether every output is bit-equal (`--only-overlap`: without the oneshot run).
 
 Nothing here changes what the library computes: the timers wrap `AWQModifier._compute_best_scale`, `_run_samples`
-and `_compute_loss` and call them unchanged.
+and `_compute_loss` (with `--fused`, awq_search's `_candidate_loss`) and call them unchanged.
 """
 from __future__ import annotations
 
@@ -168,44 +170,47 @@ def main() -> None:
         product.enter_context(AWQCapture().installed())  # a served unscaled pass is timed at about 0 s
     run_samples, best_scale, compute_loss = cls._run_samples, cls._compute_best_scale, cls._compute_loss
 
-    def timed_run_samples(self, module):
-        name = names.get(id(module), type(module).__name__)
-        index = len(passes[name])
-        if args.untimed_passes and index != args.profile_pass:
-            if not cuda:
-                passes[name].append(float("nan"))
-                return run_samples(self, module)
-            # timed on the device by events (no wait): the pass's span on the stream, read after the search
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = run_samples(self, module)
-            end.record()
-            passes[name].append((start, end))
-            return out
-        sync()
-        t = time.perf_counter()
-        if index == args.profile_pass:
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-            with profile(activities=activities, with_flops=True) as prof:
-                out = run_samples(self, module)
-                sync()
-            wall = time.perf_counter() - t
-            profiles.append(f"{name}, pass {index} (profiled; its wall includes the profiler):")
-            profiles.extend(kernel_summary(prof, wall, args.top))
-        else:
-            out = run_samples(self, module)
+    def timed(call):
+        """`call(self, module, ...)`, a pass of `module` over the cached samples, timed as one of its parent's
+        passes (or profiled)."""
+        def timed_pass(self, module, *a, **k):
+            name = names.get(id(module), type(module).__name__)
+            index = len(passes[name])
+            if args.untimed_passes and index != args.profile_pass:
+                if not cuda:
+                    passes[name].append(float("nan"))
+                    return call(self, module, *a, **k)
+                # timed on the device by events (no wait): the pass's span on the stream, read after the search
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = call(self, module, *a, **k)
+                end.record()
+                passes[name].append((start, end))
+                return out
             sync()
-        passes[name].append(time.perf_counter() - t)
-        return out
+            t = time.perf_counter()
+            if index == args.profile_pass:
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                with profile(activities=activities, with_flops=True) as prof:
+                    out = call(self, module, *a, **k)
+                    sync()
+                wall = time.perf_counter() - t
+                profiles.append(f"{name}, pass {index} (profiled; its wall includes the profiler):")
+                profiles.extend(kernel_summary(prof, wall, args.top))
+            else:
+                out = call(self, module, *a, **k)
+                sync()
+            passes[name].append(time.perf_counter() - t)
+            return out
+        return timed_pass
 
     def timed_best_scale(self, mapping, *a, **k):
         sync()
         t = time.perf_counter()
         out = best_scale(self, mapping, *a, **k)
         sync()
-        for spans in (passes, device_losses):  # the events recorded in this search are complete: their seconds
-            for key, values in spans.items():
-                spans[key] = [v[0].elapsed_time(v[1]) / 1e3 if isinstance(v, tuple) else v for v in values]
+        for key, values in passes.items():  # the events recorded in this search are complete: their seconds
+            passes[key] = [v[0].elapsed_time(v[1]) / 1e3 if isinstance(v, tuple) else v for v in values]
         balance = ",".join(n.rsplit(".", 1)[-1] for n in mapping.balance_names)
         searches.append((f"{mapping.smooth_name.rsplit('.', 1)[-1]} -> {balance}", mapping.parent_name,
                          time.perf_counter() - t))
@@ -217,20 +222,9 @@ def main() -> None:
         losses.append(time.perf_counter() - t)
         return out
 
-    cls._run_samples, cls._compute_best_scale, cls._compute_loss = timed_run_samples, timed_best_scale, timed_loss
-    device_losses: dict[str, list] = defaultdict(list)  # --fused --untimed-passes: awq_search's losses, by events
-    if args.fused and args.untimed_passes and cuda:
-        device_loss = awq_search._loss
-
-        def evented_loss(*a, **k):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = device_loss(*a, **k)
-            end.record()
-            device_losses["all"].append((start, end))
-            return out
-
-        awq_search._loss = evented_loss
+    cls._run_samples, cls._compute_best_scale, cls._compute_loss = timed(run_samples), timed_best_scale, timed_loss
+    if args.fused:  # awq_search runs each candidate's pass and its loss together, sample by sample
+        awq_search._candidate_loss = timed(awq_search._candidate_loss)
 
     syncs: dict[str, int] = defaultdict(int)  # --count-syncs: "file:line" -> waits for the device made there
     if args.count_syncs and cuda:
@@ -293,9 +287,10 @@ def main() -> None:
         print(f"| {mapping} | {parent} | {secs:.2f} | {len(chunk)} | {mean:.3f} | "
               f"{chunk[0] if chunk else float('nan'):.3f} | {secs - sum(grid):.2f} |")
     print("\n(mean pass: the candidates' passes without the profiled one; rest: the search's time outside its passes)")
-    if device_losses:
-        print(f"passes timed on the device by events (no waits); awq_search's losses on the device: "
-              f"{sum(device_losses['all']):.3f} s over {len(device_losses['all'])} calls (in the rest above)")
+    if args.fused:
+        print("(with --fused each candidate's pass includes its loss: awq_search adds each sample into it as it goes)")
+    if args.untimed_passes and cuda:
+        print("passes timed on the device by events (no waits)")
     if args.count_syncs and cuda:
         print(f"\nwaits for the device during the smoothing (the searches): {sum(syncs.values())}, by where:")
         for where, count in sorted(syncs.items(), key=lambda kv: -kv[1]):

@@ -146,6 +146,18 @@ s39c)  # thirty-eighth session's code (issue 34), its first GPU run: the one-ker
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
   ;;
+s41a)  # fortieth session (issue 34): AWQ's passes sample by sample (child/backends/awq_search.py: each sample's output
+  # added into the candidate's loss and let go, eager attention's probabilities let go at once; the library holds all
+  # 128 samples' until a pass is over: 32 GiB for the 8B layer): AWQ's GPU equality tests against oneshot, the default
+  # AWQ against oneshot on 8 layers of the 8B shape (every tensor compared; peak GPU), the same with the library's
+  # way of holding them (SUPERVISOR_TEST_KERNELS=nosamplewise, ours only), then where the search's time goes now
+  t 120 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq or awq_match"
+  rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
+  cbk 330 awq_default --method awq
+  SUPERVISOR_TEST_KERNELS=nosamplewise cbk 120 awq_held --method awq --skip oneshot,kill,retry
+  timeout 100 python3 bench/awq_probe.py --fused --untimed-passes --profile-pass -1 --workdir /tmp/awqp 2>&1 | quiet \
+    | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_probe.txt"; tail -12 "$OUT/awq_probe.txt"; rm -rf /tmp/awqp
+  ;;
 s40a)  # thirty-ninth session (issue 34): awq_search's candidates without a wait (tests/gpu/test_awq_search_gpu.py)
   # and the default AWQ equal to oneshot on cuda; then the default AWQ, now with the one-kernel softmax's rows through
   # shared memory, the rotary kernel on (s39c/s39f: their GPU tests pass; the kernel 0.058 s against 0.140) and no

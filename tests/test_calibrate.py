@@ -163,6 +163,42 @@ def test_awq_on_a_moe_equals_oneshot_with_its_sums_on_the_device(moe_models, ids
     assert len(unscaled) == 2 and all(served == 0 and ran > 0 for served, ran in unscaled), unscaled
 
 
+@pytest.mark.parametrize("kind,switch", [("llama", ""), ("qwen3moe", ""), ("llama", "nosamplewise")])
+def test_awq_lets_each_samples_attention_probabilities_go_before_the_next_pass(kind, switch, tiny_models, moe_models,
+                                                                               ids_dataset, tmp_path, monkeypatch):
+    """Eager attention returns its probabilities beside its output (256 MiB a sample of an 8B layer at 2048 tokens);
+    llm-compressor's `_run_samples` holds every sample's until its last pass is over (32 GiB there). Ours lets each go
+    before the next sample's pass, in the candidates' passes (their loss added sample by sample: Llama) and in the
+    library's unscaled pass where it runs (MoE: child/backends/awq_search.py): no eager attention call starts with an
+    earlier call's probabilities alive, where the library's hold up to all of a pass's samples (as the bench's switch
+    SUPERVISOR_TEST_KERNELS=nosamplewise shows)."""
+    import importlib
+    import weakref
+
+    module = importlib.import_module({"llama": "transformers.models.llama.modeling_llama",
+                                      "qwen3moe": "transformers.models.qwen3_moe.modeling_qwen3_moe"}[kind])
+    alive, refs = [], []
+    eager = module.eager_attention_forward
+
+    def counted(*a, **k):
+        alive.append(sum(r() is not None for r in refs))
+        out, weights = eager(*a, **k)
+        refs.append(weakref.ref(weights))
+        return out, weights
+
+    monkeypatch.setattr(module, "eager_attention_forward", counted)
+    monkeypatch.setenv("SUPERVISOR_TEST_KERNELS", switch)
+    unscaled = _unscaled_passes(monkeypatch)
+    source = tiny_models("llama") if kind == "llama" else moe_models("qwen3moe")
+    with threads(1):
+        _export_in_process(source, "W4A16", "awq", ids_dataset, tmp_path / "ours")
+    # both layers: the forward and the propagation (N calls each), the candidates' passes (20 x N), and for the MoE
+    # the library's unscaled pass (N)
+    assert len(alive) >= 2 * 22 * N, len(alive)
+    assert max(alive) == (N - 1 if switch else 0), max(alive)
+    assert all((ran > 0) == (kind != "llama") for _, ran in unscaled), unscaled
+
+
 @pytest.mark.parametrize("why", ["another llm-compressor", "switched off"])
 def test_awq_runs_the_librarys_own_search_and_hooks_under_another_llm_compressor_or_switched_off(
         why, tiny_models, ids_dataset, tmp_path, monkeypatch):

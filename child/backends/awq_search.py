@@ -18,7 +18,14 @@ kernels are a fraction.
 - compressed-tensors' `calculate_qparams`, which quantizes each candidate's weights, makes its eps on the device by
   a fill instead of a copy from the host, which waits (`_NumbersFilledOnTheDevice`: the same value);
 - the library's choice is then made on those values exactly as it makes it (the first candidate whose loss is below
-  the best so far, the history, the initial error, the error metrics).
+  the best so far, the history, the initial error, the error metrics);
+- each candidate's pass and its loss go sample by sample (`_candidate_loss`): a sample's output is added into the
+  loss as soon as its pass is queued and then let go, and a parent's extra outputs (eager attention's probabilities)
+  are let go at once. The library first runs every sample (`_run_samples`), holding each one's whole output, then adds
+  them up: for the attention of an 8B-shaped layer over 128 x 2048 samples that held 128 probability matrices (32
+  GiB) and the 128 outputs (2 GiB) at the layer's peak. The same operations on the same tensors in the same order
+  give the same loss; only what is alive at once differs. The library's unscaled pass, where it runs (`run_samples`),
+  lets go of the extra outputs the same way.
 
 So the host prepares each candidate while the GPU still runs the one before, and the chosen scales, and every tensor
 after them, are the library's. A group's ranks (torch.distributed) all-reduce each candidate's loss as the library
@@ -41,21 +48,44 @@ from llmcompressor.modifiers.transform.awq import base as awq_base
 from llmcompressor.observers.base import Observer
 from llmcompressor.observers.helpers import fuse_weight_observers
 
-__all__ = ["best_scale", "installed", "COPIED_FROM"]
+__all__ = ["best_scale", "run_samples", "installed", "COPIED_FROM"]
 
 COPIED_FROM = "0.14.0.1"  # the llm-compressor whose _compute_best_scale and _compute_loss best_scale follows
 
 
 @contextlib.contextmanager
-def installed():
-    """AWQModifier's `_compute_best_scale` is `best_scale` while inside (with the llm-compressor it copies)."""
+def installed(samplewise: bool = True):
+    """AWQModifier's `_compute_best_scale` is `best_scale`, and its `_run_samples` `run_samples`, while inside (with the
+    llm-compressor they copy). `samplewise=False` (a bench's switch, child/faults.py): the passes as the library
+    runs them, every sample's whole output held until the pass is over, for comparison."""
     import llmcompressor
 
     if llmcompressor.__version__ != COPIED_FROM:
         yield
         return
-    with patch_attr(AWQModifier, "_compute_best_scale", best_scale):
+    with patch_attr(AWQModifier, "_compute_best_scale", best_scale), \
+            patch_attr(AWQModifier, "_run_samples", run_samples if samplewise else AWQModifier._run_samples), \
+            patch_attr(_state, "samplewise", samplewise):
         yield
+
+
+def run_samples(self, module: torch.nn.Module) -> list[torch.Tensor]:
+    """llm-compressor 0.14.0.1's `AWQModifier._run_samples`: each cached sample through `module`, its output as the
+    library keeps it; the rest of each output let go before the next sample's pass (`_samples`)."""
+    return list(_samples(self, module))
+
+
+def _samples(self, module: torch.nn.Module):
+    """`_run_samples`' outputs one at a time, each sample's pass run as the next output is asked for. A tuple's first
+    element is kept, as the library keeps it, and the tuple let go at once: eager attention returns its probabilities
+    beside its output, 256 MiB a sample for the 8B shape at 2048 tokens, which the library's list holds for every
+    sample until the last pass is over."""
+    cache = self._parent_args_cache[module]
+    use_prefetch = active_session().state.sequential_prefetch
+    for batch in cache.iter_prefetch() if use_prefetch else cache:
+        output = module(**batch)
+        output = output[0] if isinstance(output, tuple) else output  # the tuple let go here, not at the yield
+        yield output
 
 
 @torch.no_grad()
@@ -114,9 +144,7 @@ def best_scale(self, mapping, fp16_outputs: list[torch.Tensor],
                     forward_quantize(balance_layer, balance_layer.weight, "weight", w_qscheme) / _scalesview
                 ).to(balance_layer.weight.dtype)
 
-            int_w_outputs = self._run_samples(mapping.parent)
-            losses.append(_loss(fp16_outputs, int_w_outputs))
-            del int_w_outputs
+            losses.append(_candidate_loss(self, mapping.parent, fp16_outputs))
             candidates.append(scales)  # a fresh tensor each candidate, not written after
 
     history = []
@@ -180,8 +208,19 @@ _FILLED = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64, to
 _NO_HOST_COPIES = _NumbersFilledOnTheDevice()
 
 
-def _loss(fp16_outputs: list[torch.Tensor], int_w_outputs: list[torch.Tensor]) -> torch.Tensor:
-    """llm-compressor 0.14.0.1's `AWQModifier._compute_loss`, its result left on the device (no `.item()`)."""
+def _candidate_loss(self, parent: torch.nn.Module, fp16_outputs: list[torch.Tensor]) -> torch.Tensor:
+    """A candidate's pass of `parent` over the cached samples and its loss against `fp16_outputs`, sample by sample:
+    each sample's output added into the loss right after its pass, then let go (see the module docstring)."""
+    return _loss(fp16_outputs, _samples(self, parent) if _state.samplewise else self._run_samples(parent))
+
+
+class _state:
+    samplewise = True  # installed()'s
+
+
+def _loss(fp16_outputs: list[torch.Tensor], int_w_outputs) -> torch.Tensor:
+    """llm-compressor 0.14.0.1's `AWQModifier._compute_loss`, its result left on the device (no `.item()`).
+    `int_w_outputs`: a list, or `_samples`, which runs each sample's pass as its turn comes."""
     session = active_session()
     loss_masks = session.state.loss_masks if session.state else None
 

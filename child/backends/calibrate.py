@@ -351,9 +351,10 @@ class Calibrator:
             if self.method == "awq":
                 # its grid search without a wait for the GPU per candidate (child/backends/awq_search.py), wrapped by
                 # the capture's bookkeeping
-                # the library's own steps instead with SUPERVISOR_TEST_KERNELS=nosearch / nocapture (benches)
+                # the library's own steps instead with SUPERVISOR_TEST_KERNELS=nosearch / nocapture (benches), its
+                # passes as the library holds them with nosamplewise
                 if faults.switched("search", True):
-                    outer.enter_context(awq_search.installed())
+                    outer.enter_context(awq_search.installed(samplewise=faults.switched("samplewise", True)))
                 if faults.switched("capture", True):
                     outer.enter_context(AWQCapture(keep_outputs=self._awq_offload is None).installed())
             # GPTQ: one Hessian per distinct input (q/k/v, gate/up, ...), each module handed the one the library
