@@ -146,6 +146,10 @@ s39c)  # thirty-eighth session's code (issue 34), its first GPU run: the one-ker
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
   ;;
+s41b)  # after s41a, on the other kind of card: the default AWQ against oneshot on 8 layers of the 8B shape
+  rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
+  cbk 330 awq_default --method awq
+  ;;
 s41a)  # fortieth session (issue 34): AWQ's passes sample by sample (child/backends/awq_search.py: each sample's output
   # added into the candidate's loss and let go, eager attention's probabilities let go at once; the library holds all
   # 128 samples' until a pass is over: 32 GiB for the 8B layer): AWQ's GPU equality tests against oneshot, the default
