@@ -146,16 +146,6 @@ s39c)  # thirty-eighth session's code (issue 34), its first GPU run: the one-ker
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
   ;;
-s41c)  # fortieth session (issue 34): the one-kernel softmax leaving out the keys the causal mask gives probability 0
-  # whatever their score (warp_softmax.SKIP, off until this run: their scores not read, their exponentials and
-  # divisions not computed, where the scores' bound from q and k shows it): its GPU tests (every switch), the variants
-  # timed, then the default AWQ with it switched on against oneshot on 8 layers of the 8B shape (every tensor compared)
-  t 150 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
-  timeout 90 python3 bench/softmax_kernel_probe.py --warps 4 --rounds 2 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -9 "$OUT/softmax_probe.txt"
-  rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
-  SUPERVISOR_TEST_KERNELS=skip cbk 330 awq_skip --method awq
-  grep "worker logs" "$OUT/awq_skip.txt"
-  ;;
 s41b)  # after s41a, on the other kind of card: the default AWQ against oneshot on 8 layers of the 8B shape
   rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
   cbk 330 awq_default --method awq

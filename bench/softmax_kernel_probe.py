@@ -11,8 +11,6 @@ order, and differs only in how it moves data and holds it:
     smem      the row (and its mask row) loaded with 16-byte loads into shared memory, read back by lane in PyTorch's
               order, the probabilities written back through it with 16-byte stores
     smem+pack both (warp_softmax.PACK and SMEM say which the product takes)
-    smem+skip shared memory, and the keys the causal mask gives probability 0 whatever their score (the scores'
-              bound shows it) neither read nor computed (warp_softmax.SKIP; the bound here is max |score|)
 
 Each is run over the scores of the 8B shape's attention (32 heads, 2048 x 2048, a causal mask, bf16) `--samples`
 times, the fastest of `--rounds`; its output is compared with eager's chain (scale,
@@ -31,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VARIANTS = {"plain": (0, 0, 0), "pack": (1, 0, 0), "smem": (0, 1, 0), "smem+pack": (1, 1, 0), "smem+skip": (0, 1, 1)}
+VARIANTS = {"plain": (0, 0), "pack": (1, 0), "smem": (0, 1), "smem+pack": (1, 1)}
 
 
 
@@ -40,9 +38,9 @@ def build(variant: str, dtype, lanes: int, warps: int):
 
     from child.backends import warp_softmax
 
-    pack, smem, skip = VARIANTS[variant]
+    pack, smem = VARIANTS[variant]
     return warp_softmax._kernel(torch.device("cuda", torch.cuda.current_device()), dtype, lanes, bool(smem),
-                                pack=bool(pack), warps=warps, skip=bool(skip))
+                                pack=bool(pack), warps=warps)
 
 
 def fits(variant: str, lanes: int, warps: int) -> bool:
@@ -50,8 +48,7 @@ def fits(variant: str, lanes: int, warps: int) -> bool:
     return not VARIANTS[variant][1] or warps * lanes * 32 * 2 * 2 <= 48 * 1024
 
 
-def launch(kernel, scores, mask, scaling: float, warps: int, bound=None):
-    """One launch; `bound` (a float32 scalar no less than every |score|) for a skip variant, else None."""
+def launch(kernel, scores, mask, scaling: float, warps: int):
     import torch
 
     b, h, q, k = scores.shape
@@ -60,13 +57,8 @@ def launch(kernel, scores, mask, scaling: float, warps: int, bound=None):
     rows = b * h * q
     kernel(grid=((rows + warps - 1) // warps, 1, 1), block=(32, warps, 1),
            args=[scores, scores if mask is None else mask, out, rows, k, q, h, int(mask is not None), *strides,
-                 struct.unpack("<i", struct.pack("<f", scaling))[0], scores if bound is None else bound,
-                 int(bound is not None)])
+                 struct.unpack("<i", struct.pack("<f", scaling))[0]])
     return out
-
-
-def bound_of(scores):
-    return scores.abs().amax().float()
 
 
 def eager_chain(scores, mask, scaling):
@@ -111,8 +103,7 @@ def main() -> None:
             for warps in map(int, args.warps.split(",")):
                 if not fits(variant, lanes, warps) or (VARIANTS[variant][1] and n % 8):
                     continue
-                out = launch(build(variant, dtype, lanes, warps), scores, mask, scaling, warps,
-                             bound_of(scores) if VARIANTS[variant][2] else None)
+                out = launch(build(variant, dtype, lanes, warps), scores, mask, scaling, warps)
                 equal[(variant, warps)] = equal.get((variant, warps), True) and torch.equal(out, ref)
     # timing on the benchmark's shape
     n = args.seq_len
@@ -125,14 +116,13 @@ def main() -> None:
             if not fits(variant, lanes, warps):
                 continue
             kernel = build(variant, torch.bfloat16, lanes, warps)
-            bound = bound_of(scores) if VARIANTS[variant][2] else None
-            launch(kernel, scores, mask, scaling, warps, bound)
+            launch(kernel, scores, mask, scaling, warps)
             best = float("inf")
             for _ in range(args.rounds):
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 for _ in range(args.samples):
-                    launch(kernel, scores, mask, scaling, warps, bound)
+                    launch(kernel, scores, mask, scaling, warps)
                 torch.cuda.synchronize()
                 best = min(best, time.perf_counter() - t)
             gbs = args.samples * scores.numel() * 2 * 2 / best / 1e9

@@ -201,7 +201,7 @@ def test_the_one_kernel_softmax_is_compared_and_a_difference_turns_it_alone_off(
     for the process with one line in the log, and the other layers take the fused prefix, compared and equal."""
     model, ids = _model("llama")
 
-    def kernel(scores, mask, scaling, bound=None):
+    def kernel(scores, mask, scaling):
         if warp_softmax.available() is not None:
             return None
         probs = _eagers_probabilities(scores, mask, scaling)

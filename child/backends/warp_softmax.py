@@ -49,10 +49,6 @@ _WARPS = 4  # warps (rows) per block of 128 threads, as PyTorch launches it
 # e recomputed (PACK: off, slower with SMEM: 0.072 s). tests/gpu/test_eager_attention_gpu.py checks every combination;
 # SUPERVISOR_TEST_KERNELS switches them for a test or a bench (child/faults.py)
 PACK, SMEM = switched("pack", False), switched("smem", True)
-# masked keys skipped (SKIP, through shared memory only): a key whose mask is the dtype's lowest value, where the
-# caller's bound on the scores shows that scaling and adding the mask give exactly that value, is not read, and where
-# the row's maximum shows its exponential is exactly 0 neither that nor the division is computed (see `probabilities`)
-SKIP = switched("skip", False)
 
 # CUDA helpers for a half dtype (IS_BF16: bf16, else fp16) as c10 converts it on the device; rotary.py's kernel too
 HALVES = r"""
@@ -87,26 +83,9 @@ KERNEL = HALVES + r"""
 // SMEM: the row and its mask row moved with 16-byte loads through shared memory, read there in PyTorch's order, the
 // probabilities written back the same way (the host launches it only for K % 8 == 0, 16-byte aligned rows, a mask
 // whose last dimension is contiguous and whose other strides are multiples of 8).
-// SKIP (with SMEM): `bound` (a device float, read where use_bound) is no less than every |score|. Where bound * |scale|
-// < SKIP_LIMIT, every key whose mask is LOWEST (the dtype's lowest value) has x = LOWEST exactly, whatever its score:
-// half(score * scale) is under half an ulp of LOWEST (bf16: 2^119; fp16: 16), so adding it rounds back to LOWEST. Its
-// score is then not read (a whole 16-byte vector of such keys is not loaded) and x is LOWEST. Where the row's maximum
-// m is finite and above ZERO_ABOVE, expf(LOWEST - m) is exactly 0 (the argument is below -2e38 in bf16, -200 in
-// fp16), so a warp's iteration of such keys only is not computed (e = 0, added to nothing: x + 0 = x), and where the
-// sum is finite too (at least 1: the maximum's own exponential), their probabilities 0 / sum are 0 and not divided.
-#if IS_BF16
-#define LOWEST 0xff7fu
-#define SKIP_LIMIT 0x1p110f
-#define ZERO_ABOVE -1e38f
-#else
-#define LOWEST 0xfbffu
-#define SKIP_LIMIT 4.0f
-#define ZERO_ABOVE -65000.0f
-#endif
 extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, const u16* __restrict__ mask,
                                                u16* __restrict__ out, int rows, int K, int Q, int H, int has_mask,
-                                               int ms0, int ms1, int ms2, int ms3, int scaling_bits,
-                                               const float* __restrict__ bound, int use_bound) {
+                                               int ms0, int ms1, int ms2, int ms3, int scaling_bits) {
 #if SMEM
     __shared__ __align__(16) u16 srow[WARPS][ROW];
     __shared__ __align__(16) u16 mrow[WARPS][ROW];
@@ -122,42 +101,19 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
         const long long q = row % Q, bh = row / Q;
         moff = (bh / H) * (long long)ms0 + (bh % H) * (long long)ms1 + q * (long long)ms2;
     }
-#if SKIP
-    const bool skip = has_mask && use_bound && fabsf(*bound) * fabsf(scale) < SKIP_LIMIT;  // NaN: false
-#else
-    const bool skip = false;
-#endif
 #if SMEM
     const int nv = K / 8;
     {
         const uint4* s4 = reinterpret_cast<const uint4*>(src);
         uint4* d4 = reinterpret_cast<uint4*>(srow[threadIdx.y]);
-        uint4* e4 = reinterpret_cast<uint4*>(mrow[threadIdx.y]);
-        const uint4* m4 = reinterpret_cast<const uint4*>(mask + moff);
-#if SKIP  // the mask first: which score vectors to read
-        if (has_mask) {
-#pragma unroll
-            for (int j = 0; j < VECS; ++j) if (lane + 32 * j < nv) e4[lane + 32 * j] = m4[lane + 32 * j];
-        }
-#pragma unroll
-        for (int j = 0; j < VECS; ++j) {
-            if (lane + 32 * j < nv) {
-                if (skip) {  // this lane's own mask vector, just stored
-                    const uint4 v = e4[lane + 32 * j];
-                    const unsigned int low2 = (LOWEST << 16) | LOWEST;
-                    if (v.x == low2 && v.y == low2 && v.z == low2 && v.w == low2) continue;  // x is LOWEST: not read
-                }
-                d4[lane + 32 * j] = s4[lane + 32 * j];
-            }
-        }
-#else
 #pragma unroll
         for (int j = 0; j < VECS; ++j) if (lane + 32 * j < nv) d4[lane + 32 * j] = s4[lane + 32 * j];
         if (has_mask) {
+            const uint4* m4 = reinterpret_cast<const uint4*>(mask + moff);
+            uint4* e4 = reinterpret_cast<uint4*>(mrow[threadIdx.y]);
 #pragma unroll
             for (int j = 0; j < VECS; ++j) if (lane + 32 * j < nv) e4[lane + 32 * j] = m4[lane + 32 * j];
         }
-#endif
         __syncwarp();
     }
 #define SCORE(k) srow[threadIdx.y][k]
@@ -178,12 +134,8 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
         const int k = lane + it * 32;
         u16 h = IS_BF16 ? 0xff80 : 0xfc00;  // -inf, as PyTorch pads a row
         if (k < K) {
-            if (skip && MASK(k) == LOWEST) {
-                h = LOWEST;  // what the two roundings give (see above); its score perhaps not read
-            } else {
-                h = round_to_half(to_float(SCORE(k)) * scale);
-                if (has_mask) h = round_to_half(to_float(h) + to_float(MASK(k)));
-            }
+            h = round_to_half(to_float(SCORE(k)) * scale);
+            if (has_mask) h = round_to_half(to_float(h) + to_float(MASK(k)));
         }
 #if PACK
         if (it % 2) xs[it / 2] |= ((unsigned int)h) << 16; else xs[it / 2] = h;
@@ -199,27 +151,18 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
         const float b = __shfl_xor_sync(0xffffffffu, m, offset, 32);
         m = m < b ? b : m;
     }
-    // skip: m is the same in every lane (each took the larger of two of the same values at each step)
-    const bool zeros = skip && m > ZERO_ABOVE && m < __int_as_float(0x7f800000);  // expf(LOWEST - m) == 0
-    const float lowest = to_float((u16)LOWEST);
     float sum = 0.0f;
 #pragma unroll
     for (int it = 0; it < ITER; ++it) {
 #if PACK
         sum += expf(X(it) - m);
 #else
-        if (zeros && __all_sync(0xffffffffu, e[it] == lowest)) {
-            e[it] = 0.0f;  // expf(LOWEST - m), and sum + 0 is sum
-        } else {
-            e[it] = expf(e[it] - m);
-            sum += e[it];
-        }
+        e[it] = expf(e[it] - m);
+        sum += e[it];
 #endif
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) sum = sum + __shfl_xor_sync(0xffffffffu, sum, offset, 32);
-    // the same sum in every lane (commutative pairs); finite and at least 1 where zeros: 0 / sum is +0
-    const bool undivided = zeros && sum < __int_as_float(0x7f800000);
 #pragma unroll
     for (int it = 0; it < ITER; ++it) {
         const int k = lane + it * 32;
@@ -228,9 +171,8 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
 #else
         const float ev = e[it];
 #endif
-        const bool none = undivided && __all_sync(0xffffffffu, ev == 0.0f);
         if (k < K) {
-            const u16 p = none ? (u16)0 : round_to_half(sum == 0.0f ? __int_as_float(0x7fffffff) : ev / sum);
+            const u16 p = round_to_half(sum == 0.0f ? __int_as_float(0x7fffffff) : ev / sum);
 #if SMEM
             srow[threadIdx.y][k] = p;
 #else
@@ -254,17 +196,6 @@ _lock = threading.Lock()
 _kernels: dict = {}  # (device index, dtype, lanes' elements) -> the loaded kernel
 _state = {"error": None}  # why the kernel is off for the process (NVRTC missing, a build or launch that failed, a
 # difference from eager's result), once known
-
-
-def score_bound(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """A bound on every |score| of `query @ key^T` (bf16 or fp16 products summed in fp32, rounded to the dtype):
-    head_dim * max|query| * max|key|, as a float32 scalar on the device, 2^-8 wider for the final rounding and
-    rounded up in fp32 by far less than that margin covers (SKIP_LIMIT sits 2^8 below what the kernel needs). Two
-    reductions, no wait for the device; inf or NaN where the inputs have them (then nothing is skipped)."""
-    inf = float("inf")
-    q = torch.linalg.vector_norm(query, inf, dtype=torch.float32)
-    k = torch.linalg.vector_norm(key, inf, dtype=torch.float32)
-    return q * k * (query.shape[-1] * 1.01)
 
 
 def elements_per_lane(k: int) -> int:
@@ -310,16 +241,16 @@ def _nvrtc_checker(nvrtc):
 
 
 def _kernel(device: torch.device, dtype: torch.dtype, lanes: int, smem: bool, pack: bool | None = None,
-            warps: int = _WARPS, skip: bool = False):
+            warps: int = _WARPS):
     pack = PACK if pack is None else pack
-    key = (device.index, dtype, lanes, smem, pack, warps, skip)
+    key = (device.index, dtype, lanes, smem, pack, warps)
     with _lock:
         if key not in _kernels:
             from torch.cuda._utils import _cuda_load_module
 
             major, minor = torch.cuda.get_device_capability(device)
             source = (f"#define IS_BF16 {int(dtype == torch.bfloat16)}\n#define ITER {lanes}\n#define PACK {int(pack)}\n"
-                      f"#define SMEM {int(smem)}\n#define WARPS {warps}\n#define SKIP {int(skip)}\n" + KERNEL)
+                      f"#define SMEM {int(smem)}\n#define WARPS {warps}\n" + KERNEL)
             with torch.cuda.device(device):
                 ptx = _nvrtc_ptx(source, "eager_probabilities", f"{major}{minor}")
                 _kernels[key] = _cuda_load_module(ptx, ["eager_probabilities"])["eager_probabilities"]
@@ -359,31 +290,22 @@ def variant(scores: torch.Tensor, mask: torch.Tensor | None) -> tuple | None:
     return elements_per_lane(k), aligned
 
 
-def probabilities(scores: torch.Tensor, mask: torch.Tensor | None, scaling,
-                  bound: torch.Tensor | None = None) -> torch.Tensor | None:
+def probabilities(scores: torch.Tensor, mask: torch.Tensor | None, scaling) -> torch.Tensor | None:
     """`softmax(float(half(half(scores * scaling) + mask)), -1)` rounded to `scores.dtype`, computed as PyTorch's
-    CUDA kernels compute it, in one pass; None where this kernel does not apply (see the module docstring).
-    `bound`: a float32 scalar on the device no less than every |score| (`score_bound`), or None. With it (and SKIP)
-    the keys whose mask makes their probability exactly 0 whatever their score are neither read nor computed: the
-    same bits, shown in the kernel's comments; a bound that is inf or NaN skips nothing."""
+    CUDA kernels compute it, in one pass; None where this kernel does not apply (see the module docstring)."""
     which = variant(scores, mask)
     if which is None or not isinstance(scaling, float) or not abs(scaling) < 3e38:
         return None
     lanes, smem = which
-    skip = SKIP and mask is not None and bound is not None
-    if skip and (bound.dtype != torch.float32 or bound.numel() != 1 or bound.device != scores.device):
-        raise ValueError(f"bound: a float32 scalar on {scores.device}, not {bound.dtype} {list(bound.shape)} on "
-                         f"{bound.device}")
     b, h, q, k = scores.shape
     strides = mask.expand(b, h, q, k).stride() if mask is not None else (0, 0, 0, 0)
     out = torch.empty_like(scores)
     rows = b * h * q
     try:
-        kernel = _kernel(scores.device, scores.dtype, lanes, smem, skip=skip)
+        kernel = _kernel(scores.device, scores.dtype, lanes, smem)
         kernel(grid=((rows + _WARPS - 1) // _WARPS, 1, 1), block=(32, _WARPS, 1),
                args=[scores, scores if mask is None else mask, out, rows, k, q, h, int(mask is not None), *strides,
-                     struct.unpack("<i", struct.pack("<f", scaling))[0],  # float(scaling)'s bits: an int anywhere
-                     bound if skip else scores, int(skip)])
+                     struct.unpack("<i", struct.pack("<f", scaling))[0]])  # float(scaling)'s bits: an int anywhere
     except Exception as exc:  # no NVRTC in this torch's environment, an architecture it does not know, a launcher
         _state["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]  # that
         return None  # refuses the arguments, ...
