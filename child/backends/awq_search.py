@@ -1,13 +1,15 @@
-"""AWQ's grid search with its waits for the GPU moved to the end of each mapping's grid, bit for bit.
+"""AWQ's grid search with its waits for the GPU moved to the end of each mapping's grid and its passes sample by
+sample, bit for bit.
 
 llm-compressor's `AWQModifier._compute_best_scale` (0.14.0.1) tries 20 candidate scalings of a mapping one after the
 other, and waits for the GPU several times per candidate: `scales[torch.isinf(scales)] = 1` and the same for NaN
 (boolean indexing finds the positions on the host), `_compute_loss`'s `.item()`, which its comparison with the
 best loss so far needs at once, and every `torch.tensor(number, device=cuda)` (a copy from the host, which waits
-for the stream first: `_compute_loss`'s two zeros, `calculate_qparams`' eps for each balance layer). Each wait leaves the GPU idle while Python prepares the next candidate (its scales,
-its weights quantized and scaled back, the next pass's first kernels): measured on one H100 (bench/awq_probe.py,
-one layer of the 8B shape, 128 x 2048), 0.87 s of a layer's search outside its passes, of which the losses' own
-kernels are a fraction.
+for the stream first: `_compute_loss`'s two zeros, `calculate_qparams`' eps for each balance layer). Each wait
+leaves the GPU idle while Python prepares the next candidate (its scales, its weights quantized and scaled back, the
+next pass's first kernels): measured on one H100 (bench/awq_probe.py, one layer of the 8B shape, 128 x 2048), 0.87 s
+of a layer's search outside its passes, of which the losses' own kernels are a fraction; 0.32 s with this module
+(s41a; docs/benchmarks.md, fortieth session).
 
 `best_scale` is that method with the same operations in the same order on the device, except that:
 
@@ -79,7 +81,7 @@ def _samples(self, module: torch.nn.Module):
     """`_run_samples`' outputs one at a time, each sample's pass run as the next output is asked for. A tuple's first
     element is kept, as the library keeps it, and the tuple let go at once: eager attention returns its probabilities
     beside its output, 256 MiB a sample for the 8B shape at 2048 tokens, which the library's list holds for every
-    sample until the last pass is over."""
+    sample until the pass's last sample is through."""
     cache = self._parent_args_cache[module]
     use_prefetch = active_session().state.sequential_prefetch
     for batch in cache.iter_prefetch() if use_prefetch else cache:
