@@ -113,3 +113,35 @@ def test_the_loss_from_device_zeros_is_the_librarys(masked, monkeypatch):
     got = made[0]
     assert got.dtype == torch.float32 and got.dim() == 0
     assert got.item() == AWQModifier._compute_loss(None, ref, out)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_candidates_loss_sample_by_sample_is_the_librarys(masked, monkeypatch):
+    """`_candidate_loss` runs the parent over AWQ's cached samples one at a time, each output added into the loss as
+    it comes (eager attention's tuple: its first element), and gives the loss of the library's `_run_samples` and
+    `_compute_loss`, loss masks included; `run_samples` gives `_run_samples`' outputs."""
+    from types import SimpleNamespace
+
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+    from llmcompressor.modifiers.transform.awq import base as awq_base
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(16, 16, generator=g).to(torch.bfloat16)
+
+    class Parent(torch.nn.Module):  # returns a tuple, as an attention does: (output, probabilities)
+        def forward(self, hidden_states):
+            return hidden_states @ weight, torch.softmax(hidden_states.float(), -1)
+
+    parent = Parent()
+    cache = [{"hidden_states": torch.randn(1, 9, 16, generator=g).to(torch.bfloat16)} for _ in range(5)]
+    modifier = SimpleNamespace(_parent_args_cache={parent: cache})
+    modifier._run_samples = lambda module: AWQModifier._run_samples(modifier, module)
+    reference = [(b["hidden_states"].float() + 0.01).to(torch.bfloat16) @ weight for b in cache]
+    masks = [torch.randint(0, 2, (1, 9), generator=g) for _ in cache] if masked else None
+    session = SimpleNamespace(state=SimpleNamespace(loss_masks=masks, sequential_prefetch=False))
+    for module in (awq_search, awq_base):
+        monkeypatch.setattr(module, "active_session", lambda: session)
+    expected = AWQModifier._compute_loss(None, reference, modifier._run_samples(parent))
+    assert awq_search._candidate_loss(modifier, parent, reference).item() == expected
+    ours, library = awq_search.run_samples(modifier, parent), modifier._run_samples(parent)
+    assert len(ours) == len(library) == 5 and all(torch.equal(a, b) for a, b in zip(ours, library))
