@@ -146,6 +146,14 @@ s39c)  # thirty-eighth session's code (issue 34), its first GPU run: the one-ker
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
   ;;
+s42a)  # for the next session (issue 34): how wide the default AWQ's ratio to oneshot runs on one machine, with bytecode
+  # for both tools (the image has none: each start compiles the wheels' sources, which s41a/s41b showed varying by
+  # 3.4 s): two runs of the default against oneshot on 8 layers of the 8B shape, one checkpoint, every tensor compared
+  bytecode_both
+  rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
+  cbk 250 awq_bytecode1 --method awq
+  cbk 250 awq_bytecode2 --method awq
+  ;;
 s41b)  # after s41a, on the other kind of card: the default AWQ against oneshot on 8 layers of the 8B shape
   rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
   cbk 330 awq_default --method awq
