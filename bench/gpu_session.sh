@@ -146,9 +146,20 @@ s39c)  # thirty-eighth session's code (issue 34), its first GPU run: the one-ker
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
   ;;
-s42a)  # for the next session (issue 34): how wide the default AWQ's ratio to oneshot runs on one machine, with bytecode
-  # for both tools (the image has none: each start compiles the wheels' sources, which s41a/s41b showed varying by
-  # 3.4 s): two runs of the default against oneshot on 8 layers of the 8B shape, one checkpoint, every tensor compared
+s42a)  # for the next session (issue 34), not yet run: the one-kernel softmax leaving a warp's exact zeros uncomputed
+  # (warp_softmax.ZEROS, off until this run: the masked keys' exponentials and divisions, where the row's maximum
+  # makes them exactly 0; nothing read otherwise, unlike s41c's skip): its GPU tests (every switch), the variants
+  # timed, AWQ's GPU equality test with it on, then ours with it on and off on one checkpoint (8 layers of the 8B shape)
+  t 150 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu
+  timeout 90 python3 bench/softmax_kernel_probe.py --warps 4 --rounds 2 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -9 "$OUT/softmax_probe.txt"
+  SUPERVISOR_TEST_KERNELS=zeros t 90 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "llama-W4A16-awq"
+  rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
+  SUPERVISOR_TEST_KERNELS=zeros cbk 120 awq_zeros --method awq --skip oneshot,kill,retry
+  cbk 120 awq_default --method awq --skip oneshot,kill,retry
+  ;;
+s42b)  # for the next session (issue 34), not yet run: how wide the default AWQ's ratio to oneshot runs on one
+  # machine, with bytecode for both tools (the image has none: each start compiles the wheels' sources, and s41a/s41b's
+  # start-ups differed by 3.4 s): two runs of the default against oneshot, one checkpoint, every tensor compared
   bytecode_both
   rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
   cbk 250 awq_bytecode1 --method awq

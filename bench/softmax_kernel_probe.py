@@ -11,6 +11,8 @@ order, and differs only in how it moves data and holds it:
     smem      the row (and its mask row) loaded with 16-byte loads into shared memory, read back by lane in PyTorch's
               order, the probabilities written back through it with 16-byte stores
     smem+pack both (warp_softmax.PACK and SMEM say which the product takes)
+    smem+zeros shared memory, and a warp's keys whose x is the mask's lowest value neither exponentiated nor divided
+              where the row's maximum makes them exactly 0 (warp_softmax.ZEROS)
 
 Each is run over the scores of the 8B shape's attention (32 heads, 2048 x 2048, a causal mask, bf16) `--samples`
 times, the fastest of `--rounds`; its output is compared with eager's chain (scale,
@@ -29,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VARIANTS = {"plain": (0, 0), "pack": (1, 0), "smem": (0, 1), "smem+pack": (1, 1)}
+VARIANTS = {"plain": (0, 0, 0), "pack": (1, 0, 0), "smem": (0, 1, 0), "smem+pack": (1, 1, 0), "smem+zeros": (0, 1, 1)}
 
 
 
@@ -38,9 +40,9 @@ def build(variant: str, dtype, lanes: int, warps: int):
 
     from child.backends import warp_softmax
 
-    pack, smem = VARIANTS[variant]
+    pack, smem, zeros = VARIANTS[variant]
     return warp_softmax._kernel(torch.device("cuda", torch.cuda.current_device()), dtype, lanes, bool(smem),
-                                pack=bool(pack), warps=warps)
+                                pack=bool(pack), warps=warps, zeros=bool(zeros))
 
 
 def fits(variant: str, lanes: int, warps: int) -> bool:

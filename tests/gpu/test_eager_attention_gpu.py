@@ -36,13 +36,20 @@ def _causal(dtype, q, k):
     return torch.full((1, 1, q, k), torch.finfo(dtype).min, dtype=dtype, device=CUDA).triu(k - q + 1)
 
 
-@pytest.fixture(params=[(False, False), (True, False), (False, True), (True, True)],
-                ids=["plain", "pack", "smem", "pack+smem"])
+@pytest.fixture(params=[(False, False, False), (True, False, False), (False, True, False), (True, True, False),
+                        (False, True, True)],
+                ids=["plain", "pack", "smem", "pack+smem", "smem+zeros"])
 def switches(request, monkeypatch):
-    """The kernel's ways of moving and holding a row (warp_softmax.PACK, SMEM): every one must give eager's bits."""
+    """The kernel's ways of moving and holding a row (warp_softmax.PACK, SMEM) and of leaving exact zeros uncomputed
+    (ZEROS): every one must give eager's bits."""
     monkeypatch.setattr(warp_softmax, "PACK", request.param[0])
     monkeypatch.setattr(warp_softmax, "SMEM", request.param[1])
+    monkeypatch.setattr(warp_softmax, "ZEROS", request.param[2])
     return request.param
+
+
+def _same_bits(a, b) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))  # NaN included
 
 
 def _describe(ours, ref) -> str:
@@ -64,7 +71,17 @@ def test_the_kernel_gives_eagers_probabilities(dtype, length, switches):
         "padding": (_scores(dtype, 2, length, length, 1.0, length + 3),
                     _causal(dtype, length, length).clone().index_fill_(-1, torch.arange(
                         length // 2, length, device=CUDA), torch.finfo(dtype).min)),
+        # a sample's first queries see no key at all (left padding): every x is the lowest value, uniform rows
+        "masked rows": (_scores(dtype, 2, length, length, 1.0, length + 5),
+                        _causal(dtype, length, length).clone().index_fill_(-2, torch.arange(
+                            min(3, length), device=CUDA), torch.finfo(dtype).min)),
     }
+    # masked scores so large that x is not the mask's lowest value (bf16), or NaN: nothing left uncomputed there
+    causal = _causal(dtype, length, length)
+    scores = _scores(dtype, 2, length, length, 1.0, length + 6)
+    if dtype == torch.bfloat16:
+        cases["huge masked scores"] = (scores.masked_fill(causal != 0, 3e38), causal)
+    cases["NaN scores"] = (scores.masked_fill(causal != 0, float("nan")), causal)
     for name, (scores, mask) in cases.items():
         ours = warp_softmax.probabilities(scores, mask, scaling)
         if length > warp_softmax.MAX_ROW[dtype]:  # fp16's longer rows: PyTorch's own kernel (the fused prefix's path)
@@ -74,7 +91,7 @@ def test_the_kernel_gives_eagers_probabilities(dtype, length, switches):
         # with SMEM, rows of a multiple of 8 keys (16-byte aligned) go through shared memory, the others lane by lane
         assert warp_softmax.variant(scores, mask)[1] == (switches[1] and length % 8 == 0)
         ref = _eagers(scores, mask, scaling)
-        assert torch.equal(ours, ref), f"{name}, length {length}: {_describe(ours, ref)}"
+        assert _same_bits(ours, ref), f"{name}, length {length}: {_describe(ours, ref)}"
 
 
 def test_a_mask_broadcast_over_queries_and_a_strided_mask(switches):
