@@ -146,6 +146,10 @@ s39c)  # thirty-eighth session's code (issue 34), its first GPU run: the one-ker
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
   ;;
+s42k)  # the kernel part of s42a alone, for a call with little device time left: the ZEROS tests, then the variants
+  t 60 warp_gpu_zeros tests/gpu/test_eager_attention_gpu.py -m gpu -k "zeros"
+  timeout 60 python3 bench/softmax_kernel_probe.py --warps 4 --rounds 2 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -9 "$OUT/softmax_probe.txt"
+  ;;
 s42a)  # for the next session (issue 34), not yet run: the one-kernel softmax leaving a warp's exact zeros uncomputed
   # (warp_softmax.ZEROS, off until this run: the masked keys' exponentials and divisions, where the row's maximum
   # makes them exactly 0; nothing read otherwise, unlike s41c's skip): its GPU tests (every switch), the variants
