@@ -146,7 +146,7 @@ s39c)  # thirty-eighth session's code (issue 34), its first GPU run: the one-ker
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
   ;;
-s42k)  # the kernel part of s42a alone, for a call with little device time left: the ZEROS tests, then the variants
+s42k)  # not yet run: the kernel part of s42a alone, for a call with little device time left: the ZEROS tests, then the variants
   t 60 warp_gpu_zeros tests/gpu/test_eager_attention_gpu.py -m gpu -k "zeros"
   timeout 60 python3 bench/softmax_kernel_probe.py --warps 4 --rounds 2 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -9 "$OUT/softmax_probe.txt"
   ;;
