@@ -271,7 +271,9 @@ def main() -> None:
               f"{(rotary.available() or 'on') if rotary.ENABLED else 'not enabled'}", flush=True)
 
     print(f"\noneshot AWQ {args.scheme}, {args.layers} layer(s), {args.samples} x {args.seq_len}: {total:.1f} s; "
-          f"grid searches {sum(s for *_, s in searches):.1f} s; losses {sum(losses):.2f} s over {len(losses)} calls")
+          f"grid searches {sum(s for *_, s in searches):.1f} s"
+          # the library's _compute_loss; with --fused awq_search adds each loss inside the candidates' passes
+          + (f"; losses {sum(losses):.2f} s over {len(losses)} calls" if losses else ""))
     print("| mapping | parent | search s | passes | mean pass s | first (unscaled) s | rest of the search s |")
     print("|---|---|---|---|---|---|---|")
     used: dict[str, int] = defaultdict(int)
