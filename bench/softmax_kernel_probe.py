@@ -13,6 +13,10 @@ order, and differs only in how it moves data and holds it:
     smem+pack both (warp_softmax.PACK and SMEM say which the product takes)
     smem+zeros shared memory, and a warp's keys whose x is the mask's lowest value neither exponentiated nor divided
               where the row's maximum makes them exactly 0 (warp_softmax.ZEROS)
+    smem+fastdiv, smem+zeros+fastdiv
+              with each quotient from the row's reciprocal, corrected twice (warp_softmax.FASTDIV)
+    copy      not a softmax: the scores copied unchanged through smem's loads and stores, its floor (its "equal" column
+              says nothing)
 
 Each is run over the scores of the 8B shape's attention (32 heads, 2048 x 2048, a causal mask, bf16) `--samples`
 times, the fastest of `--rounds`; its output is compared with eager's chain (scale,
@@ -31,7 +35,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VARIANTS = {"plain": (0, 0, 0), "pack": (1, 0, 0), "smem": (0, 1, 0), "smem+pack": (1, 1, 0), "smem+zeros": (0, 1, 1)}
+VARIANTS = {"plain": (0, 0, 0, 0, 0), "pack": (1, 0, 0, 0, 0), "smem": (0, 1, 0, 0, 0), "smem+pack": (1, 1, 0, 0, 0),
+            "smem+zeros": (0, 1, 1, 0, 0), "smem+fastdiv": (0, 1, 0, 1, 0), "smem+zeros+fastdiv": (0, 1, 1, 1, 0),
+            "copy": (0, 1, 0, 0, 1)}
 
 
 
@@ -40,9 +46,9 @@ def build(variant: str, dtype, lanes: int, warps: int):
 
     from child.backends import warp_softmax
 
-    pack, smem, zeros = VARIANTS[variant]
+    pack, smem, zeros, fastdiv, copy = VARIANTS[variant]
     return warp_softmax._kernel(torch.device("cuda", torch.cuda.current_device()), dtype, lanes, bool(smem),
-                                pack=bool(pack), warps=warps, zeros=bool(zeros))
+                                pack=bool(pack), warps=warps, zeros=bool(zeros), fastdiv=bool(fastdiv), copy=bool(copy))
 
 
 def fits(variant: str, lanes: int, warps: int) -> bool:

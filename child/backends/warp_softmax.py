@@ -53,6 +53,9 @@ PACK, SMEM = switched("pack", False), switched("smem", True)
 # the dtype's lowest value (what a mask gives them), in a row whose maximum makes their exponentials exactly 0, is
 # neither exponentiated nor divided (see the kernel); nothing is read differently
 ZEROS = switched("zeros", False)
+# the division by the row's sum as a product (FASTDIV: off until its first GPU run): the correctly rounded reciprocal
+# once a row, then per key a product and two fma corrections, each quotient IEEE division's (see `divide`)
+FASTDIV = switched("fastdiv", False)
 
 # CUDA helpers for a half dtype (IS_BF16: bf16, else fp16) as c10 converts it on the device; rotary.py's kernel too
 HALVES = r"""
@@ -80,6 +83,29 @@ __device__ __forceinline__ u16 round_to_half(float f) {  // c10's conversion on 
 
 KERNEL = HALVES + r"""
 #define ROW (ITER * 32)
+#define INF __int_as_float(0x7f800000)
+
+// ev / sum as div.rn.f32 rounds it (PyTorch's softmax divides so), NaN for a zero sum; y is __frcp_rn(sum).
+// FASTDIV: where the sum is finite (then at least 1: the maximum's own exponential) and 2^-60 <= ev <= 1, the quotient
+// is corrected twice from the product with the correctly rounded reciprocal: q0 = ev * y is within 1.5 ulp of ev / sum,
+// the first fma correction brings it within 1 ulp, and the second is Markstein's theorem (y within half an ulp of
+// 1 / sum, q1 within 1 ulp of ev / sum: RN(q1 + (ev - sum * q1) * y) is RN(ev / sum)), nothing under- or overflowing
+// in that range: the steps of div.rn's own fast path with the reciprocal hoisted out of the row's keys. ev == 0 gives
+// +0 (0 / sum); the rest is divided.
+__device__ __forceinline__ float divide(float ev, float sum, float y) {
+#if FASTDIV
+    if (sum < INF) {
+        if (ev >= 0x1p-60f && ev <= 1.0f) {
+            float q = ev * y;
+            q = fmaf(fmaf(-sum, q, ev), y, q);
+            return fmaf(fmaf(-sum, q, ev), y, q);
+        }
+        if (ev == 0.0f) return 0.0f;
+    }
+#endif
+    return sum == 0.0f ? __int_as_float(0x7fffffff) : ev / sum;
+}
+
 #define VECS ((ROW / 8 + 31) / 32)  // 16-byte vectors a lane moves per row (SMEM)
 
 // ITER: elements a lane holds (PyTorch's WARP_ITERATIONS). PACK: x held as packed halves, e = expf(x - max)
@@ -169,7 +195,7 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
         m = m < b ? b : m;
     }
 #if ZEROS
-    const bool zeros = m > ZERO_ABOVE && m < __int_as_float(0x7f800000);  // expf(LOWEST - m) == 0
+    const bool zeros = m > ZERO_ABOVE && m < INF;  // expf(LOWEST - m) == 0
     const float lowest = to_float((u16)LOWEST);
 #endif
     float sum = 0.0f;
@@ -191,8 +217,9 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) sum = sum + __shfl_xor_sync(0xffffffffu, sum, offset, 32);
 #if ZEROS
-    const bool undivided = zeros && sum < __int_as_float(0x7f800000);  // 0 / sum is +0
+    const bool undivided = zeros && sum < INF;  // 0 / sum is +0
 #endif
+    const float y = FASTDIV ? __frcp_rn(sum) : 0.0f;
 #pragma unroll
     for (int it = 0; it < ITER; ++it) {
         const int k = lane + it * 32;
@@ -212,7 +239,11 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
         }
 #endif
         if (k < K) {
-            const u16 p = round_to_half(sum == 0.0f ? __int_as_float(0x7fffffff) : ev / sum);
+#if COPY
+            const u16 p = SCORE(k);  // bench/softmax_kernel_probe.py's floor: the kernel's data movement alone
+#else
+            const u16 p = round_to_half(divide(ev, sum, y));
+#endif
 #if SMEM
             srow[threadIdx.y][k] = p;
 #else
@@ -281,17 +312,21 @@ def _nvrtc_checker(nvrtc):
 
 
 def _kernel(device: torch.device, dtype: torch.dtype, lanes: int, smem: bool, pack: bool | None = None,
-            warps: int = _WARPS, zeros: bool | None = None):
+            warps: int = _WARPS, zeros: bool | None = None, fastdiv: bool | None = None, copy: bool = False):
+    """The kernel for these switches (the module's by default); `copy` only for the probe: the scores copied
+    unchanged through the kernel's loads and stores, none of its arithmetic."""
     pack = PACK if pack is None else pack
     zeros = (ZEROS if zeros is None else zeros) and not pack  # with packed halves e is recomputed: not built for it
-    key = (device.index, dtype, lanes, smem, pack, warps, zeros)
+    fastdiv = FASTDIV if fastdiv is None else fastdiv
+    key = (device.index, dtype, lanes, smem, pack, warps, zeros, fastdiv, copy)
     with _lock:
         if key not in _kernels:
             from torch.cuda._utils import _cuda_load_module
 
             major, minor = torch.cuda.get_device_capability(device)
             source = (f"#define IS_BF16 {int(dtype == torch.bfloat16)}\n#define ITER {lanes}\n#define PACK {int(pack)}\n"
-                      f"#define SMEM {int(smem)}\n#define WARPS {warps}\n#define ZEROS {int(zeros)}\n" + KERNEL)
+                      f"#define SMEM {int(smem)}\n#define WARPS {warps}\n#define ZEROS {int(zeros)}\n"
+                      f"#define FASTDIV {int(fastdiv)}\n#define COPY {int(copy)}\n" + KERNEL)
             with torch.cuda.device(device):
                 ptx = _nvrtc_ptx(source, "eager_probabilities", f"{major}{minor}")
                 _kernels[key] = _cuda_load_module(ptx, ["eager_probabilities"])["eager_probabilities"]
