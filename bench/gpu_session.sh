@@ -150,6 +150,17 @@ s42k)  # not yet run: the kernel part of s42a alone, for a call with little devi
   t 60 warp_gpu_zeros tests/gpu/test_eager_attention_gpu.py -m gpu -k "zeros"
   timeout 60 python3 bench/softmax_kernel_probe.py --warps 4 --rounds 2 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -9 "$OUT/softmax_probe.txt"
   ;;
+s42c)  # for this session (issue 34): s42a in one call with the comparison against oneshot: the variants timed against
+  # the copy floor, the kernel's GPU tests (every switch; the division against div.rn for 2^32 pairs), then with
+  # bytecode for both tools, on one checkpoint (8 layers of the 8B shape): ours with ZEROS and FASTDIV on against
+  # oneshot (every tensor compared), then ours with both off
+  timeout 90 python3 bench/softmax_kernel_probe.py --warps 4 --rounds 2 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -11 "$OUT/softmax_probe.txt"
+  t 150 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu -k "not models"
+  bytecode_both
+  rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
+  SUPERVISOR_TEST_KERNELS=zeros,fastdiv cbk 250 awq_zeros_fastdiv --method awq
+  cbk 110 awq_default --method awq --skip oneshot,kill,retry
+  ;;
 s42a)  # for the next session (issue 34), not yet run: the one-kernel softmax leaving a warp's exact zeros uncomputed
   # (warp_softmax.ZEROS: the masked keys' exponentials and divisions, where the row's maximum makes them exactly 0;
   # nothing read otherwise, unlike s41c's skip) and dividing by the row's reciprocal, corrected twice (FASTDIV), both
