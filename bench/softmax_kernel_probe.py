@@ -11,10 +11,6 @@ order, and differs only in how it moves data and holds it:
     smem      the row (and its mask row) loaded with 16-byte loads into shared memory, read back by lane in PyTorch's
               order, the probabilities written back through it with 16-byte stores
     smem+pack both (warp_softmax.PACK and SMEM say which the product takes)
-    smem+zeros shared memory, and a warp's keys whose x is the mask's lowest value neither exponentiated nor divided
-              where the row's maximum makes them exactly 0 (warp_softmax.ZEROS)
-    smem+fastdiv, smem+zeros+fastdiv
-              with each quotient from the row's reciprocal, corrected twice (warp_softmax.FASTDIV)
     copy      not a softmax: the scores copied unchanged through smem's loads and stores, its floor (its "equal" column
               says nothing)
 
@@ -35,9 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VARIANTS = {"plain": (0, 0, 0, 0, 0), "pack": (1, 0, 0, 0, 0), "smem": (0, 1, 0, 0, 0), "smem+pack": (1, 1, 0, 0, 0),
-            "smem+zeros": (0, 1, 1, 0, 0), "smem+fastdiv": (0, 1, 0, 1, 0), "smem+zeros+fastdiv": (0, 1, 1, 1, 0),
-            "copy": (0, 1, 0, 0, 1)}
+VARIANTS = {"plain": (0, 0, 0), "pack": (1, 0, 0), "smem": (0, 1, 0), "smem+pack": (1, 1, 0), "copy": (0, 1, 1)}
 
 
 
@@ -46,9 +40,9 @@ def build(variant: str, dtype, lanes: int, warps: int):
 
     from child.backends import warp_softmax
 
-    pack, smem, zeros, fastdiv, copy = VARIANTS[variant]
+    pack, smem, copy = VARIANTS[variant]
     return warp_softmax._kernel(torch.device("cuda", torch.cuda.current_device()), dtype, lanes, bool(smem),
-                                pack=bool(pack), warps=warps, zeros=bool(zeros), fastdiv=bool(fastdiv), copy=bool(copy))
+                                pack=bool(pack), warps=warps, copy=bool(copy))
 
 
 def fits(variant: str, lanes: int, warps: int) -> bool:

@@ -59,12 +59,12 @@ and clock can be measured with and without it.
 
 And SUPERVISOR_TEST_KERNELS, a comma-separated list, switches parts of the GPU path (`switched`): a name turns a part
 on, "no" and the name off, e.g. "pack,norotary"; absent, each keeps its default. The parts: the one-kernel softmax's
-packed halves (pack, off), shared-memory rows (smem, on) and exact zeros left uncomputed (zeros, off)
-(child/backends/warp_softmax.py), the rotary kernel (rotary, on; child/backends/rotary.py), read at their import;
-AWQ's grid search without waits (search, on; child/backends/awq_search.py), its passes sample by sample within it
-(samplewise, on: each sample's output let go before the next pass, not held for the whole pass) and its capture
-(capture, on; child/backends/awq_capture.py), read at each layer by child/backends/calibrate.py. Tests and benches
-(bench/gpu_session.sh) compare a part with and without it.
+packed halves (pack, off) and shared-memory rows (smem, on) (child/backends/warp_softmax.py), the rotary kernel
+(rotary, on; child/backends/rotary.py), read at their import; AWQ's grid search without waits (search, on;
+child/backends/awq_search.py), its passes sample by sample within it (samplewise, on: each sample's output let go
+before the next pass, not held for the whole pass) and its capture (capture, on; child/backends/awq_capture.py), read
+at each layer by child/backends/calibrate.py. Tests and benches (bench/gpu_session.sh) compare a part with and without
+it.
 
 Owns nothing else; it must never be consulted by anything but the child's main loop, its writer, the boundary
 thread (child/backends/calibrate.py hands the last its point) and a layer started ahead once it is taken over

@@ -75,54 +75,6 @@ def test_the_kernels_switches(value, expected, monkeypatch):
     assert faults.switched("rotary", True) == ("norotary" not in value)
 
 
-def _rn32(hi, lo):
-    """The float32 nearest to the exact hi + lo (float64s, |lo| at most half an ulp of hi), ties to even."""
-    import numpy as np
-
-    r = hi.astype(np.float32)
-    above = r.astype(np.float64) > hi
-    a = np.where(above, np.nextafter(r, np.float32(-np.inf)), r)  # the float32s either side of hi
-    b = np.where(above, r, np.nextafter(r, np.float32(np.inf)))
-    mid = hi == (a.astype(np.float64) + b.astype(np.float64)) / 2
-    return np.where(mid & (lo > 0), b, np.where(mid & (lo < 0), a, r))
-
-
-def _fma32(x, y, z):
-    """float32 fma: x * y exact in float64, the sum exactly as hi + lo (TwoSum), rounded once."""
-    import numpy as np
-
-    p, z = x.astype(np.float64) * y.astype(np.float64), z.astype(np.float64)
-    hi = p + z
-    v = hi - p
-    return _rn32(hi, (p - (hi - v)) + (z - v))
-
-
-def test_the_fast_divisions_steps_are_ieee_division():
-    """warp_softmax's FASTDIV steps (q = ev * rcp_rn(sum), then twice q = fma(fma(-sum, q, ev), rcp, q)) in exact
-    emulation give IEEE division's float32 quotient for exponentials from 2^-60 to 1 and sums from 1 to 4096, the
-    cases where a single product is furthest off (large significands over small ones) included. (The kernel's own
-    code against div.rn, 2^32 pairs: tests/gpu/test_eager_attention_gpu.py.)"""
-    import numpy as np
-
-    rng = np.random.default_rng(34)
-    n = 1 << 20
-    for hard in (False, True):
-        span = (1 << 12) if hard else (1 << 23)
-        sums = np.ldexp(1 + rng.integers(0, span, n) / 2 ** 23, rng.integers(0, 12, n)).astype(np.float32)
-        significand = (2 - rng.integers(1, span, n) / 2 ** 23) if hard else (1 + rng.integers(0, 1 << 23, n) / 2 ** 23)
-        evs = np.ldexp(significand, -rng.integers(1, 61, n)).astype(np.float32)
-        evs[:64] = 1.0
-        y = np.float32(1) / sums
-        q = evs * y
-        first = q.copy()
-        for _ in range(2):
-            q = _fma32(_fma32(-sums, q, evs), y, q)
-        ieee = evs / sums
-        assert np.array_equal(q.view(np.uint32), ieee.view(np.uint32)), int((q != ieee).sum())
-        if hard:  # the product alone is often wrong here: the corrections are what makes it exact
-            assert (first != ieee).sum() > n // 10
-
-
 @pytest.mark.parametrize("kind,why", [("gemma2", "Gemma2Attention's eager attention is not Llama's"),
                                       ("gpt_oss", "GptOssAttention's eager attention is not Llama's")])
 def test_it_refuses_other_eager_attentions(kind, why):

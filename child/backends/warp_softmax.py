@@ -49,13 +49,6 @@ _WARPS = 4  # warps (rows) per block of 128 threads, as PyTorch launches it
 # e recomputed (PACK: off, slower with SMEM: 0.072 s). tests/gpu/test_eager_attention_gpu.py checks every combination;
 # SUPERVISOR_TEST_KERNELS switches them for a test or a bench (child/faults.py)
 PACK, SMEM = switched("pack", False), switched("smem", True)
-# exact zeros left uncomputed (ZEROS: off until its first GPU run): a warp's iteration whose keys all have x equal to
-# the dtype's lowest value (what a mask gives them), in a row whose maximum makes their exponentials exactly 0, is
-# neither exponentiated nor divided (see the kernel); nothing is read differently
-ZEROS = switched("zeros", False)
-# the division by the row's sum as a product (FASTDIV: off until its first GPU run): the correctly rounded reciprocal
-# once a row, then per key a product and two fma corrections, each quotient IEEE division's (see `divide`)
-FASTDIV = switched("fastdiv", False)
 
 # CUDA helpers for a half dtype (IS_BF16: bf16, else fp16) as c10 converts it on the device; rotary.py's kernel too
 HALVES = r"""
@@ -83,29 +76,6 @@ __device__ __forceinline__ u16 round_to_half(float f) {  // c10's conversion on 
 
 KERNEL = HALVES + r"""
 #define ROW (ITER * 32)
-#define INF __int_as_float(0x7f800000)
-
-// ev / sum as div.rn.f32 rounds it (PyTorch's softmax divides so), NaN for a zero sum; y is __frcp_rn(sum).
-// FASTDIV: where the sum is finite (then at least 1: the maximum's own exponential) and 2^-60 <= ev <= 1, the quotient
-// is corrected twice from the product with the correctly rounded reciprocal: q0 = ev * y is within 1.5 ulp of ev / sum,
-// the first fma correction brings it within 1 ulp, and the second is Markstein's theorem (y within half an ulp of
-// 1 / sum, q1 within 1 ulp of ev / sum: RN(q1 + (ev - sum * q1) * y) is RN(ev / sum)), nothing under- or overflowing
-// in that range: the steps of div.rn's own fast path with the reciprocal hoisted out of the row's keys. ev == 0 gives
-// +0 (0 / sum); the rest is divided.
-__device__ __forceinline__ float divide(float ev, float sum, float y) {
-#if FASTDIV
-    if (sum < INF) {
-        if (ev >= 0x1p-60f && ev <= 1.0f) {
-            float q = ev * y;
-            q = fmaf(fmaf(-sum, q, ev), y, q);
-            return fmaf(fmaf(-sum, q, ev), y, q);
-        }
-        if (ev == 0.0f) return 0.0f;
-    }
-#endif
-    return sum == 0.0f ? __int_as_float(0x7fffffff) : ev / sum;
-}
-
 #define VECS ((ROW / 8 + 31) / 32)  // 16-byte vectors a lane moves per row (SMEM)
 
 // ITER: elements a lane holds (PyTorch's WARP_ITERATIONS). PACK: x held as packed halves, e = expf(x - max)
@@ -113,19 +83,6 @@ __device__ __forceinline__ float divide(float ev, float sum, float y) {
 // SMEM: the row and its mask row moved with 16-byte loads through shared memory, read there in PyTorch's order, the
 // probabilities written back the same way (the host launches it only for K % 8 == 0, 16-byte aligned rows, a mask
 // whose last dimension is contiguous and whose other strides are multiples of 8).
-// ZEROS: x is LOWEST (the dtype's lowest value) for a key a mask leaves out, unless its score is huge. Where the row's
-// maximum m is finite and above ZERO_ABOVE, expf(LOWEST - m) is exactly 0 (its argument is below -2e38 in bf16, -500
-// in fp16): an iteration whose 32 keys all have x == LOWEST gets e = 0 without expf, and adds nothing to the sum (s + 0
-// is s). Where the sum is then finite too (at least 1: the maximum's own exponential), an iteration whose 32 e are all
-// 0 writes 0 / sum, that is +0, without dividing. Each condition is the same in every lane (m and the sum are, after
-// the butterfly reductions; the votes are the warp's), so the warp skips together.
-#if IS_BF16
-#define LOWEST 0xff7fu
-#define ZERO_ABOVE -1e38f
-#else
-#define LOWEST 0xfbffu
-#define ZERO_ABOVE -65000.0f
-#endif
 extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, const u16* __restrict__ mask,
                                                u16* __restrict__ out, int rows, int K, int Q, int H, int has_mask,
                                                int ms0, int ms1, int ms2, int ms3, int scaling_bits) {
@@ -194,32 +151,18 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
         const float b = __shfl_xor_sync(0xffffffffu, m, offset, 32);
         m = m < b ? b : m;
     }
-#if ZEROS
-    const bool zeros = m > ZERO_ABOVE && m < INF;  // expf(LOWEST - m) == 0
-    const float lowest = to_float((u16)LOWEST);
-#endif
     float sum = 0.0f;
 #pragma unroll
     for (int it = 0; it < ITER; ++it) {
 #if PACK
         sum += expf(X(it) - m);
 #else
-#if ZEROS
-        if (zeros && __all_sync(0xffffffffu, e[it] == lowest)) {
-            e[it] = 0.0f;  // expf(LOWEST - m); the sum unchanged
-            continue;
-        }
-#endif
         e[it] = expf(e[it] - m);
         sum += e[it];
 #endif
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) sum = sum + __shfl_xor_sync(0xffffffffu, sum, offset, 32);
-#if ZEROS
-    const bool undivided = zeros && sum < INF;  // 0 / sum is +0
-#endif
-    const float y = FASTDIV ? __frcp_rn(sum) : 0.0f;
 #pragma unroll
     for (int it = 0; it < ITER; ++it) {
         const int k = lane + it * 32;
@@ -228,21 +171,11 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
 #else
         const float ev = e[it];
 #endif
-#if ZEROS
-        if (undivided && __all_sync(0xffffffffu, ev == 0.0f)) {
-#if SMEM
-            if (k < K) srow[threadIdx.y][k] = 0;
-#else
-            if (k < K) dst[k] = 0;
-#endif
-            continue;
-        }
-#endif
         if (k < K) {
 #if COPY
-            const u16 p = SCORE(k);  // bench/softmax_kernel_probe.py's floor: the kernel's data movement alone
+            const u16 p = SCORE(k);  // bench/softmax_kernel_probe.py's floor: the kernel's loads and stores alone
 #else
-            const u16 p = round_to_half(divide(ev, sum, y));
+            const u16 p = round_to_half(sum == 0.0f ? __int_as_float(0x7fffffff) : ev / sum);
 #endif
 #if SMEM
             srow[threadIdx.y][k] = p;
@@ -312,21 +245,18 @@ def _nvrtc_checker(nvrtc):
 
 
 def _kernel(device: torch.device, dtype: torch.dtype, lanes: int, smem: bool, pack: bool | None = None,
-            warps: int = _WARPS, zeros: bool | None = None, fastdiv: bool | None = None, copy: bool = False):
-    """The kernel for these switches (the module's by default); `copy` only for the probe: the scores copied
-    unchanged through the kernel's loads and stores, none of its arithmetic."""
+            warps: int = _WARPS, copy: bool = False):
+    """The kernel for these switches (the module's by default); `copy` only for bench/softmax_kernel_probe.py: the
+    scores copied unchanged through the kernel's loads and stores, none of its arithmetic (its floor)."""
     pack = PACK if pack is None else pack
-    zeros = (ZEROS if zeros is None else zeros) and not pack  # with packed halves e is recomputed: not built for it
-    fastdiv = FASTDIV if fastdiv is None else fastdiv
-    key = (device.index, dtype, lanes, smem, pack, warps, zeros, fastdiv, copy)
+    key = (device.index, dtype, lanes, smem, pack, warps, copy)
     with _lock:
         if key not in _kernels:
             from torch.cuda._utils import _cuda_load_module
 
             major, minor = torch.cuda.get_device_capability(device)
             source = (f"#define IS_BF16 {int(dtype == torch.bfloat16)}\n#define ITER {lanes}\n#define PACK {int(pack)}\n"
-                      f"#define SMEM {int(smem)}\n#define WARPS {warps}\n#define ZEROS {int(zeros)}\n"
-                      f"#define FASTDIV {int(fastdiv)}\n#define COPY {int(copy)}\n" + KERNEL)
+                      f"#define SMEM {int(smem)}\n#define WARPS {warps}\n#define COPY {int(copy)}\n" + KERNEL)
             with torch.cuda.device(device):
                 ptx = _nvrtc_ptx(source, "eager_probabilities", f"{major}{minor}")
                 _kernels[key] = _cuda_load_module(ptx, ["eager_probabilities"])["eager_probabilities"]
