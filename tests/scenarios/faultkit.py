@@ -106,6 +106,9 @@ def _add_start(p: RunPlan, c: Cell, parts: list[int], folder: str) -> None:
     spec = {"point": "start", "action": c.action, "once": p.markers[c]}
     if hosts:  # fires on the restart that follows the host's fault: "the restart fails too"
         spec["after"] = p.markers[hosts[0]]
+        # in the parts' worker only (slot 0: job_file's one worker): the export plan's own worker (the slot after
+        # it) starts beside the first parts, and on a loaded machine it can reach its start after part 0's fault
+        spec["worker"] = 0
         p.expect[c] = p.expect[hosts[0]]
     elif None not in chained:  # fires on the run's very first child start: part 0's, or the export plan's worker
         # (index None), which starts beside it (Scheduler.judge_beside): whichever forks first, a race under load
