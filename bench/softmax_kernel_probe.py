@@ -11,8 +11,10 @@ order, and differs only in how it moves data and holds it:
     smem      the row (and its mask row) loaded with 16-byte loads into shared memory, read back by lane in PyTorch's
               order, the probabilities written back through it with 16-byte stores
     smem+pack both (warp_softmax.PACK and SMEM say which the product takes)
-    copy      not a softmax: the scores copied unchanged through smem's loads and stores, its floor (its "equal" column
-              says nothing)
+    copy      not a softmax: smem with the scores written back unchanged in place of the quotients. The row's
+              maximum, exponentials and sum are still computed (their warp shuffles keep them in the compiled
+              code); the division and the final rounding are left out, and the stores no longer wait for the sum.
+              Its "equal" column says nothing.
 
 Each is run over the scores of the 8B shape's attention (32 heads, 2048 x 2048, a causal mask, bf16) `--samples`
 times, the fastest of `--rounds`; its output is compared with eager's chain (scale,

@@ -173,7 +173,7 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
 #endif
         if (k < K) {
 #if COPY
-            const u16 p = SCORE(k);  // bench/softmax_kernel_probe.py's floor: the kernel's loads and stores alone
+            const u16 p = SCORE(k);  // bench/softmax_kernel_probe.py only: no division, no wait on the sum to store
 #else
             const u16 p = round_to_half(sum == 0.0f ? __int_as_float(0x7fffffff) : ev / sum);
 #endif
@@ -247,7 +247,8 @@ def _nvrtc_checker(nvrtc):
 def _kernel(device: torch.device, dtype: torch.dtype, lanes: int, smem: bool, pack: bool | None = None,
             warps: int = _WARPS, copy: bool = False):
     """The kernel for these switches (the module's by default); `copy` only for bench/softmax_kernel_probe.py: the
-    scores copied unchanged through the kernel's loads and stores, none of its arithmetic (its floor)."""
+    scores written back unchanged in place of the quotients (the maximum, exponentials and sum still computed; no
+    division or final rounding, so the stores do not wait for the sum)."""
     pack = PACK if pack is None else pack
     key = (device.index, dtype, lanes, smem, pack, warps, copy)
     with _lock:
