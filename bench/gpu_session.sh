@@ -146,6 +146,21 @@ s39c)  # thirty-eighth session's code (issue 34), its first GPU run: the one-ker
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
   ;;
+s43a)  # forty-second session (issue 34): the one-kernel softmax with fewer instructions a key (the row's division
+  # with its reciprocal once, warp_softmax.ROW_DIVISION; no check against the row's length where the row fills the
+  # lanes; the 8B row had 4728 SASS instructions, now 3872, with the hot path about 2200): the variants timed, the
+  # division checked against div.rn for all 2^46 pairs of significands, the kernel's GPU tests (the product's way,
+  # smem, and the division's tests)
+  timeout 100 python3 bench/softmax_kernel_probe.py --warps 4 --rounds 2 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -13 "$OUT/softmax_probe.txt"
+  timeout 150 python3 bench/division_proof.py 2>&1 | quiet > "$OUT/division_proof.txt"; grep -v "^  b signif" "$OUT/division_proof.txt"; tail -1 "$OUT/division_proof.txt"
+  t 150 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu -k "(smem and not pack) or division or leaves or rotary"
+  ;;
+s43b)  # after s43a, on the same machine (issue 34): with bytecode for both tools, one checkpoint of 8 layers of the 8B
+  # shape, the default AWQ (now with s43a's kernel) against oneshot, every tensor compared
+  bytecode_both
+  rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
+  cbk 330 awq_default --method awq
+  ;;
 s42c)  # forty-first session (issue 34), run once (tree ee3e0a2): the one-kernel softmax's variants timed against a
   # copy variant (no division: the stores do not wait on the sum), the kernel's GPU tests, then with bytecode for both tools, on one
   # checkpoint (8 layers of the 8B shape): ours with ZEROS and FASTDIV on (both since removed, slower) against oneshot

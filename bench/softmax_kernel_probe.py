@@ -11,10 +11,13 @@ order, and differs only in how it moves data and holds it:
     smem      the row (and its mask row) loaded with 16-byte loads into shared memory, read back by lane in PyTorch's
               order, the probabilities written back through it with 16-byte stores
     smem+pack both (warp_softmax.PACK and SMEM say which the product takes)
-    copy      not a softmax: smem with the scores written back unchanged in place of the quotients. The row's
-              maximum, exponentials and sum are still computed (their warp shuffles keep them in the compiled
-              code); the division and the final rounding are left out, and the stores no longer wait for the sum.
-              Its "equal" column says nothing.
+    ...-div   each key divided with div.rn (the compiler's division, its reciprocal and range check once a key), not
+              the row's reciprocal once (warp_softmax.RDIV: on in the product)
+    smem-div-checked  smem-div with every key checked against the row's length even where the row fills the lanes
+              (the forty-first session's kernel)
+    copy      not a softmax: smem with the scores written back unchanged in place of the quotients. Since nothing
+              computed from the scores is stored, the compiler leaves the arithmetic out (its SASS has no exponential
+              and no shuffle): the kernel's loads and stores alone. Its "equal" column says nothing.
 
 Each is run over the scores of the 8B shape's attention (32 heads, 2048 x 2048, a causal mask, bf16) `--samples`
 times, the fastest of `--rounds`; its output is compared with eager's chain (scale,
@@ -33,23 +36,29 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VARIANTS = {"plain": (0, 0, 0), "pack": (1, 0, 0), "smem": (0, 1, 0), "smem+pack": (1, 1, 0), "copy": (0, 1, 1)}
+VARIANTS = {  # name -> warp_softmax.source's switches
+    "plain": dict(pack=False, smem=False), "pack": dict(pack=True, smem=False), "smem": dict(pack=False, smem=True),
+    "smem+pack": dict(pack=True, smem=True), "plain-div": dict(pack=False, smem=False, rdiv=False),
+    "smem-div": dict(pack=False, smem=True, rdiv=False),
+    "smem-div-checked": dict(pack=False, smem=True, rdiv=False, full=False),
+    "copy": dict(pack=False, smem=True, copy=True)}
 
 
 
-def build(variant: str, dtype, lanes: int, warps: int):
+def build(variant: str, dtype, lanes: int, warps: int, keys: int):
     import torch
 
     from child.backends import warp_softmax
 
-    pack, smem, copy = VARIANTS[variant]
-    return warp_softmax._kernel(torch.device("cuda", torch.cuda.current_device()), dtype, lanes, bool(smem),
-                                pack=bool(pack), warps=warps, copy=bool(copy))
+    switches = dict(VARIANTS[variant])
+    full = switches.pop("full", keys == lanes * 32)
+    return warp_softmax._kernel(torch.device("cuda", torch.cuda.current_device()), dtype, lanes,
+                                switches.pop("smem"), full, warps=warps, **switches)
 
 
 def fits(variant: str, lanes: int, warps: int) -> bool:
     """Static shared memory (48 KiB) holds a block's rows and mask rows."""
-    return not VARIANTS[variant][1] or warps * lanes * 32 * 2 * 2 <= 48 * 1024
+    return not VARIANTS[variant]["smem"] or warps * lanes * 32 * 2 * 2 <= 48 * 1024
 
 
 def launch(kernel, scores, mask, scaling: float, warps: int):
@@ -94,20 +103,21 @@ def main() -> None:
     def causal(n, dtype):
         return torch.full((1, 1, n, n), torch.finfo(dtype).min, dtype=dtype, device=dev).triu(1)
 
-    # bit-equality: each variant against eager's chain, several lengths and both dtypes
-    checks = [(torch.bfloat16, n) for n in (8, 64, 100, 256, 1000, 1024, 1536, 2047, 2048)] + \
-        [(torch.float16, n) for n in (256, 1000, 1024)]
+    # bit-equality: each variant against eager's chain, several lengths and both dtypes, narrow scores and wide ones
+    # (exponentials down to fp32's subnormals: the rows RDIV divides again key by key)
+    checks = [(torch.bfloat16, n, w) for n in (8, 64, 100, 256, 1000, 1024, 1536, 2047, 2048) for w in (8, 400)] + \
+        [(torch.float16, n, w) for n in (256, 1000, 1024) for w in (8, 400)]
     equal: dict[tuple, bool] = {}
-    for dtype, n in checks:
-        scores = (torch.randn(1, 8, n, n, device=dev, generator=g) * 8).to(dtype)
+    for dtype, n, spread in checks:
+        scores = (torch.randn(1, 8, n, n, device=dev, generator=g) * spread).to(dtype)
         mask = causal(n, dtype)
         ref = eager_chain(scores, mask, scaling)
         lanes = elements_per_lane(n)
         for variant in VARIANTS:
             for warps in map(int, args.warps.split(",")):
-                if not fits(variant, lanes, warps) or (VARIANTS[variant][1] and n % 8):
+                if not fits(variant, lanes, warps) or (VARIANTS[variant]["smem"] and n % 8):
                     continue
-                out = launch(build(variant, dtype, lanes, warps), scores, mask, scaling, warps)
+                out = launch(build(variant, dtype, lanes, warps, n), scores, mask, scaling, warps)
                 equal[(variant, warps)] = equal.get((variant, warps), True) and torch.equal(out, ref)
     # timing on the benchmark's shape
     n = args.seq_len
@@ -119,7 +129,7 @@ def main() -> None:
         for warps in map(int, args.warps.split(",")):
             if not fits(variant, lanes, warps):
                 continue
-            kernel = build(variant, torch.bfloat16, lanes, warps)
+            kernel = build(variant, torch.bfloat16, lanes, warps, n)
             launch(kernel, scores, mask, scaling, warps)
             best = float("inf")
             for _ in range(args.rounds):

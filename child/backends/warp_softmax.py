@@ -49,6 +49,9 @@ _WARPS = 4  # warps (rows) per block of 128 threads, as PyTorch launches it
 # e recomputed (PACK: off, slower with SMEM: 0.072 s). tests/gpu/test_eager_attention_gpu.py checks every combination;
 # SUPERVISOR_TEST_KERNELS switches them for a test or a bench (child/faults.py)
 PACK, SMEM = switched("pack", False), switched("smem", True)
+# the row's division with its reciprocal once (RDIV: on; the kernel's RDIV comment says why it is exact, off for
+# bench/softmax_kernel_probe.py's comparison: each key divided by div.rn)
+RDIV = switched("rdiv", True)
 
 # CUDA helpers for a half dtype (IS_BF16: bf16, else fp16) as c10 converts it on the device; rotary.py's kernel too
 HALVES = r"""
@@ -74,9 +77,37 @@ __device__ __forceinline__ u16 round_to_half(float f) {  // c10's conversion on 
 
 """
 
-KERNEL = HALVES + r"""
+# the division by the row's sum (RDIV), apart so that bench/division_proof.py checks these very lines
+ROW_DIVISION = r"""
+// ev / sum as div.rn.f32's fast path computes it (ptxas's lowering of `/`: MUFU.RCP, one Newton step, the product,
+// one fma correction), the reciprocal's steps done once for the row rather than once a key, and without div.rn's
+// per-key range check (FCHK, which sends the hard cases to a slow path). The kernel checks the range once a row
+// instead: the sum in [1, 2048] (a finite sum is at least the maximum's own exponential, 1, and at most K ones) and no
+// lane's ev in (0, 2^-64); any other row is divided again key by key with `/`. In that range every step's result is a
+// normal float or an exact zero, so each scales exactly with the operands' exponents (rcp.approx too: checked for
+// every significand and exponent 0-11), and the quotient equals IEEE division's for every pair of significands: all
+// 2^46 pairs, checked on the GPU (bench/division_proof.py; tests/gpu/test_eager_attention_gpu.py checks every ev of
+// the range against a few sums). ev == 0 gives +0 as 0 / sum does.
+__device__ __forceinline__ float rcp_row(float sum) {
+    float r0;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(sum));
+    return __fmaf_rn(r0, __fmaf_rn(-sum, r0, 1.0f), r0);
+}
+
+__device__ __forceinline__ float div_row(float ev, float sum, float r) {
+    const float q = __fmaf_rn(ev, r, 0.0f);
+    return __fmaf_rn(r, __fmaf_rn(-sum, q, ev), q);
+}
+"""
+
+KERNEL = HALVES + ROW_DIVISION + r"""
 #define ROW (ITER * 32)
 #define VECS ((ROW / 8 + 31) / 32)  // 16-byte vectors a lane moves per row (SMEM)
+#if FULL
+#define IN_ROW(k) true  // K == ROW: every lane's every element is a key of the row
+#else
+#define IN_ROW(k) ((k) < K)
+#endif
 
 // ITER: elements a lane holds (PyTorch's WARP_ITERATIONS). PACK: x held as packed halves, e = expf(x - max)
 // computed again for the division (the same function of the same value: the same bits), half the registers.
@@ -91,15 +122,15 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
     __shared__ __align__(16) u16 mrow[WARPS][ROW];
 #endif
     const int lane = threadIdx.x;
-    const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+    const int row = blockIdx.x * blockDim.y + threadIdx.y;  // rows < 2^31 (the host's check)
     if (row >= rows) return;  // a whole warp: its shuffles stay among live lanes
     const float scale = __int_as_float(scaling_bits);  // the mul kernel's scalar as its opmath type, float(scaling)
     const u16* src = scores + row * (long long)K;
     u16* dst = out + row * (long long)K;
     long long moff = 0;
     if (has_mask) {
-        const long long q = row % Q, bh = row / Q;
-        moff = (bh / H) * (long long)ms0 + (bh % H) * (long long)ms1 + q * (long long)ms2;
+        const unsigned int q = (unsigned int)row % Q, bh = (unsigned int)row / Q;
+        moff = (long long)(bh / H) * ms0 + (long long)(bh % H) * ms1 + (long long)q * ms2;
     }
 #if SMEM
     const int nv = K / 8;
@@ -133,7 +164,7 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
     for (int it = 0; it < ITER; ++it) {
         const int k = lane + it * 32;
         u16 h = IS_BF16 ? 0xff80 : 0xfc00;  // -inf, as PyTorch pads a row
-        if (k < K) {
+        if (IN_ROW(k)) {
             h = round_to_half(to_float(SCORE(k)) * scale);
             if (has_mask) h = round_to_half(to_float(h) + to_float(MASK(k)));
         }
@@ -163,27 +194,48 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) sum = sum + __shfl_xor_sync(0xffffffffu, sum, offset, 32);
-#pragma unroll
-    for (int it = 0; it < ITER; ++it) {
-        const int k = lane + it * 32;
 #if PACK
-        const float ev = expf(X(it) - m);
+#define EV(it) expf(X(it) - m)
 #else
-        const float ev = e[it];
-#endif
-        if (k < K) {
-#if COPY
-            const u16 p = SCORE(k);  // bench/softmax_kernel_probe.py only: no division, no wait on the sum to store
-#else
-            const u16 p = round_to_half(sum == 0.0f ? __int_as_float(0x7fffffff) : ev / sum);
+#define EV(it) e[it]
 #endif
 #if SMEM
-            srow[threadIdx.y][k] = p;
+#define PUT(k, p) srow[threadIdx.y][k] = (p)  // the row's slots past K are never written out: no check
 #else
-            dst[k] = p;
+#define PUT(k, p) if (IN_ROW(k)) dst[k] = (p)
 #endif
+    // the sum is the same in every lane (a butterfly of commutative additions): each branch below is the warp's
+#if COPY
+#pragma unroll
+    for (int it = 0; it < ITER; ++it) {  // bench/softmax_kernel_probe.py only: the scores back, no division
+        const int k = lane + it * 32;
+        PUT(k, SCORE(k));
+    }
+#else
+    bool divided = false;
+#if RDIV
+    if (sum >= 1.0f && sum <= 2048.0f) {
+        const float r = rcp_row(sum);
+        bool tiny = false;
+#pragma unroll
+        for (int it = 0; it < ITER; ++it) {
+            const int k = lane + it * 32;
+            const float ev = EV(it);
+            tiny |= __float_as_uint(ev) - 1u < 0x1f800000u - 1u;  // 0 < ev < 2^-64 (ev is +0, positive or NaN)
+            PUT(k, round_to_half(div_row(ev, sum, r)));
+        }
+        divided = !__any_sync(0xffffffffu, tiny);
+    }
+#endif
+    if (!divided) {
+#pragma unroll
+        for (int it = 0; it < ITER; ++it) {
+            const int k = lane + it * 32;
+            const float ev = EV(it);
+            PUT(k, round_to_half(sum == 0.0f ? __int_as_float(0x7fffffff) : ev / sum));
         }
     }
+#endif
 #if SMEM
     __syncwarp();
     {
@@ -197,7 +249,7 @@ extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, c
 """
 
 _lock = threading.Lock()
-_kernels: dict = {}  # (device index, dtype, lanes' elements) -> the loaded kernel
+_kernels: dict = {}  # (device index, switches) -> the loaded kernel
 _state = {"error": None}  # why the kernel is off for the process (NVRTC missing, a build or launch that failed, a
 # difference from eager's result), once known
 
@@ -244,22 +296,31 @@ def _nvrtc_checker(nvrtc):
     return check
 
 
-def _kernel(device: torch.device, dtype: torch.dtype, lanes: int, smem: bool, pack: bool | None = None,
-            warps: int = _WARPS, copy: bool = False):
-    """The kernel for these switches (the module's by default); `copy` only for bench/softmax_kernel_probe.py: the
-    scores written back unchanged in place of the quotients (the maximum, exponentials and sum still computed; no
-    division or final rounding, so the stores do not wait for the sum)."""
+def source(dtype: torch.dtype, lanes: int, smem: bool, full: bool, pack: bool | None = None, rdiv: bool | None = None,
+           warps: int = _WARPS, copy: bool = False) -> str:
+    """KERNEL for these switches (the module's by default); `full`: every row has exactly `lanes * 32` keys; `copy`
+    only for bench/softmax_kernel_probe.py: the scores written back unchanged in place of the quotients (nothing
+    computed from them is stored, so the compiler leaves the arithmetic out: its loads and stores alone)."""
     pack = PACK if pack is None else pack
-    key = (device.index, dtype, lanes, smem, pack, warps, copy)
+    rdiv = RDIV if rdiv is None else rdiv
+    return (f"#define IS_BF16 {int(dtype == torch.bfloat16)}\n#define ITER {lanes}\n#define PACK {int(pack)}\n"
+            f"#define SMEM {int(smem)}\n#define FULL {int(full)}\n#define RDIV {int(rdiv)}\n#define WARPS {warps}\n"
+            f"#define COPY {int(copy)}\n" + KERNEL)
+
+
+def _kernel(device: torch.device, dtype: torch.dtype, lanes: int, smem: bool, full: bool, pack: bool | None = None,
+            rdiv: bool | None = None, warps: int = _WARPS, copy: bool = False):
+    """The loaded kernel for `source` of these switches, built once a device."""
+    key = (device.index, dtype, lanes, smem, full, PACK if pack is None else pack, RDIV if rdiv is None else rdiv,
+           warps, copy)
     with _lock:
         if key not in _kernels:
             from torch.cuda._utils import _cuda_load_module
 
+            code = source(*key[1:])
             major, minor = torch.cuda.get_device_capability(device)
-            source = (f"#define IS_BF16 {int(dtype == torch.bfloat16)}\n#define ITER {lanes}\n#define PACK {int(pack)}\n"
-                      f"#define SMEM {int(smem)}\n#define WARPS {warps}\n#define COPY {int(copy)}\n" + KERNEL)
             with torch.cuda.device(device):
-                ptx = _nvrtc_ptx(source, "eager_probabilities", f"{major}{minor}")
+                ptx = _nvrtc_ptx(code, "eager_probabilities", f"{major}{minor}")
                 _kernels[key] = _cuda_load_module(ptx, ["eager_probabilities"])["eager_probabilities"]
         return _kernels[key]
 
@@ -309,7 +370,7 @@ def probabilities(scores: torch.Tensor, mask: torch.Tensor | None, scaling) -> t
     out = torch.empty_like(scores)
     rows = b * h * q
     try:
-        kernel = _kernel(scores.device, scores.dtype, lanes, smem)
+        kernel = _kernel(scores.device, scores.dtype, lanes, smem, k == lanes * 32)
         kernel(grid=((rows + _WARPS - 1) // _WARPS, 1, 1), block=(32, _WARPS, 1),
                args=[scores, scores if mask is None else mask, out, rows, k, q, h, int(mask is not None), *strides,
                      struct.unpack("<i", struct.pack("<f", scaling))[0]])  # float(scaling)'s bits: an int anywhere

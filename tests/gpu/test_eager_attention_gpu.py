@@ -106,6 +106,25 @@ def test_a_mask_broadcast_over_queries_and_a_strided_mask(switches):
             assert ours is not None and torch.equal(ours, _eagers(scores, mask, scaling))
 
 
+def test_the_row_division_equals_ieee_division():
+    """warp_softmax.ROW_DIVISION (the row's reciprocal once, two fma a key) against div.rn, PyTorch's division: every
+    ev of the range the kernel takes it for, [2^-64, 1] (2^29 + 1 values), against the end sums 1 and 2048 and random
+    sums between; every significand of ev against 64 random significands of the sum; the reciprocal instruction's
+    exact scaling over the sums' exponents. (bench/division_proof.py checks all 2^46 pairs of significands.)"""
+    from bench.division_proof import ONE, SIGNIFICANDS, mismatches, scaling_mismatches
+
+    assert scaling_mismatches() == 0
+    g = torch.Generator().manual_seed(0)
+    two_048 = 0x45000000  # 2048.0f's bits
+    ends = torch.tensor([ONE, two_048, two_048 - 1, ONE + 1], dtype=torch.int32)
+    sums = torch.cat([ends, torch.randint(ONE, two_048, (4,), generator=g, dtype=torch.int32)]).to(CUDA)
+    low = 0x1F800000  # 2^-64's bits
+    assert mismatches(sums, low, ONE - low + 1) == (0, 0, 0)
+    significands = torch.randint(ONE, ONE + SIGNIFICANDS, (64,), generator=g, dtype=torch.int32).to(CUDA)
+    assert mismatches(significands, ONE, SIGNIFICANDS) == (0, 0, 0)
+    assert mismatches(significands, ONE, SIGNIFICANDS, control=True)[0] > 0  # the uncorrected product: it can fail
+
+
 def test_what_the_kernel_leaves_to_eagers_chain():
     dtype = torch.bfloat16
     assert warp_softmax.probabilities(_scores(dtype, 2, 4, warp_softmax.MAX_ROW[dtype] + 1, 1.0, 0), None, 0.1) is None
