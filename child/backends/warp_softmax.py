@@ -114,7 +114,12 @@ KERNEL = HALVES + ROW_DIVISION + r"""
 // SMEM: the row and its mask row moved with 16-byte loads through shared memory, read there in PyTorch's order, the
 // probabilities written back the same way (the host launches it only for K % 8 == 0, 16-byte aligned rows, a mask
 // whose last dimension is contiguous and whose other strides are multiples of 8).
-extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, const u16* __restrict__ mask,
+#if MIN_BLOCKS  // blocks an SM must hold at once: the compiler keeps the registers a thread uses within them
+#define BOUNDS __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+#else
+#define BOUNDS
+#endif
+extern "C" __global__ void BOUNDS eager_probabilities(const u16* __restrict__ scores, const u16* __restrict__ mask,
                                                u16* __restrict__ out, int rows, int K, int Q, int H, int has_mask,
                                                int ms0, int ms1, int ms2, int ms3, int scaling_bits) {
 #if SMEM
@@ -297,7 +302,7 @@ def _nvrtc_checker(nvrtc):
 
 
 def source(dtype: torch.dtype, lanes: int, smem: bool, full: bool, pack: bool | None = None, rdiv: bool | None = None,
-           warps: int = _WARPS, copy: bool = False) -> str:
+           warps: int = _WARPS, copy: bool = False, min_blocks: int = 0) -> str:
     """KERNEL for these switches (the module's by default); `full`: every row has exactly `lanes * 32` keys; `copy`
     only for bench/softmax_kernel_probe.py: the scores written back unchanged in place of the quotients (nothing
     computed from them is stored, so the compiler leaves the arithmetic out: its loads and stores alone)."""
@@ -305,14 +310,14 @@ def source(dtype: torch.dtype, lanes: int, smem: bool, full: bool, pack: bool | 
     rdiv = RDIV if rdiv is None else rdiv
     return (f"#define IS_BF16 {int(dtype == torch.bfloat16)}\n#define ITER {lanes}\n#define PACK {int(pack)}\n"
             f"#define SMEM {int(smem)}\n#define FULL {int(full)}\n#define RDIV {int(rdiv)}\n#define WARPS {warps}\n"
-            f"#define COPY {int(copy)}\n" + KERNEL)
+            f"#define COPY {int(copy)}\n#define MIN_BLOCKS {min_blocks}\n" + KERNEL)
 
 
 def _kernel(device: torch.device, dtype: torch.dtype, lanes: int, smem: bool, full: bool, pack: bool | None = None,
-            rdiv: bool | None = None, warps: int = _WARPS, copy: bool = False):
+            rdiv: bool | None = None, warps: int = _WARPS, copy: bool = False, min_blocks: int = 0):
     """The loaded kernel for `source` of these switches, built once a device."""
     key = (device.index, dtype, lanes, smem, full, PACK if pack is None else pack, RDIV if rdiv is None else rdiv,
-           warps, copy)
+           warps, copy, min_blocks)
     with _lock:
         if key not in _kernels:
             from torch.cuda._utils import _cuda_load_module
