@@ -151,7 +151,7 @@ s43a)  # forty-second session (issue 34): the one-kernel softmax with fewer inst
   # lanes; the 8B row had 4728 SASS instructions, now 3872, with the hot path about 2200): the variants timed, the
   # division checked against div.rn for all 2^46 pairs of significands, the kernel's GPU tests (the product's way,
   # smem, and the division's tests)
-  timeout 100 python3 bench/softmax_kernel_probe.py --warps 4 --rounds 2 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -13 "$OUT/softmax_probe.txt"
+  timeout 100 python3 bench/softmax_kernel_probe.py --warps 4 --rounds 2 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -15 "$OUT/softmax_probe.txt"
   timeout 150 python3 bench/division_proof.py 2>&1 | quiet > "$OUT/division_proof.txt"; grep -v "^  b signif" "$OUT/division_proof.txt"; tail -1 "$OUT/division_proof.txt"
   t 150 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu -k "(smem and not pack) or division or leaves or rotary"
   ;;
