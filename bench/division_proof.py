@@ -67,14 +67,14 @@ _loaded: dict = {}
 
 def _kernels():
     import torch
-    from torch.cuda._utils import _cuda_load_module
 
     from child.backends import warp_softmax
+    from child.backends.cuda_kernels import Kernel
 
     if "pairs" not in _loaded:
-        major, minor = torch.cuda.get_device_capability()
-        ptx = warp_softmax._nvrtc_ptx(warp_softmax.ROW_DIVISION + CHECKS, "division_proof", f"{major}{minor}")
-        _loaded.update(_cuda_load_module(ptx, ["pairs", "scaling"]))
+        device = torch.device("cuda", torch.cuda.current_device())
+        _loaded["pairs"] = Kernel(warp_softmax.ROW_DIVISION + CHECKS, "pairs", device, "piiiip")
+        _loaded["scaling"] = Kernel(warp_softmax.ROW_DIVISION + CHECKS, "scaling", device, "ip")
     return _loaded["pairs"], _loaded["scaling"]
 
 
@@ -86,7 +86,7 @@ def mismatches(sums, a_first: int, a_count: int, control: bool = False) -> tuple
 
     pairs, _ = _kernels()
     out = torch.zeros(3, dtype=torch.int32, device=sums.device)
-    pairs(grid=(min(sums.numel(), 65535), 1, 1), block=(256, 1, 1), args=[sums, sums.numel(), a_first, a_count, int(control), out])
+    pairs(min(sums.numel(), 65535), (256, 1), sums.data_ptr(), sums.numel(), a_first, a_count, int(control), out.data_ptr())
     bad, a, b = (int(v) & 0xFFFFFFFF for v in out.tolist())
     return bad, a, b
 
@@ -97,7 +97,7 @@ def scaling_mismatches(j_max: int = 11) -> int:
 
     _, scaling = _kernels()
     out = torch.zeros(1, dtype=torch.int32, device="cuda")
-    scaling(grid=(SIGNIFICANDS // 256, 1, 1), block=(256, 1, 1), args=[j_max, out])
+    scaling(SIGNIFICANDS // 256, (256, 1), j_max, out.data_ptr())
     return int(out.item())
 
 

@@ -146,6 +146,17 @@ s39c)  # thirty-eighth session's code (issue 34), its first GPU run: the one-ker
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
   ;;
+s43c)  # after s43a/s43b (issue 34): the kernels launched with little Python (child/backends/cuda_kernels.py; s43a's
+  # profile: the attention pass's kernels 0.113 s of its 0.138, the host's Python the rest): the kernels' GPU tests,
+  # then with bytecode for both tools the default AWQ against oneshot on 8 layers of the 8B shape (every tensor
+  # compared), then where a pass's time goes (bench/awq_probe.py, passes timed by events)
+  t 120 warp_gpu tests/gpu/test_eager_attention_gpu.py -m gpu -k "(smem and not pack) or division or leaves or rotary"
+  bytecode_both
+  rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
+  cbk 300 awq_default --method awq
+  timeout 110 python3 bench/awq_probe.py --fused --untimed-passes --profile-pass -1 --workdir /tmp/awqp 2>&1 | quiet \
+    | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_probe.txt"; tail -12 "$OUT/awq_probe.txt"
+  ;;
 s43a)  # forty-second session (issue 34): the one-kernel softmax with fewer instructions a key (the row's division
   # with its reciprocal once, warp_softmax.ROW_DIVISION; no check against the row's length where the row fills the
   # lanes; the 8B row had 4728 SASS instructions, now 3872, with the hot path about 2200): the variants timed, the

@@ -71,9 +71,9 @@ def launch(kernel, scores, mask, scaling: float, warps: int):
     strides = mask.expand(b, h, q, k).stride() if mask is not None else (0, 0, 0, 0)
     out = torch.empty_like(scores)
     rows = b * h * q
-    kernel(grid=((rows + warps - 1) // warps, 1, 1), block=(32, warps, 1),
-           args=[scores, scores if mask is None else mask, out, rows, k, q, h, int(mask is not None), *strides,
-                 struct.unpack("<i", struct.pack("<f", scaling))[0]])
+    kernel((rows + warps - 1) // warps, (32, warps), scores.data_ptr(), (scores if mask is None else mask).data_ptr(),
+           out.data_ptr(), rows, k, q, h, int(mask is not None), *strides,
+           struct.unpack("<i", struct.pack("<f", scaling))[0])
     return out
 
 

@@ -201,7 +201,7 @@ def test_the_one_kernel_softmax_is_compared_and_a_difference_turns_it_alone_off(
     for the process with one line in the log, and the other layers take the fused prefix, compared and equal."""
     model, ids = _model("llama")
 
-    def kernel(scores, mask, scaling):
+    def kernel(scores, mask, scaling, which=()):
         if warp_softmax.available() is not None:
             return None
         probs = _eagers_probabilities(scores, mask, scaling)
@@ -238,3 +238,20 @@ def test_awq_with_the_fused_attention_equals_oneshot(kind, tiny_models, ids_data
         ours = _export_in_process(source, "W4A16", "awq", ids_dataset, tmp_path / "ours")
     assert_same_tensors(load_tensors(ref), load_tensors(str(ours)))
     assert len(ran) > 2 * 21 and not eager_attention._state["off"]
+
+
+def test_the_kernels_launcher_packs_each_argument_where_its_pointer_points():
+    """child/backends/cuda_kernels.Kernel hands cuLaunchKernel one pointer an argument: a 64-bit pointer for "p", a
+    C int for "i" (the kernels' parameters), each read back here through its pointer."""
+    import ctypes
+
+    from child.backends.cuda_kernels import Kernel
+
+    kernel = Kernel("", "k", None, "ppi" + "i" * 10 + "p")
+    args = [0x7F00DEADBEEF, 0, 2 ** 31 - 1, *range(-5, 5), 2 ** 47 + 16]
+    values, pointers = kernel.parameters(*args)
+    read = [ctypes.c_void_p.from_address(pointers[i]).value or 0 if kind == "p" else
+            ctypes.c_int.from_address(pointers[i]).value for i, kind in enumerate("ppi" + "i" * 10 + "p")]
+    assert read == args and len(pointers) == 14
+    with pytest.raises(ValueError, match="signature"):
+        Kernel("", "k", None, "pf")

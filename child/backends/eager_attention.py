@@ -92,7 +92,7 @@ def fused_eager_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     value_states = repeat_kv(value, module.num_key_value_groups)
     scores = torch.matmul(query, key_states.transpose(2, 3))
     kernel = warp_softmax.variant(scores, attention_mask)
-    attn_weights = warp_softmax.probabilities(scores, attention_mask, scaling)  # one kernel, where it applies
+    attn_weights = warp_softmax.probabilities(scores, attention_mask, scaling, kernel)  # one kernel, where it applies
     if warp_softmax.available() is not None and not _state["told"]:
         _state["told"] = True
         print(f"{LOG_PREFIX} the one-kernel softmax is off here ({warp_softmax.available()}); the fused prefix only",

@@ -24,7 +24,8 @@ import threading
 
 import torch
 
-from child.backends.warp_softmax import HALVES, _nvrtc_ptx
+from child.backends.cuda_kernels import Kernel
+from child.backends.warp_softmax import HALVES
 from child.faults import switched
 
 __all__ = ["rotated", "available", "turn_off", "ENABLED"]
@@ -37,7 +38,7 @@ KERNEL = HALVES + r"""
 #define AT(t, b, h, s, d) ((long long)(b) * t##0 + (long long)(h) * t##1 + (long long)(s) * t##2 + (long long)(d) * t##3)
 
 // one thread an element of `out` [B, H, S, D] (logical order); x, cos, sin and out each with their own strides
-// (cos and sin expanded to [B, H, S, D]: zeros where broadcast); every argument an int (torch's launcher passes C ints)
+// (cos and sin expanded to [B, H, S, D]: zeros where broadcast); every number a C int (the host checks < 2^31)
 extern "C" __global__ void rotary(const u16* __restrict__ x, const u16* __restrict__ cos, const u16* __restrict__ sin,
                                   u16* __restrict__ out, int n, int H, int S, int D,
                                   int xs0, int xs1, int xs2, int xs3, int cs0, int cs1, int cs2, int cs3,
@@ -79,12 +80,8 @@ def _kernel(device: torch.device, dtype: torch.dtype):
     key = (device.index, dtype)
     with _lock:
         if key not in _kernels:
-            from torch.cuda._utils import _cuda_load_module
-
-            major, minor = torch.cuda.get_device_capability(device)
             source = f"#define IS_BF16 {int(dtype == torch.bfloat16)}\n" + KERNEL
-            with torch.cuda.device(device):
-                _kernels[key] = _cuda_load_module(_nvrtc_ptx(source, "rotary", f"{major}{minor}"), ["rotary"])["rotary"]
+            _kernels[key] = Kernel(source, "rotary", device, "pppp" + "i" * 20)
         return _kernels[key]
 
 
@@ -123,9 +120,9 @@ def rotated(library, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
                     min(t.stride()) for t in (x, c4, s4, out)) < 0:
                 return None
             if n:
-                _kernel(x.device, x.dtype)(grid=((n + _THREADS - 1) // _THREADS, 1, 1), block=(_THREADS, 1, 1),
-                                           args=[x, c4, s4, out, n, h, s, d, *x.stride(), *c4.stride(), *s4.stride(),
-                                                 *out.stride()])
+                _kernel(x.device, x.dtype)((n + _THREADS - 1) // _THREADS, (_THREADS, 1), x.data_ptr(), c4.data_ptr(),
+                                           s4.data_ptr(), out.data_ptr(), n, h, s, d, *x.stride(), *c4.stride(),
+                                           *s4.stride(), *out.stride())
             outs.append(out)
     except Exception as exc:  # no NVRTC here, an architecture it does not know, shapes that do not broadcast, ...
         _state["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]

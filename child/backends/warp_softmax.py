@@ -28,12 +28,12 @@ are not handled here: `probabilities` returns None and the caller keeps eager's 
 """
 from __future__ import annotations
 
-import ctypes
 import struct
 import threading
 
 import torch
 
+from child.backends.cuda_kernels import Kernel
 from child.faults import switched
 
 __all__ = ["HALVES", "probabilities", "variant", "elements_per_lane", "MAX_ROW", "available", "turn_off"]
@@ -264,43 +264,6 @@ def elements_per_lane(k: int) -> int:
     return max(1, (1 << (k - 1).bit_length()) // 32)
 
 
-def _nvrtc_ptx(source: str, name: str, arch: str) -> bytes:
-    """`source` compiled to PTX by NVRTC with nvcc's defaults (torch.cuda._compile_kernel's steps, without the
-    CUDA toolkit's include directory it insists on: this source includes nothing)."""
-    from torch.cuda import _utils
-
-    nvrtc = getattr(_utils, "_get_gpu_rtc_library", None) or _utils._get_nvrtc_library  # named so before torch 2.9
-    nvrtc = nvrtc()
-    prog = ctypes.c_void_p()
-    check = _nvrtc_checker(nvrtc)
-    check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None))
-    try:
-        options = [f"--gpu-architecture=compute_{arch}".encode(), b"--std=c++17"]
-        result = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
-        if result != 0:
-            size = ctypes.c_size_t()
-            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            nvrtc.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"NVRTC: {log.value.decode(errors='replace').strip()[:500]}")
-        size = ctypes.c_size_t()
-        check(nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(size)))
-        ptx = ctypes.create_string_buffer(size.value)
-        check(nvrtc.nvrtcGetPTX(prog, ptx))
-        return ptx.raw
-    finally:
-        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
-
-
-def _nvrtc_checker(nvrtc):
-    nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
-
-    def check(result: int) -> None:
-        if result != 0:
-            raise RuntimeError(f"NVRTC: {nvrtc.nvrtcGetErrorString(result).decode()}")
-    return check
-
-
 def source(dtype: torch.dtype, lanes: int, smem: bool, full: bool, pack: bool | None = None, rdiv: bool | None = None,
            warps: int = _WARPS, copy: bool = False, min_blocks: int = 0) -> str:
     """KERNEL for these switches (the module's by default); `full`: every row has exactly `lanes * 32` keys; `copy`
@@ -320,13 +283,7 @@ def _kernel(device: torch.device, dtype: torch.dtype, lanes: int, smem: bool, fu
            warps, copy, min_blocks)
     with _lock:
         if key not in _kernels:
-            from torch.cuda._utils import _cuda_load_module
-
-            code = source(*key[1:])
-            major, minor = torch.cuda.get_device_capability(device)
-            with torch.cuda.device(device):
-                ptx = _nvrtc_ptx(code, "eager_probabilities", f"{major}{minor}")
-                _kernels[key] = _cuda_load_module(ptx, ["eager_probabilities"])["eager_probabilities"]
+            _kernels[key] = Kernel(source(*key[1:]), "eager_probabilities", device, "ppp" + "i" * 10)
         return _kernels[key]
 
 
@@ -363,10 +320,12 @@ def variant(scores: torch.Tensor, mask: torch.Tensor | None) -> tuple | None:
     return elements_per_lane(k), aligned
 
 
-def probabilities(scores: torch.Tensor, mask: torch.Tensor | None, scaling) -> torch.Tensor | None:
+def probabilities(scores: torch.Tensor, mask: torch.Tensor | None, scaling, which: tuple | None = ()) \
+        -> torch.Tensor | None:
     """`softmax(float(half(half(scores * scaling) + mask)), -1)` rounded to `scores.dtype`, computed as PyTorch's
-    CUDA kernels compute it, in one pass; None where this kernel does not apply (see the module docstring)."""
-    which = variant(scores, mask)
+    CUDA kernels compute it, in one pass; None where this kernel does not apply (see the module docstring). `which`:
+    `variant(scores, mask)` where the caller has it already."""
+    which = variant(scores, mask) if which == () else which
     if which is None or not isinstance(scaling, float) or not abs(scaling) < 3e38:
         return None
     lanes, smem = which
@@ -376,9 +335,9 @@ def probabilities(scores: torch.Tensor, mask: torch.Tensor | None, scaling) -> t
     rows = b * h * q
     try:
         kernel = _kernel(scores.device, scores.dtype, lanes, smem, k == lanes * 32)
-        kernel(grid=((rows + _WARPS - 1) // _WARPS, 1, 1), block=(32, _WARPS, 1),
-               args=[scores, scores if mask is None else mask, out, rows, k, q, h, int(mask is not None), *strides,
-                     struct.unpack("<i", struct.pack("<f", scaling))[0]])  # float(scaling)'s bits: an int anywhere
+        kernel((rows + _WARPS - 1) // _WARPS, (32, _WARPS), scores.data_ptr(),
+               (scores if mask is None else mask).data_ptr(), out.data_ptr(), rows, k, q, h, int(mask is not None),
+               *strides, struct.unpack("<i", struct.pack("<f", scaling))[0])  # float(scaling)'s bits
     except Exception as exc:  # no NVRTC in this torch's environment, an architecture it does not know, a launcher
         _state["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]  # that
         return None  # refuses the arguments, ...
