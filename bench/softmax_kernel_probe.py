@@ -15,8 +15,6 @@ order, and differs only in how it moves data and holds it:
               the row's reciprocal once (warp_softmax.RDIV: on in the product)
     smem-div-checked  smem-div with every key checked against the row's length even where the row fills the lanes
               (the forty-first session's kernel)
-    smem-7    smem with the registers capped so that an SM holds 7 blocks (__launch_bounds__; with 4 warps a block,
-              the 2048-key kernel uses 80 registers, 6 blocks; 7 fit its shared memory, 72 registers with a few spilled)
     copy      not a softmax: smem with the scores written back unchanged in place of the quotients. Since nothing
               computed from the scores is stored, the compiler leaves the arithmetic out (its SASS has no exponential
               and no shuffle): the kernel's loads and stores alone. Its "equal" column says nothing.
@@ -43,7 +41,6 @@ VARIANTS = {  # name -> warp_softmax.source's switches
     "smem+pack": dict(pack=True, smem=True), "plain-div": dict(pack=False, smem=False, rdiv=False),
     "smem-div": dict(pack=False, smem=True, rdiv=False),
     "smem-div-checked": dict(pack=False, smem=True, rdiv=False, full=False),
-    "smem-7": dict(pack=False, smem=True, min_blocks=7),
     "copy": dict(pack=False, smem=True, copy=True)}
 
 

@@ -114,12 +114,7 @@ KERNEL = HALVES + ROW_DIVISION + r"""
 // SMEM: the row and its mask row moved with 16-byte loads through shared memory, read there in PyTorch's order, the
 // probabilities written back the same way (the host launches it only for K % 8 == 0, 16-byte aligned rows, a mask
 // whose last dimension is contiguous and whose other strides are multiples of 8).
-#if MIN_BLOCKS  // blocks an SM must hold at once: the compiler keeps the registers a thread uses within them
-#define BOUNDS __launch_bounds__(WARPS * 32, MIN_BLOCKS)
-#else
-#define BOUNDS
-#endif
-extern "C" __global__ void BOUNDS eager_probabilities(const u16* __restrict__ scores, const u16* __restrict__ mask,
+extern "C" __global__ void eager_probabilities(const u16* __restrict__ scores, const u16* __restrict__ mask,
                                                u16* __restrict__ out, int rows, int K, int Q, int H, int has_mask,
                                                int ms0, int ms1, int ms2, int ms3, int scaling_bits) {
 #if SMEM
@@ -265,7 +260,7 @@ def elements_per_lane(k: int) -> int:
 
 
 def source(dtype: torch.dtype, lanes: int, smem: bool, full: bool, pack: bool | None = None, rdiv: bool | None = None,
-           warps: int = _WARPS, copy: bool = False, min_blocks: int = 0) -> str:
+           warps: int = _WARPS, copy: bool = False) -> str:
     """KERNEL for these switches (the module's by default); `full`: every row has exactly `lanes * 32` keys; `copy`
     only for bench/softmax_kernel_probe.py: the scores written back unchanged in place of the quotients (nothing
     computed from them is stored, so the compiler leaves the arithmetic out: its loads and stores alone)."""
@@ -273,14 +268,14 @@ def source(dtype: torch.dtype, lanes: int, smem: bool, full: bool, pack: bool | 
     rdiv = RDIV if rdiv is None else rdiv
     return (f"#define IS_BF16 {int(dtype == torch.bfloat16)}\n#define ITER {lanes}\n#define PACK {int(pack)}\n"
             f"#define SMEM {int(smem)}\n#define FULL {int(full)}\n#define RDIV {int(rdiv)}\n#define WARPS {warps}\n"
-            f"#define COPY {int(copy)}\n#define MIN_BLOCKS {min_blocks}\n" + KERNEL)
+            f"#define COPY {int(copy)}\n" + KERNEL)
 
 
 def _kernel(device: torch.device, dtype: torch.dtype, lanes: int, smem: bool, full: bool, pack: bool | None = None,
-            rdiv: bool | None = None, warps: int = _WARPS, copy: bool = False, min_blocks: int = 0):
+            rdiv: bool | None = None, warps: int = _WARPS, copy: bool = False):
     """The loaded kernel for `source` of these switches, built once a device."""
     key = (device.index, dtype, lanes, smem, full, PACK if pack is None else pack, RDIV if rdiv is None else rdiv,
-           warps, copy, min_blocks)
+           warps, copy)
     with _lock:
         if key not in _kernels:
             _kernels[key] = Kernel(source(*key[1:]), "eager_probabilities", device, "ppp" + "i" * 10)
