@@ -173,7 +173,7 @@ s43b)  # after s43a, on the same machine (issue 34): with bytecode for both tool
   cbk 330 awq_default --method awq
   ;;
 s42c)  # forty-first session (issue 34), run once (tree ee3e0a2): the one-kernel softmax's variants timed against a
-  # copy variant (no division: the stores do not wait on the sum), the kernel's GPU tests, then with bytecode for both tools, on one
+  # copy variant (its loads and stores alone, as its SASS showed in s43a), the kernel's GPU tests, then with bytecode for both tools, on one
   # checkpoint (8 layers of the 8B shape): ours with ZEROS and FASTDIV on (both since removed, slower) against oneshot
   # (every tensor compared), then ours with both off. (Its test step ran out of its 150 s: 244 tests were too many.)
   timeout 90 python3 bench/softmax_kernel_probe.py --warps 4 --rounds 2 2>&1 | quiet > "$OUT/softmax_probe.txt"; tail -11 "$OUT/softmax_probe.txt"

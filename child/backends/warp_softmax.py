@@ -20,6 +20,9 @@ the cast after it, so one kernel reads the bf16 scores (and mask) once and write
 eager's chain writes and reads fp32 tensors four times. Compiled at run time by NVRTC (the compiler PyTorch's own
 kernels come from, with nvcc's defaults: IEEE division, no flush to zero, `expf` from CUDA's math library), one
 variant per dtype and row width (lanes hold `next_power_of_two(K) / 32` elements, PyTorch's WARP_ITERATIONS).
+The division is IEEE's, computed with the row's reciprocal once and two fma a key where the row allows it
+(`ROW_DIVISION`, checked against div.rn for every pair of significands), by `/` elsewhere: on an H100 that took the
+8B layer's 128 samples from 0.053 s to 0.030 s (docs/calibration.md).
 
 Exact by construction where the torch at hand computes as described; `child/backends/eager_attention.py` compares
 its first calls with eager attention bit for bit and turns this kernel off at any difference (another torch's
@@ -46,11 +49,12 @@ _WARPS = 4  # warps (rows) per block of 128 threads, as PyTorch launches it
 # how the kernel moves and holds a row (the same arithmetic either way; bench/softmax_kernel_probe.py times them):
 # rows moved through shared memory with 16-byte loads where their layout allows it (SMEM: on, 2.4x the lane-by-lane
 # kernel's speed on an H100, s39c: 0.058 s against 0.140 for the 8B layer's 128 samples), x held as packed halves and
-# e recomputed (PACK: off, slower with SMEM: 0.072 s). tests/gpu/test_eager_attention_gpu.py checks every combination;
+# e recomputed (PACK: off; with SMEM 0.072 s against 0.058 in s39c, 0.0293 against 0.0299 with RDIV in s43a: within
+# the runs' spread). tests/gpu/test_eager_attention_gpu.py checks every combination;
 # SUPERVISOR_TEST_KERNELS switches them for a test or a bench (child/faults.py)
 PACK, SMEM = switched("pack", False), switched("smem", True)
-# the row's division with its reciprocal once (RDIV: on; the kernel's RDIV comment says why it is exact, off for
-# bench/softmax_kernel_probe.py's comparison: each key divided by div.rn)
+# the row's division with its reciprocal once (RDIV: on, ROW_DIVISION says why it is exact; s43a on an H100: 0.0299 s
+# against 0.0481 with each key divided by div.rn; off only for bench/softmax_kernel_probe.py's comparison)
 RDIV = switched("rdiv", True)
 
 # CUDA helpers for a half dtype (IS_BF16: bf16, else fp16) as c10 converts it on the device; rotary.py's kernel too
