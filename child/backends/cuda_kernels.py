@@ -99,6 +99,9 @@ class Kernel:
 
     def __call__(self, blocks: int, threads: tuple[int, int], *args: int) -> None:
         """One launch on the device's current stream: `blocks` blocks of threads[0] x threads[1] threads."""
+        if torch.cuda.current_device() != self._device:  # cuLaunchKernel launches in the current device's context
+            with torch.cuda.device(self._device):
+                return self(blocks, threads, *args)
         values, pointers = self.parameters(*args)
         stream = torch._C._cuda_getCurrentRawStream(self._device)
         result = _cu_launch_kernel()(self._function, blocks, 1, 1, threads[0], threads[1], 1, 0, stream, pointers,
