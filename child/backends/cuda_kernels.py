@@ -2,7 +2,7 @@
 through torch's module loader, launched with little Python per call.
 
 torch's launcher (`torch.cuda._utils._CudaKernel.__call__`) builds a ctypes object per argument, looks up the current
-stream as a `torch.cuda.Stream` and checks every tensor, tens of microseconds a launch. A calibrated layer launches
+stream as a `torch.cuda.Stream` and checks every tensor, at every launch. A calibrated layer launches
 these kernels three times a sample and pass (the rotary embedding twice, the softmax once), 128 samples, 21 passes
 of the attention a layer, and such a pass is bound by the host's Python as much as by the GPU (measured on an H100:
 its kernels 0.113 s of a 0.138 s pass). `Kernel` packs all arguments into one ctypes structure whose layout is
