@@ -137,6 +137,9 @@ def main() -> None:
     ap.add_argument("--untimed-passes", action="store_true",
                     help="no wait around each pass (but the profiled one): each search's seconds as it runs")
     ap.add_argument("--fused", action="store_true", help="the product's fused attention and AWQ search installed")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="profile the --profile-pass pass of each parent on the host (cProfile: where its Python "
+                         "goes) instead of the device's kernels")
     ap.add_argument("--count-syncs", action="store_true",
                     help="on a GPU: every wait for the device during AWQ's smoothing (the searches), by the line that "
                          "made it (torch.cuda.set_sync_debug_mode)")
@@ -156,6 +159,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     names: dict[int, str] = {}
     passes: dict[str, list[float]] = defaultdict(list)
+    hosts: dict[str, list[float]] = defaultdict(list)  # --untimed-passes on a GPU: each pass's seconds to queue
     searches: list[tuple[str, str, float]] = []
     losses: list[float] = []
     profiles: list[str] = []
@@ -179,17 +183,38 @@ def main() -> None:
             if args.untimed_passes and index != args.profile_pass:
                 if not cuda:
                     passes[name].append(float("nan"))
+                    hosts[name].append(float("nan"))
                     return call(self, module, *a, **k)
                 # timed on the device by events (no wait): the pass's span on the stream, read after the search
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
+                t = time.perf_counter()
                 out = call(self, module, *a, **k)
+                hosts[name].append(time.perf_counter() - t)
                 end.record()
                 passes[name].append((start, end))
                 return out
+            hosts[name].append(float("nan"))  # a pass with waits around it: its host time is not its own
             sync()
             t = time.perf_counter()
-            if index == args.profile_pass:
+            if index == args.profile_pass and args.host_profile:
+                import cProfile
+                import io
+                import pstats
+
+                host = cProfile.Profile()
+                host.enable()
+                out = call(self, module, *a, **k)
+                host.disable()
+                sync()
+                wall = time.perf_counter() - t
+                text = io.StringIO()
+                pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(args.top)
+                profiles.append(f"{name}, pass {index} (on the host under cProfile, which slows it; wall {wall:.3f} s)"
+                                ":")
+                profiles.extend(line for line in text.getvalue().splitlines() if line.strip()
+                                and "Ordered by" not in line and "List reduced" not in line)
+            elif index == args.profile_pass:
                 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
                 with profile(activities=activities, with_flops=True) as prof:
                     out = call(self, module, *a, **k)
@@ -274,8 +299,9 @@ def main() -> None:
           f"grid searches {sum(s for *_, s in searches):.1f} s"
           # the library's _compute_loss; with --fused awq_search adds each loss inside the candidates' passes
           + (f"; losses {sum(losses):.2f} s over {len(losses)} calls" if losses else ""))
-    print("| mapping | parent | search s | passes | mean pass s | first (unscaled) s | rest of the search s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mapping | parent | search s | passes | mean pass s | first (unscaled) s | rest of the search s "
+          "| mean s to queue a pass |")
+    print("|---|---|---|---|---|---|---|---|")
     used: dict[str, int] = defaultdict(int)
     for mapping, parent, secs in searches:
         # each search's passes are the next 1 + grid of its parent's (the unscaled pass runs just before it)
@@ -286,13 +312,16 @@ def main() -> None:
         grid = chunk[1:]
         skipped = [s for i, s in enumerate(grid, 1) if used[parent] - n + i != args.profile_pass]
         mean = sum(skipped) / len(skipped) if skipped else float("nan")
+        queued = [q for q in hosts.get(parent, [])[used[parent] - n + 1:used[parent]] if q == q]  # untimed ones
+        queue = sum(queued) / len(queued) if queued else float("nan")
         print(f"| {mapping} | {parent} | {secs:.2f} | {len(chunk)} | {mean:.3f} | "
-              f"{chunk[0] if chunk else float('nan'):.3f} | {secs - sum(grid):.2f} |")
+              f"{chunk[0] if chunk else float('nan'):.3f} | {secs - sum(grid):.2f} | {queue:.3f} |")
     print("\n(mean pass: the candidates' passes without the profiled one; rest: the search's time outside its passes)")
     if args.fused:
         print("(with --fused each candidate's pass includes its loss: awq_search adds each sample into it as it goes)")
     if args.untimed_passes and cuda:
-        print("passes timed on the device by events (no waits)")
+        print("passes timed on the device by events (no waits); to queue: the host's seconds from a pass's start to "
+              "its last launch (close to the pass's: the device waited on the host)")
     if args.count_syncs and cuda:
         print(f"\nwaits for the device during the smoothing (the searches): {sum(syncs.values())}, by where:")
         for where, count in sorted(syncs.items(), key=lambda kv: -kv[1]):

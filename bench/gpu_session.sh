@@ -146,6 +146,17 @@ s39c)  # thirty-eighth session's code (issue 34), its first GPU run: the one-ker
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
   ;;
+s44a)  # for the next session (issue 34), not yet run: where the attention pass's host time goes (s43b: its kernels
+  # 0.113 s of a 0.138 s pass): the AWQ probe with each pass's seconds to queue beside its device seconds, and one
+  # pass of each parent under cProfile; then with bytecode for both tools the default AWQ against oneshot on 8 layers
+  # of the 8B shape (every tensor compared)
+  timeout 120 python3 bench/awq_probe.py --fused --untimed-passes --profile-pass 2 --host-profile --top 30 \
+    --workdir /tmp/awqp 2>&1 | quiet | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_host.txt"
+  tail -120 "$OUT/awq_host.txt" | head -60; rm -rf /tmp/awqp
+  bytecode_both
+  rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
+  cbk 250 awq_bytecode1 --method awq
+  ;;
 s43c)  # after s43a/s43b (issue 34): the kernels launched with little Python (child/backends/cuda_kernels.py; s43a's
   # profile: the attention pass's kernels 0.113 s of its 0.138, the host's Python the rest): the kernels' GPU tests,
   # then with bytecode for both tools the default AWQ against oneshot on 8 layers of the 8B shape (every tensor
