@@ -10,7 +10,9 @@ the GPU is), the products' TFLOP and rate, and the kernels that take the most ti
 `--untimed-passes` leaves out the waits around each pass (but the profiled one); on a GPU each pass is then timed by
 CUDA events, its span on the stream, so "rest" is the search's wall outside its passes: the weights' quantization,
 the losses (with `--fused`, inside each candidate's pass: awq_search adds each sample into the loss as it goes) and
-the GPU's idle time.
+the GPU's idle time. Beside it, each pass's seconds to queue on the host: near the pass's own, the device waited on
+the host's Python. `--host-profile` profiles the `--profile-pass` pass with cProfile instead of torch.profiler: where
+that Python goes.
 
 `--count-syncs` (a GPU): every wait for the device during AWQ's smoothing step (the unscaled passes and the grid
 searches), counted by the Python line that made it (torch.cuda.set_sync_debug_mode("warn")).
