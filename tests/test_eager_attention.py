@@ -241,17 +241,17 @@ def test_awq_with_the_fused_attention_equals_oneshot(kind, tiny_models, ids_data
 
 
 def test_the_kernels_launcher_packs_each_argument_where_its_pointer_points():
-    """child/backends/cuda_kernels.Kernel hands cuLaunchKernel one pointer an argument: a 64-bit pointer for "p", a
-    C int for "i" (the kernels' parameters), each read back here through its pointer."""
+    """child/backends/cuda_kernels.Kernel hands cuLaunchKernel one pointer an argument (`Arguments`): a 64-bit
+    pointer for "p", a C int for "i" (the kernels' parameters), each read back here through its pointer."""
     import ctypes
 
-    from child.backends.cuda_kernels import Kernel
+    from child.backends.cuda_kernels import Arguments
 
-    kernel = Kernel("", "k", None, "ppi" + "i" * 10 + "p")
+    signature = "ppi" + "i" * 10 + "p"
     args = [0x7F00DEADBEEF, 0, 2 ** 31 - 1, *range(-5, 5), 2 ** 47 + 16]
-    values, pointers = kernel.parameters(*args)
+    values, pointers = Arguments(signature).pack(*args)
     read = [ctypes.c_void_p.from_address(pointers[i]).value or 0 if kind == "p" else
-            ctypes.c_int.from_address(pointers[i]).value for i, kind in enumerate("ppi" + "i" * 10 + "p")]
+            ctypes.c_int.from_address(pointers[i]).value for i, kind in enumerate(signature)]
     assert read == args and len(pointers) == 14
     with pytest.raises(ValueError, match="signature"):
-        Kernel("", "k", None, "pf")
+        Arguments("pf")

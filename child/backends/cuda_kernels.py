@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-__all__ = ["nvrtc_ptx", "Kernel"]
+__all__ = ["nvrtc_ptx", "Arguments", "Kernel"]
 
 
 def nvrtc_ptx(source: str, name: str, arch: str) -> bytes:
@@ -69,40 +69,45 @@ def _cu_launch_kernel():
     return _launch_kernel[0]
 
 
-class Kernel:
-    """The function `name` of `source`, built for `device`; `signature` gives its parameters in order, "p" a pointer
-    (pass `tensor.data_ptr()`), "i" a C int (pass a Python int under 2^31: a C int takes its low 32 bits)."""
+class Arguments:
+    """A kernel's parameters laid out once: `signature` gives them in order, "p" a pointer (pass `tensor.data_ptr()`),
+    "i" a C int (pass a Python int under 2^31: a C int takes its low 32 bits)."""
 
-    def __init__(self, source: str, name: str, device: torch.device | None, signature: str):
+    def __init__(self, signature: str):
         if set(signature) - {"p", "i"}:
             raise ValueError(f"a kernel signature is made of 'p' and 'i', not {signature!r}")
         fields = [(f"a{i}", ctypes.c_void_p if kind == "p" else ctypes.c_int) for i, kind in enumerate(signature)]
-        self._arguments = type(f"{name}_arguments", (ctypes.Structure,), {"_fields_": fields})
-        self._offsets = [getattr(self._arguments, field).offset for field, _ in fields]
+        self._values = type("arguments", (ctypes.Structure,), {"_fields_": fields})
+        self._offsets = [getattr(self._values, field).offset for field, _ in fields]
         self._pointers = ctypes.c_void_p * len(fields)
-        if device is None:  # the arguments' layout alone (tests/test_eager_attention.py)
-            return
+
+    def pack(self, *args: int):
+        """(the arguments packed, the array of pointers to each that cuLaunchKernel takes): keep both alive until
+        the launch returns."""
+        values = self._values(*args)
+        base = ctypes.addressof(values)
+        return values, self._pointers(*[base + offset for offset in self._offsets])
+
+
+class Kernel:
+    """The function `name` of `source`, built for `device`, its parameters as `signature` says (`Arguments`)."""
+
+    def __init__(self, source: str, name: str, device: torch.device, signature: str):
         from torch.cuda._utils import _cuda_load_module
 
+        self._arguments = Arguments(signature)
         major, minor = torch.cuda.get_device_capability(device)
         with torch.cuda.device(device):
             self._loaded = _cuda_load_module(nvrtc_ptx(source, name, f"{major}{minor}"), [name])[name]  # keeps the
         self._function = self._loaded.func  # module loaded
         self._device = device.index if device.index is not None else torch.cuda.current_device()
 
-    def parameters(self, *args: int):
-        """(the arguments packed, the array of pointers to each that cuLaunchKernel takes): keep both alive until
-        the launch returns."""
-        values = self._arguments(*args)
-        base = ctypes.addressof(values)
-        return values, self._pointers(*[base + offset for offset in self._offsets])
-
     def __call__(self, blocks: int, threads: tuple[int, int], *args: int) -> None:
         """One launch on the device's current stream: `blocks` blocks of threads[0] x threads[1] threads."""
         if torch.cuda.current_device() != self._device:  # cuLaunchKernel launches in the current device's context
             with torch.cuda.device(self._device):
                 return self(blocks, threads, *args)
-        values, pointers = self.parameters(*args)
+        values, pointers = self._arguments.pack(*args)
         stream = torch._C._cuda_getCurrentRawStream(self._device)
         result = _cu_launch_kernel()(self._function, blocks, 1, 1, threads[0], threads[1], 1, 0, stream, pointers,
                                      None)
