@@ -146,6 +146,12 @@ s39c)  # thirty-eighth session's code (issue 34), its first GPU run: the one-ker
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
   ;;
+s44p)  # forty-third session (issue 34): where the attention pass's host time goes, the AWQ probe alone (s44a's first
+  # half): each pass's seconds to queue beside its device seconds, and one pass of each parent under cProfile
+  timeout 150 python3 bench/awq_probe.py --fused --untimed-passes --profile-pass 2 --host-profile --top 40 \
+    --workdir /tmp/awqp 2>&1 | quiet | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_host.txt"
+  tail -150 "$OUT/awq_host.txt" | head -40; rm -rf /tmp/awqp
+  ;;
 s44a)  # for the next session (issue 34), not yet run: where the attention pass's host time goes (s43b: its kernels
   # 0.113 s of a 0.138 s pass): the AWQ probe with each pass's seconds to queue beside its device seconds, and one
   # pass of each parent under cProfile; then with bytecode for both tools the default AWQ against oneshot on 8 layers
