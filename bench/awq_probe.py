@@ -21,7 +21,8 @@ searches), counted by the Python line that made it (torch.cuda.set_sync_debug_mo
 or the fused prefix, and the rotary kernel, each call kind checked against the library's), and AWQ's search as the
 product runs it (child/backends/awq_capture.py: the unscaled outputs from the forward, the activation sums on the
 device; child/backends/awq_search.py: the grid's waits at its end, each candidate's pass and loss sample by
-sample), as an AWQ worker on a GPU runs the search.
+sample, replayed from a CUDA graph where child/backends/graphed_pass.py applies), as an AWQ worker on a GPU runs the
+search. SUPERVISOR_TEST_KERNELS=nograph: the passes eager, for comparison.
 
 `--overlap N`: could the searches of two mappings run side by side, bit for bit? N samples through one decoder
 layer's eager attention (the q/k/v search's parent) R times and through its MLP (the gate/up search's parent) R
@@ -172,7 +173,11 @@ def main() -> None:
         from child.backends import awq_search
         from child.backends.awq_capture import AWQCapture
 
-        product.enter_context(awq_search.installed())  # its losses no longer go through _compute_loss
+        from child import faults
+
+        # its losses no longer go through _compute_loss; its passes replayed from CUDA graphs as the product's are
+        # (SUPERVISOR_TEST_KERNELS=nograph: eager)
+        product.enter_context(awq_search.installed(graphs=faults.switched("graph", True)))
         product.enter_context(AWQCapture().installed())  # a served unscaled pass is timed at about 0 s
     run_samples, best_scale, compute_loss = cls._run_samples, cls._compute_best_scale, cls._compute_loss
 

@@ -179,9 +179,14 @@ def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None
     layers = [e for e in events if e["type"] == "LayerWritten" and e["index"] >= 0]
     first = min((e["t"] for e in events if e["type"] == "LayerStarted"), default=0.0)
     pool = next((e for e in events if e["type"] == "PoolStarted"), {})
-    fused = set()  # the worker logs' lines on eager attention's fused prefix (child/backends/eager_attention.py)
+    # the worker logs' lines on eager attention's fused prefix (child/backends/eager_attention.py) and the graphed
+    # passes (child/backends/graphed_pass.py)
+    fused = set()
     for log in sorted(glob.glob(os.path.join(out, ".export", "logs", "worker-*.log"))):
-        fused |= {x[x.index("fused attention:"):].strip() for x in open(log, errors="replace") if "fused attention:" in x}
+        for x in open(log, errors="replace"):
+            for prefix in ("fused attention:", "graphed passes:"):
+                if prefix in x:
+                    fused.add(x[x.index(prefix):].strip())
     return {"wall": wall, "startup": first, "events": events, "rc": proc.returncode, "stderr": proc.stderr,
             "fused": sorted(fused),
             "reused": pool.get("reused", False),

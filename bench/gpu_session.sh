@@ -146,6 +146,25 @@ s39c)  # thirty-eighth session's code (issue 34), its first GPU run: the one-ker
   cb 330 awq_capture --method awq
   grep "worker logs" "$OUT/awq_capture.txt"
   ;;
+s44b)  # forty-third session (issue 34): the candidates' passes replayed from CUDA graphs (child/backends/graphed_pass.py;
+  # s43b: the attention's pass 0.138 s, its kernels 0.113 s, the rest the host's Python): the GPU tests, then the AWQ
+  # probe with the graphs and without (passes timed by events, each pass's seconds to queue beside)
+  t 100 graphed tests/gpu/test_graphed_pass_gpu.py tests/gpu/test_awq_search_gpu.py -m gpu
+  t 200 awq_gpu tests/gpu/test_calibrated_gpu.py -m gpu -k "awq and not match"
+  for k in graph nograph; do
+    SUPERVISOR_TEST_KERNELS=$k timeout 110 python3 bench/awq_probe.py --fused --untimed-passes --profile-pass -1 \
+      --workdir /tmp/awqp 2>&1 | quiet | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_probe_$k.txt"
+    echo "== $k"; tail -14 "$OUT/awq_probe_$k.txt"
+  done
+  rm -rf /tmp/awqp
+  ;;
+s44c)  # after s44b, on the same machine: with bytecode for both tools the default AWQ (graphed passes) against
+  # oneshot on 8 layers of the 8B shape, every tensor compared
+  bytecode_both
+  rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
+  cbk 300 awq_graphed --method awq
+  grep "worker logs" "$OUT/awq_graphed.txt"
+  ;;
 s44p)  # forty-third session (issue 34): where the attention pass's host time goes, the AWQ probe alone (s44a's first
   # half): each pass's seconds to queue beside its device seconds, and one pass of each parent under cProfile
   timeout 150 python3 bench/awq_probe.py --fused --untimed-passes --profile-pass 2 --host-profile --top 40 \

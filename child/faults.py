@@ -62,7 +62,8 @@ on, "no" and the name off, e.g. "pack,norotary"; absent, each keeps its default.
 packed halves (pack, off) and shared-memory rows (smem, on) (child/backends/warp_softmax.py), the rotary kernel
 (rotary, on; child/backends/rotary.py), read at their import; AWQ's grid search without waits (search, on;
 child/backends/awq_search.py), its passes sample by sample within it (samplewise, on: each sample's output let go
-before the next pass, not held for the whole pass) and its capture (capture, on; child/backends/awq_capture.py), read
+before the next pass, not held for the whole pass) and replayed from a CUDA graph (graph, on;
+child/backends/graphed_pass.py), and its capture (capture, on; child/backends/awq_capture.py), read
 at each layer by child/backends/calibrate.py. Tests and benches (bench/gpu_session.sh) compare a part with and without
 it.
 

@@ -50,16 +50,20 @@ from llmcompressor.modifiers.transform.awq import base as awq_base
 from llmcompressor.observers.base import Observer
 from llmcompressor.observers.helpers import fuse_weight_observers
 
+from child.backends import graphed_pass
+
 __all__ = ["best_scale", "run_samples", "installed", "COPIED_FROM"]
 
 COPIED_FROM = "0.14.0.1"  # the llm-compressor whose _compute_best_scale and _compute_loss best_scale follows
 
 
 @contextlib.contextmanager
-def installed(samplewise: bool = True):
+def installed(samplewise: bool = True, graphs: bool = False):
     """AWQModifier's `_compute_best_scale` is `best_scale`, and its `_run_samples` `run_samples`, while inside (with the
     llm-compressor they copy). `samplewise=False` (a bench's switch, child/faults.py): the passes as the library
-    runs them, every sample's whole output held until the pass is over, for comparison."""
+    runs them, every sample's whole output held until the pass is over, for comparison. `graphs`: each candidate's
+    pass replayed from a CUDA graph where child/backends/graphed_pass.py applies (samplewise only; the caller says
+    where the cached arguments stay on the GPU)."""
     import llmcompressor
 
     if llmcompressor.__version__ != COPIED_FROM:
@@ -67,7 +71,7 @@ def installed(samplewise: bool = True):
         return
     with patch_attr(AWQModifier, "_compute_best_scale", best_scale), \
             patch_attr(AWQModifier, "_run_samples", run_samples if samplewise else AWQModifier._run_samples), \
-            patch_attr(_state, "samplewise", samplewise):
+            patch_attr(_state, "samplewise", samplewise), patch_attr(_state, "graphs", graphs):
         yield
 
 
@@ -111,17 +115,9 @@ def best_scale(self, mapping, fp16_outputs: list[torch.Tensor],
         if hasattr(balance_layer, "quantization_scheme") and hasattr(balance_layer.quantization_scheme, "weights")
     ]
     grid = self._get_grid_search_params()
-    losses, candidates = [], []
-    with patch_attr(qparams_helpers, "torch", _NO_HOST_COPIES), patch_attrs(
-        balance_layers_to_patch,
-        "weight_observer",
-        [
-            Observer.load_from_registry("memoryless_minmax", base_name="weight",
-                                        args=balance_layer.quantization_scheme.weights)
-            for balance_layer in balance_layers_to_patch
-        ],
-    ):
-        fuse_weight_observers(mapping.parent)
+
+    def run_grid(graphed):
+        losses, candidates = [], []
         for ratio, use_duo_scaling in grid:
             if use_duo_scaling:
                 scales = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
@@ -142,16 +138,43 @@ def best_scale(self, mapping, fp16_outputs: list[torch.Tensor],
 
             for balance_layer in balance_layers_to_patch:
                 w_qscheme = balance_layer.quantization_scheme.weights
-                balance_layer.weight.data = (
+                _set_weight(balance_layer, (
                     forward_quantize(balance_layer, balance_layer.weight, "weight", w_qscheme) / _scalesview
-                ).to(balance_layer.weight.dtype)
+                ).to(balance_layer.weight.dtype))
 
-            losses.append(_candidate_loss(self, mapping.parent, fp16_outputs))
+            losses.append(_candidate_loss(self, mapping.parent, fp16_outputs, graphed))
             candidates.append(scales)  # a fresh tensor each candidate, not written after
+        return losses, candidates
+
+    with patch_attr(qparams_helpers, "torch", _NO_HOST_COPIES), patch_attrs(
+        balance_layers_to_patch,
+        "weight_observer",
+        [
+            Observer.load_from_registry("memoryless_minmax", base_name="weight",
+                                        args=balance_layer.quantization_scheme.weights)
+            for balance_layer in balance_layers_to_patch
+        ],
+    ):
+        fuse_weight_observers(mapping.parent)
+        graphed = None
+        if _state.graphs and _state.samplewise and graphed_pass.applies(mapping.parent, device) is None:
+            # each candidate's pass replayed from one CUDA graph (child/backends/graphed_pass.py)
+            graphed, _ = graphed_pass.build(mapping.parent, list(self._parent_args_cache[mapping.parent]), device)
+        try:
+            losses, candidates = run_grid(graphed)
+            values = torch.stack(losses).tolist()  # the grid's one wait for the GPU
+            same = graphed is None or bool(graphed.same().item())
+        finally:
+            if graphed is not None:
+                graphed.close()
+        if not same:  # a replay differed from its eager pass: the grid again, eagerly
+            graphed_pass.turn_off(f"a replay of {mapping.parent_name} differed from its eager pass")
+            losses, candidates = run_grid(None)
+            values = torch.stack(losses).tolist()
 
     history = []
     best_ratio, best_scales, best_error, initial_error = -1, None, float("inf"), None
-    for (ratio, use_duo_scaling), loss, scales in zip(grid, torch.stack(losses).tolist(), candidates):
+    for (ratio, use_duo_scaling), loss, scales in zip(grid, values, candidates):
         if initial_error is None:
             initial_error = loss
         history.append({"ratio": ratio, "duo_scaling": use_duo_scaling, "error": loss})
@@ -210,14 +233,31 @@ _FILLED = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64, to
 _NO_HOST_COPIES = _NumbersFilledOnTheDevice()
 
 
-def _candidate_loss(self, parent: torch.nn.Module, fp16_outputs: list[torch.Tensor]) -> torch.Tensor:
+def _candidate_loss(self, parent: torch.nn.Module, fp16_outputs: list[torch.Tensor],
+                    graphed: graphed_pass.GraphedPass | None = None) -> torch.Tensor:
     """A candidate's pass of `parent` over the cached samples and its loss against `fp16_outputs`, sample by sample:
-    each sample's output added into the loss right after its pass, then let go (see the module docstring)."""
+    each sample's output added into the loss right after its pass, then let go (see the module docstring); with
+    `graphed`, each sample's pass is a replay of its graph."""
+    if graphed is not None:
+        return _loss(fp16_outputs, graphed.outputs(graphed.batches))
     return _loss(fp16_outputs, _samples(self, parent) if _state.samplewise else self._run_samples(parent))
+
+
+def _set_weight(layer: torch.nn.Module, value: torch.Tensor) -> None:
+    """The library's `layer.weight.data = value`, written into the weight's own tensor where both are contiguous and
+    alike (the same values in the same layout; a graphed pass reads the weight where it lay at capture), else as the
+    library does it."""
+    weight = layer.weight.data
+    if weight.is_contiguous() and value.is_contiguous() and value.shape == weight.shape and \
+            value.dtype == weight.dtype and value.device == weight.device:
+        weight.copy_(value)
+    else:
+        layer.weight.data = value
 
 
 class _state:
     samplewise = True  # installed()'s
+    graphs = False
 
 
 def _loss(fp16_outputs: list[torch.Tensor], int_w_outputs) -> torch.Tensor:

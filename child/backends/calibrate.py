@@ -352,9 +352,12 @@ class Calibrator:
                 # its grid search without a wait for the GPU per candidate (child/backends/awq_search.py), wrapped by
                 # the capture's bookkeeping
                 # the library's own steps instead with SUPERVISOR_TEST_KERNELS=nosearch / nocapture (benches), its
-                # passes as the library holds them with nosamplewise
+                # passes as the library holds them with nosamplewise; each candidate's pass replayed from a CUDA graph
+                # where its cached arguments stay on the device (child/backends/graphed_pass.py; nograph: eager)
                 if faults.switched("search", True):
-                    outer.enter_context(awq_search.installed(samplewise=faults.switched("samplewise", True)))
+                    outer.enter_context(awq_search.installed(
+                        samplewise=faults.switched("samplewise", True),
+                        graphs=faults.switched("graph", True) and self._awq_offload is None))
                 if faults.switched("capture", True):
                     outer.enter_context(AWQCapture(keep_outputs=self._awq_offload is None).installed())
             # GPTQ: one Hessian per distinct input (q/k/v, gate/up, ...), each module handed the one the library

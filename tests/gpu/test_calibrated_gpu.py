@@ -47,6 +47,9 @@ def test_cuda_calibrated_export_equals_oneshot(kind, scheme, method, data, tiny_
         assert json.load(b) == json.load(a)
     if (kind, scheme) == ("llama", "W4A16"):
         _assert_errors_equal_loading(events, source, out)
+    if method == "awq":  # its candidates' passes were replayed from CUDA graphs (child/backends/graphed_pass.py)
+        logs = "".join(p.read_text(errors="replace") for p in (out / ".export" / "logs").glob("worker-*.log"))
+        assert "graphed passes: on" in logs and "graphed passes: off" not in logs and "captured" not in logs, logs
 
 
 def _assert_errors_equal_loading(events, source, out) -> None:

@@ -1,0 +1,109 @@
+"""child/backends/graphed_pass.py's decisions, on the CPU: where a parent's passes may be replayed from a CUDA graph
+(its module, its samples' arguments), the layouts its inputs can take, the bit comparison, and awq_search's weights
+written in place where the library replaces them. (Replays against eager passes: tests/gpu/test_graphed_pass_gpu.py.)"""
+import pytest
+import torch
+from torch import nn
+
+from child.backends import awq_search, graphed_pass
+
+CUDA = torch.device("cuda")
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+
+def test_on_the_cpu_no_pass_is_graphed():
+    batches = [{"x": torch.ones(2, 8)} for _ in range(3)]
+    assert graphed_pass.build(_Block(), batches, torch.device("cpu")) == (None, "cpu: not a CUDA device")
+
+
+@pytest.mark.parametrize("shape,stride,expected", [
+    ((3, 4), (4, 1), True),
+    ((3, 4), (1, 3), True),  # a transposed contiguous tensor
+    ((1, 1, 5, 5), (25, 25, 5, 1), True),
+    ((1, 1, 5, 5), (0, 0, 5, 1), True),  # size-1 dimensions: any stride
+    ((3, 4), (0, 1), False),  # expanded: one element read for many
+    ((3, 2), (0, 5), False),
+    ((3, 4), (8, 1), False),  # a slice: gaps
+    ((2, 2), (1, 1), False),
+])
+def test_dense_is_a_permutation_of_a_contiguous_layout(shape, stride, expected):
+    t = torch.empty(64).as_strided(shape, stride)
+    assert graphed_pass.dense(t) is expected
+
+
+def _why(batches, monkeypatch, module=None):
+    """_why_not past its device and module checks, the samples' tensors on the CPU standing for the GPU's."""
+    monkeypatch.setattr(graphed_pass, "applies", lambda m, d: None)
+    return graphed_pass._why_not(module or _Block(), batches, torch.device("cpu"))
+
+
+def test_samples_of_one_structure_are_graphed(monkeypatch):
+    shared = torch.zeros(1, 1, 4, 4)
+    batches = [{"hidden_states": torch.randn(1, 4, 8), "position_embeddings": (torch.randn(1, 4, 2), torch.randn(1, 4, 2)),
+                "attention_mask": shared, "past_key_values": None, "use_cache": False, "dtype": torch.bfloat16}
+               for _ in range(3)]
+    assert _why(batches, monkeypatch) is None
+
+
+@pytest.mark.parametrize("change,why", [
+    (lambda b: b.pop("use_cache"), "differ in structure"),
+    (lambda b: b.update(use_cache=True), "other arguments differ"),
+    (lambda b: b.update(x=torch.randn(1, 5, 8)), "differ in shape"),
+    (lambda b: b.update(x=torch.randn(1, 4, 8).to(torch.bfloat16)), "differ in shape, layout or dtype"),
+    (lambda b: b.update(x=torch.randn(1, 8, 4).transpose(1, 2)), "differ in shape, layout or dtype"),
+    (lambda b: b.update(x=None), "differ in shape"),
+])
+def test_samples_that_differ_are_left_eager(change, why, monkeypatch):
+    batches = [{"x": torch.randn(1, 4, 8), "use_cache": False} for _ in range(3)]
+    change(batches[2])
+    assert why in _why(batches, monkeypatch)
+
+
+@pytest.mark.parametrize("value,why", [
+    (torch.ones(1, 4).expand(3, 4), "not dense"),
+    (torch.ones(3, 4, requires_grad=True), "with grad"),
+    (object(), "of type object"),
+])
+def test_arguments_a_graph_cannot_take_are_left_eager(value, why, monkeypatch):
+    batches = [{"x": value} for _ in range(2)]
+    assert why in _why(batches, monkeypatch)
+
+
+def test_one_sample_is_left_eager(monkeypatch):
+    assert _why([{"x": torch.ones(2)}], monkeypatch) == "fewer than two samples"
+
+
+def test_a_lone_linear_is_left_eager(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the device check
+    assert graphed_pass.applies(nn.Linear(8, 8), CUDA) == "one module with weights: one product a sample"
+    assert graphed_pass.applies(_Block(), CUDA) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_bits_equal_compares_bits(dtype):
+    a = torch.randn(3, 5).to(dtype)
+    b = a.clone()
+    assert graphed_pass._bits_equal(a, b).item()
+    b[1, 2] = torch.nextafter(b[1, 2].float(), torch.tensor(9.0)).to(dtype) if dtype == torch.float32 else b[1, 2] * 2
+    assert not graphed_pass._bits_equal(a, b).item()
+    nan = torch.full((4,), float("nan"), dtype=dtype)
+    assert graphed_pass._bits_equal(nan, nan.clone()).item()  # the same bits, though NaN != NaN
+    zero = torch.zeros(4, dtype=dtype)
+    assert not graphed_pass._bits_equal(zero, -zero).item()  # equal values, other bits
+    assert not graphed_pass._bits_equal(a, a.float() if dtype != torch.float32 else a.double()).item()
+    assert not graphed_pass._bits_equal(a, a[:2]).item()
+
+
+def test_the_searchs_weights_are_written_in_place_where_the_library_replaces_them():
+    layer = nn.Linear(8, 4)
+    storage = layer.weight.data_ptr()
+    value = torch.randn(4, 8)
+    awq_search._set_weight(layer, value)
+    assert layer.weight.data_ptr() == storage and torch.equal(layer.weight.data, value)
+    awq_search._set_weight(layer, torch.randn(8, 4).t())  # not contiguous: replaced, as the library does
+    assert layer.weight.data_ptr() != storage and not layer.weight.is_contiguous()
