@@ -50,23 +50,27 @@ def test_samples_of_one_structure_are_graphed(monkeypatch):
     assert _why(batches, monkeypatch) is None
 
 
-@pytest.mark.parametrize("change,why", [
-    (lambda b: b.pop("use_cache"), "differ in structure"),
-    (lambda b: b.update(use_cache=True), "other arguments differ"),
-    (lambda b: b.update(x=torch.randn(1, 5, 8)), "differ in shape"),
-    (lambda b: b.update(x=torch.randn(1, 4, 8).to(torch.bfloat16)), "differ in shape, layout or dtype"),
-    (lambda b: b.update(x=torch.randn(1, 8, 4).transpose(1, 2)), "differ in shape, layout or dtype"),
-    (lambda b: b.update(x=None), "differ in shape"),
-])
-def test_samples_that_differ_are_left_eager(change, why, monkeypatch):
-    batches = [{"x": torch.randn(1, 4, 8), "use_cache": False} for _ in range(3)]
+@pytest.mark.parametrize("change", [
+    lambda b: b.pop("use_cache"),  # another structure
+    lambda b: b.update(use_cache=True),  # another value
+    lambda b: b.update(x=torch.randn(1, 5, 8)),  # another length
+    lambda b: b.update(x=torch.randn(1, 4, 8).to(torch.bfloat16)),  # another dtype
+    lambda b: b.update(x=torch.randn(1, 8, 4).transpose(1, 2)),  # another layout
+    lambda b: b.update(x=None),
+], ids=["structure", "value", "length", "dtype", "layout", "none"])
+def test_samples_of_each_kind_share_a_graph_and_a_kind_of_one_is_left_eager(change, monkeypatch):
+    batches = [{"x": torch.randn(1, 4, 8), "use_cache": False} for _ in range(4)]
     change(batches[2])
-    assert why in _why(batches, monkeypatch)
+    _, kinds = graphed_pass._kinds(batches, torch.device("cpu"))
+    assert sorted(kinds.values()) == [[0, 1, 3], [2]]
+    assert _why(batches, monkeypatch) is None
+    alone = [batches[0], batches[2]]  # no two alike: nothing to graph
+    assert _why(alone, monkeypatch) == "no two samples alike (their lengths, layouts or other arguments differ)"
 
 
 @pytest.mark.parametrize("value,why", [
     (torch.ones(1, 4).expand(3, 4), "not dense"),
-    (torch.ones(3, 4, requires_grad=True), "with grad"),
+    (torch.ones(3, 4, requires_grad=True), "requires grad"),
     (object(), "of type object"),
 ])
 def test_arguments_a_graph_cannot_take_are_left_eager(value, why, monkeypatch):
@@ -75,7 +79,7 @@ def test_arguments_a_graph_cannot_take_are_left_eager(value, why, monkeypatch):
 
 
 def test_one_sample_is_left_eager(monkeypatch):
-    assert _why([{"x": torch.ones(2)}], monkeypatch) == "fewer than two samples"
+    assert _why([{"x": torch.ones(2)}], monkeypatch).startswith("no two samples alike")
 
 
 def test_a_lone_linear_is_left_eager(monkeypatch):

@@ -239,7 +239,7 @@ def _candidate_loss(self, parent: torch.nn.Module, fp16_outputs: list[torch.Tens
     each sample's output added into the loss right after its pass, then let go (see the module docstring); with
     `graphed`, each sample's pass is a replay of its graph."""
     if graphed is not None:
-        return _loss(fp16_outputs, graphed.outputs(graphed.batches))
+        return _loss(fp16_outputs, graphed.outputs())
     return _loss(fp16_outputs, _samples(self, parent) if _state.samplewise else self._run_samples(parent))
 
 

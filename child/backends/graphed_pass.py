@@ -8,32 +8,36 @@ kernel made the GPU's part small, the pass waits on the Python that launches it 
 hooks, about 40 launches a sample). A graph launches the same kernels with their arguments fixed at capture: one
 call a sample.
 
-How a pass is replayed (`GraphedPass`): the parent's forward is captured once a search on a side stream, after one
-eager warm-up call there, with the first sample's tensors copied into inputs of its own (the same shapes, strides and
-dtypes; a tensor that is the same object in every sample is used as it is). Each sample then is: its tensors copied
-into those inputs, the graph replayed, its output read (by the loss) before the next sample's copy, all on the
-current stream in that order. The weights are read where they lie at capture, so the search writes each candidate's
-weights into the same tensors (child/backends/awq_search.py).
+How a pass is replayed (`GraphedPass`): the samples are sorted into kinds (their arguments' structure, each tensor's
+shape, strides and dtype, every other value), and the forward of each kind with at least two samples (at most
+`MAX_GRAPHS`, the largest kinds) is captured once a search on a side stream, after one eager warm-up call there, with
+its first sample's tensors copied into inputs of its own (a tensor that is the same object in every sample of the
+kind is used as it is). Each sample then, in the samples' order: a graphed one's tensors copied into its graph's
+inputs, the graph replayed, its output read (by the loss) before that graph's next replay, all on the current
+stream; a sample of a kind of its own runs eagerly as before. The graphs share one memory pool (each one's output
+stays alive; the rest is transient). The weights are read where they lie at capture, so the search writes each
+candidate's weights into the same tensors (child/backends/awq_search.py).
 
-Why the bits are the library's: the graph is the kernels eager launched for that call, with the same shapes and
-layouts, reading each sample's values. That is checked rather than assumed: each candidate's first sample is also run
-eagerly and compared with its replay bit for bit on the device (`same()`, one flag for the search, which comes to the
+Why the bits are the library's: a graph is the kernels eager launched for that kind of call, with the same shapes
+and layouts, reading each sample's values. That is checked rather than assumed: each graph's first sample is also run
+eagerly in every candidate's pass and compared with its replay bit for bit on the device (`same()`, one flag for the search, which comes to the
 host with the grid's losses, no extra wait). Where they differ (a tensor the forward reads that was replaced, not
 written in place; a library that picks kernels otherwise under capture), the search runs its grid again without the
 graph, and graphs are off for the process (`turn_off`, one line in the worker's log).
 
 Where it applies (`build` says why not, else None): on a CUDA device, for a parent that is more than one module with
 weights (a lone Linear, `o_proj` or `down_proj`, is one product a sample: GPU-bound, where the copies would only
-add), with at least two samples whose arguments have one structure (the same keys, tensors of one shape, layout,
-dtype and the parent's device, every other value equal and a plain number, string, None, dtype or device), and
-whose forward can be captured (no wait for the GPU inside it: an MoE block's routing cannot, nor can anything that
+add), whose samples' arguments are tensors on the parent's device (not requiring grad, dense: no expanded or sliced
+layout) and plain values (numbers, strings, None, dtypes, devices) in dicts, lists and tuples, with at least two
+samples of one kind (a dataset whose every sample has its own length runs eagerly), and whose forward can be
+captured (no wait for the GPU inside it: an MoE block's routing cannot, nor can anything that
 reads a value back; a capture that fails turns graphs off for that kind of module, for the process).
 """
 from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -73,13 +77,11 @@ def dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _flat(batch: dict) -> tuple[list, object]:
-    leaves, spec = tree_flatten(batch)
-    return leaves, spec
+MAX_GRAPHS = 8  # a search's graphs at most (the most common kinds of sample); each adds an eager check a candidate
 
 
 def _layout(t: torch.Tensor) -> tuple:
-    return tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad
+    return tuple(t.shape), t.stride(), t.dtype, t.device
 
 
 def applies(module: nn.Module, device: torch.device) -> str | None:
@@ -95,30 +97,47 @@ def applies(module: nn.Module, device: torch.device) -> str | None:
     return None
 
 
+def _signature(leaves: list, spec, device: torch.device) -> tuple | str:
+    """A sample's kind (its arguments' structure, its tensors' layouts, its other values): samples of one kind share
+    a graph. Or why the sample cannot be graphed."""
+    key = [repr(spec)]
+    for value in leaves:
+        if isinstance(value, torch.Tensor):
+            if value.device != device:
+                return f"an argument on {value.device}, not {device}"
+            if value.requires_grad:
+                return "an argument that requires grad"
+            if not dense(value):
+                return "an argument whose layout is not dense (expanded or sliced)"
+            key.append(_layout(value))
+        elif isinstance(value, _PLAIN):
+            key.append((type(value), value))
+        else:
+            return f"an argument of type {type(value).__name__}"
+    return tuple(key)
+
+
+def _kinds(batches: list[dict], device: torch.device) -> tuple[list[tuple[list, object]], dict]:
+    """Each sample's flattened arguments, and the samples of each graphable kind (index lists), or why none."""
+    flat = [tree_flatten(b) for b in batches]
+    kinds: dict = {}
+    for index, (leaves, spec) in enumerate(flat):
+        key = _signature(leaves, spec, device)
+        if isinstance(key, str):
+            return flat, {"why": key}
+        kinds.setdefault(key, []).append(index)
+    return flat, kinds
+
+
 def _why_not(module: nn.Module, batches: list[dict], device: torch.device) -> str | None:
     why = applies(module, device)
     if why is not None:
         return why
-    if len(batches) < 2:
-        return "fewer than two samples"
-    first, spec = _flat(batches[0])
-    for value in first:
-        if isinstance(value, torch.Tensor):
-            if value.device != device or value.requires_grad or not dense(value):
-                return f"an argument on {value.device}, with grad or not dense"
-        elif not isinstance(value, _PLAIN):
-            return f"an argument of type {type(value).__name__}"
-    layouts = [_layout(v) if isinstance(v, torch.Tensor) else None for v in first]
-    for batch in batches[1:]:
-        leaves, other = _flat(batch)
-        if other != spec:
-            return "the samples' arguments differ in structure"
-        for value, ref, layout in zip(leaves, first, layouts):
-            if layout is None:
-                if isinstance(value, torch.Tensor) or type(value) is not type(ref) or value != ref:
-                    return "the samples' other arguments differ"
-            elif not isinstance(value, torch.Tensor) or _layout(value) != layout:
-                return "the samples' tensors differ in shape, layout or dtype"
+    _, kinds = _kinds(batches, device)
+    if "why" in kinds:
+        return kinds["why"]
+    if all(len(samples) < 2 for samples in kinds.values()):
+        return "no two samples alike (their lengths, layouts or other arguments differ)"
     return None
 
 
@@ -134,47 +153,41 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.eq(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)).all()
 
 
-class GraphedPass:
-    """`module` over samples with the arguments' structure of `batches`, replayed from one CUDA graph (see the
-    module docstring). Made by `build`."""
+class _Graph:
+    """One kind of sample's forward captured: inputs of its own for each tensor that is not the same object in every
+    sample of the kind, the graph, and its output."""
 
-    def __init__(self, module: nn.Module, batches: list[dict], device: torch.device):
-        self.module = module
-        self.device = device
-        leaves, self._spec = _flat(batches[0])
-        others = [_flat(b)[0] for b in batches[1:]]
-        # an input of the graph's own for each tensor that is not the same object in every sample
-        self._copied = [isinstance(v, torch.Tensor) and any(o[i] is not v for o in others)
+    def __init__(self, module: nn.Module, samples: list[list], spec, device: torch.device, pool):
+        leaves = samples[0]
+        self._copied = [isinstance(v, torch.Tensor) and any(o[i] is not v for o in samples[1:])
                         for i, v in enumerate(leaves)]
         self._inputs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) if copied else v
                         for v, copied in zip(leaves, self._copied)]
-        self._kwargs = tree_unflatten(self._inputs, self._spec)
-        self._same = torch.ones((), dtype=torch.bool, device=device)
-        self.replays = 0
-        self.batches = batches
+        kwargs = tree_unflatten(self._inputs, spec)
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
         try:
             with torch.cuda.stream(side):
                 self._load(leaves)
-                _first(module(**self._kwargs))  # warm-up: lazy set-up (a stream's cuBLAS workspace) outside the capture
-                self._graph = torch.cuda.CUDAGraph()
-                self._graph.capture_begin(capture_error_mode="thread_local")  # other threads' CUDA calls are theirs
+                _first(module(**kwargs))  # warm-up: lazy set-up (a stream's cuBLAS workspace) outside the capture
+                self.graph = torch.cuda.CUDAGraph()
+                # other threads' CUDA calls are theirs (capture_error_mode)
+                self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
-                    output = module(**self._kwargs)
+                    output = module(**kwargs)
                 except BaseException:
                     try:
-                        self._graph.capture_end()
+                        self.graph.capture_end()
                     except Exception:  # noqa: BLE001 - the capture is invalid; the forward's error is the one told
                         pass
                     raise
-                self._graph.capture_end()
+                self.graph.capture_end()
         finally:
             current.wait_stream(side)  # the inputs and the warm-up's tensors are the current stream's again
-        self._output = _first(output)
+        self.output = _first(output)
         del output  # the rest (eager attention's probabilities) is the graph's memory, not held here
-        if self._output is None:
+        if self.output is None:
             raise TypeError("the parent's output is not a tensor or a tuple starting with one")
 
     def _load(self, leaves: list) -> None:
@@ -182,34 +195,71 @@ class GraphedPass:
             if copied:
                 target.copy_(value)
 
-    def outputs(self, batches: Iterable[dict]) -> Iterator[torch.Tensor]:
-        """Each sample's output, as AWQ's `_run_samples` keeps it, in order: the graph's output tensor, rewritten by
-        the next sample's replay (read it before asking for the next). The first sample is also run eagerly and the
-        two compared (`same()`)."""
-        for index, batch in enumerate(batches):
-            leaves, _ = _flat(batch)
-            self._load(leaves)
-            self._graph.replay()
+    def run(self, leaves: list) -> torch.Tensor:
+        self._load(leaves)
+        self.graph.replay()
+        return self.output
+
+
+class GraphedPass:
+    """`module` over `batches`, each sample of a kind that has a graph replayed from it, the rest run eagerly, in the
+    samples' order (see the module docstring). Made by `build`."""
+
+    def __init__(self, module: nn.Module, batches: list[dict], device: torch.device):
+        self.module = module
+        self.batches = batches
+        flat, kinds = _kinds(batches, device)
+        self._leaves = [leaves for leaves, _ in flat]
+        self._graph_of: list[_Graph | None] = [None] * len(batches)
+        self._firsts: set[int] = set()  # each graph's first sample: also run eagerly, and compared, each pass
+        self._same = torch.ones((), dtype=torch.bool, device=device)
+        self.replays = 0
+        self.graphs: list[_Graph] = []
+        pool = torch.cuda.graph_pool_handle()  # one pool: each graph's output stays alive, the rest is transient
+        alike = sorted((samples for samples in kinds.values() if len(samples) >= 2), key=len, reverse=True)
+        for samples in alike[:MAX_GRAPHS]:
+            graph = _Graph(module, [self._leaves[i] for i in samples], flat[samples[0]][1], device, pool)
+            self.graphs.append(graph)
+            self._firsts.add(samples[0])
+            for i in samples:
+                self._graph_of[i] = graph
+        self.graphed = sum(g is not None for g in self._graph_of)
+
+    def outputs(self) -> Iterator[torch.Tensor]:
+        """Each sample's output, as AWQ's `_run_samples` keeps it, in order; a graphed sample's is its graph's output
+        tensor, rewritten by that graph's next replay (read it before asking for the next). Each graph's first sample
+        is also run eagerly and the two compared (`same()`)."""
+        for index, batch in enumerate(self.batches):
+            graph = self._graph_of[index]
+            if graph is None:
+                output = _first(self.module(**batch))  # the tuple let go at once, as awq_search's passes do
+                yield output
+                del output
+                continue
+            out = graph.run(self._leaves[index])
             self.replays += 1
-            if index == 0:
+            if index in self._firsts:
                 reference = _first(self.module(**batch))
-                self._same &= _bits_equal(reference, self._output) if reference is not None else False
+                self._same &= _bits_equal(reference, out) if reference is not None else False
                 del reference
-            yield self._output
+            yield out
 
     def same(self) -> torch.Tensor:
         """A device bool: every checked replay held the eager pass's bits."""
         return self._same
 
     def close(self) -> None:
-        """The graph and its memory let go."""
-        self._graph.reset()
-        self._output = self._inputs = self._kwargs = None
+        """The graphs and their memory let go."""
+        for graph in self.graphs:
+            graph.graph.reset()
+        self.graphs, self._graph_of = [], []
 
 
 def build(module: nn.Module, batches: list[dict], device: torch.device) -> tuple[GraphedPass | None, str | None]:
     """(the graphed pass, None), or (None, why not) where it does not apply or the capture failed (see the module
     docstring). A failed capture turns graphs off for that kind of module and is told once in the log."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
     why = _why_not(module, batches, device)
     if why is not None:
         return None, why
@@ -225,6 +275,6 @@ def build(module: nn.Module, batches: list[dict], device: torch.device) -> tuple
     with _lock:
         told, _state["told"] = _state["told"], True
     if not told:
-        print(f"{LOG_PREFIX} on (the first: {type(module).__qualname__}, {len(batches)} samples a pass, each replayed "
-              f"from one CUDA graph)", file=sys.stderr, flush=True)
+        print(f"{LOG_PREFIX} on (the first: {type(module).__qualname__}, {graphed.graphed} of {len(batches)} samples a "
+              f"pass replayed from {len(graphed.graphs)} CUDA graph(s))", file=sys.stderr, flush=True)
     return graphed, None
