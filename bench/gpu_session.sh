@@ -165,6 +165,15 @@ s44c)  # after s44b, on the same machine: with bytecode for both tools the defau
   cbk 300 awq_graphed --method awq
   grep "worker logs" "$OUT/awq_graphed.txt"
   ;;
+s44d)  # after s44c (issue 34): the graphs' memory in one pool a process (s44c: 31.15 GiB held by the worker against
+  # 19.62 without graphs), a failed capture's random generators settled: the GPU tests, then the default AWQ against
+  # oneshot again (bytecode for both, 8 layers of the 8B shape, every tensor compared)
+  t 100 graphed tests/gpu/test_graphed_pass_gpu.py -m gpu
+  bytecode_both
+  rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -2
+  cbk 300 awq_graphed2 --method awq
+  grep "worker logs" "$OUT/awq_graphed2.txt"
+  ;;
 s44p)  # forty-third session (issue 34): where the attention pass's host time goes, the AWQ probe alone (s44a's first
   # half): each pass's seconds to queue beside its device seconds, and one pass of each parent under cProfile
   timeout 150 python3 bench/awq_probe.py --fused --untimed-passes --profile-pass 2 --host-profile --top 40 \

@@ -102,7 +102,8 @@ def test_a_weight_replaced_after_the_capture_is_found_by_the_check():
         assert why is None
         first = [o.clone() for o in graphed.outputs()]
         assert graphed.same().item()
-        mlp.up_proj.weight.data = mlp.up_proj.weight.data * 1.5  # a new tensor: the graph still reads the old one
+        old = mlp.up_proj.weight.data  # kept alive: the graph reads it still
+        mlp.up_proj.weight.data = old * 1.5  # a new tensor, not written in place
         stale = [o.clone() for o in graphed.outputs()]
         assert all(_same_bits(a, b) for a, b in zip(first, stale))  # the old weights' outputs
         assert not graphed.same().item()
@@ -130,6 +131,14 @@ def test_a_forward_that_waits_is_not_captured_and_the_gpu_works_on():
     with torch.no_grad():
         out = module(**batches[0])
     assert torch.isfinite(out).all() and (torch.ones(4, device=CUDA) @ torch.ones(4, device=CUDA)).item() == 4
+    assert torch.randn(4, device=CUDA).isfinite().all()  # the random generators left their capturing state
+    good = _model("llama").model.layers[0].mlp  # and the next capture works
+    cached = [{"x": torch.randn(1, 8, 256, device=CUDA, dtype=torch.bfloat16)} for _ in range(3)]
+    graphed, why = graphed_pass.build(good, cached, CUDA)
+    assert why is None
+    with torch.no_grad():
+        assert all(_same_bits(o.clone(), good(**b)) for o, b in zip(graphed.outputs(), cached))
+    graphed.close()
 
 
 def test_a_lone_linear_and_unlike_samples_are_left_eager():
@@ -139,3 +148,23 @@ def test_a_lone_linear_and_unlike_samples_are_left_eager():
     mlp = _model("llama").model.layers[0].mlp
     ragged = [{"x": torch.randn(1, n, 256, device=CUDA, dtype=torch.bfloat16)} for n in (8, 9)]
     assert graphed_pass.build(mlp, ragged, CUDA)[1].startswith("no two samples alike")
+
+
+def test_the_graphs_memory_is_taken_again_by_the_next_search():
+    """Each search's graphs are let go at its end; the next search's capture takes their memory again (one pool a
+    process and device), so what the caching allocator holds does not grow from search to search."""
+    model = _model("llama")
+    attn = model.model.layers[0].self_attn
+    cached = _cached(model, [attn], [256] * 4)[attn]
+    reserved = []
+    with torch.no_grad():
+        for _ in range(4):
+            graphed, why = graphed_pass.build(attn, cached, CUDA)
+            assert why is None
+            for _ in graphed.outputs():
+                pass
+            assert graphed.same().item()
+            graphed.close()
+            del graphed
+            reserved.append(torch.cuda.memory_reserved())
+    assert reserved[-1] == reserved[1], reserved
