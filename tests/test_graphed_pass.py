@@ -68,8 +68,15 @@ def test_samples_of_each_kind_share_a_graph_and_a_kind_of_one_is_left_eager(chan
     assert _why(alone, monkeypatch) == "no two samples alike (their lengths, layouts or other arguments differ)"
 
 
+def test_a_tensor_copy_cannot_fill_is_graphed_only_where_the_samples_share_it(monkeypatch):
+    mask = torch.ones(1, 4).expand(3, 4)  # expanded: a graph's input of this layout cannot be written
+    shared = [{"x": torch.randn(2, 4), "mask": mask} for _ in range(3)]
+    assert _why(shared, monkeypatch) is None
+    own = [{"x": torch.randn(2, 4), "mask": torch.ones(1, 4).expand(3, 4)} for _ in range(3)]
+    assert _why(own, monkeypatch).startswith("no two samples alike")
+
+
 @pytest.mark.parametrize("value,why", [
-    (torch.ones(1, 4).expand(3, 4), "not dense"),
     (torch.ones(3, 4, requires_grad=True), "requires grad"),
     (object(), "of type object"),
 ])

@@ -27,8 +27,8 @@ graph, and graphs are off for the process (`turn_off`, one line in the worker's 
 
 Where it applies (`build` says why not, else None): on a CUDA device, for a parent that is more than one module with
 weights (a lone Linear, `o_proj` or `down_proj`, is one product a sample: GPU-bound, where the copies would only
-add), whose samples' arguments are tensors on the parent's device (not requiring grad, dense: no expanded or sliced
-layout) and plain values (numbers, strings, None, dtypes, devices) in dicts, lists and tuples, with at least two
+add), whose samples' arguments are tensors on the parent's device (not requiring grad; one of an expanded or sliced
+layout only where the samples share that very tensor) and plain values (numbers, strings, None, dtypes, devices) in dicts, lists and tuples, with at least two
 samples of one kind (a dataset whose every sample has its own length runs eagerly), and whose forward can be
 captured (no wait for the GPU inside it: an MoE block's routing cannot, nor can anything that
 reads a value back; a capture that fails turns graphs off for that kind of module, for the process).
@@ -108,9 +108,8 @@ def _signature(leaves: list, spec, device: torch.device) -> tuple | str:
                 return f"an argument on {value.device}, not {device}"
             if value.requires_grad:
                 return "an argument that requires grad"
-            if not dense(value):
-                return "an argument whose layout is not dense (expanded or sliced)"
-            key.append(_layout(value))
+            # a layout copy_ cannot fill (expanded, sliced): only samples that share that very tensor are alike
+            key.append(_layout(value) if dense(value) else (_layout(value), "shared", id(value)))
         elif isinstance(value, _PLAIN):
             key.append((type(value), value))
         else:
