@@ -165,6 +165,14 @@ s44c)  # after s44b, on the same machine: with bytecode for both tools the defau
   cbk 300 awq_graphed --method awq
   grep "worker logs" "$OUT/awq_graphed.txt"
   ;;
+s44e)  # s44d cut to what a short budget holds: the GPU tests, then ours alone (the default AWQ, bytecode, 8 layers of the
+  # 8B shape): its seconds a layer and the GPU memory its tree holds (s44c: 31.15 GiB, a pool a search)
+  t 100 graphed tests/gpu/test_graphed_pass_gpu.py -m gpu
+  bytecode_both
+  rm -rf /tmp/cbk; timeout 150 python3 bench/calib_bench.py --layers 8 --method awq --workdir /tmp/cbk --build-only 2>&1 | quiet | tail -1
+  cbk 150 awq_graphed3 --method awq --skip kill,retry,oneshot
+  grep "worker logs" "$OUT/awq_graphed3.txt"
+  ;;
 s44d)  # after s44c (issue 34): the graphs' memory in one pool a process (s44c: 31.15 GiB held by the worker against
   # 19.62 without graphs), a failed capture's random generators settled: the GPU tests, then the default AWQ against
   # oneshot again (bytecode for both, 8 layers of the 8B shape, every tensor compared)
