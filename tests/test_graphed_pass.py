@@ -61,7 +61,7 @@ def test_samples_of_one_structure_are_graphed(monkeypatch):
 def test_samples_of_each_kind_share_a_graph_and_a_kind_of_one_is_left_eager(change, monkeypatch):
     batches = [{"x": torch.randn(1, 4, 8), "use_cache": False} for _ in range(4)]
     change(batches[2])
-    _, kinds = graphed_pass._kinds(batches, torch.device("cpu"))
+    _, kinds, _ = graphed_pass._kinds(batches, torch.device("cpu"))
     assert sorted(kinds.values()) == [[0, 1, 3], [2]]
     assert _why(batches, monkeypatch) is None
     alone = [batches[0], batches[2]]  # no two alike: nothing to graph

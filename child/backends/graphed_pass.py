@@ -1,37 +1,38 @@
 """A parent's pass over its cached samples captured once as a CUDA graph and replayed for each sample, bit for bit:
 AWQ's grid search without the host's Python in the GPU's way.
 
-AWQ runs each mapping's parent over every cached sample for each of its 20 candidate scalings. For the attention of
-an 8B-shaped layer (128 samples x 2048 tokens, one H100) a candidate's pass takes 0.138 s while its kernels take
-0.113 s (bench/awq_probe.py, docs/benchmarks.md forty-second session): once the one-kernel softmax and the rotary
-kernel made the GPU's part small, the pass waits on the Python that launches it (the module calls, their wrappers and
-hooks, about 40 launches a sample). A graph launches the same kernels with their arguments fixed at capture: one
-call a sample.
+AWQ runs each mapping's parent over every cached sample for each of its 20 candidate scalings. For the attention of an
+8B-shaped layer (128 samples x 2048 tokens, one H100) a candidate's pass takes 0.138 s while its kernels take 0.113 s
+(bench/awq_probe.py, docs/benchmarks.md forty-second session): once the one-kernel softmax and the rotary kernel made
+the GPU's part small, the pass waits on the Python that launches it (the module calls, their wrappers and hooks, about
+40 launches a sample). A graph launches the same kernels with their arguments fixed at capture: one call a sample.
+Measured on two H100s (docs/benchmarks.md, forty-third session): the attention's pass 0.119 s with graphs against 0.174
+eager on a slow host, 0.120 against 0.121 on a fast one; the default AWQ at 0.478x oneshot's wall, every tensor equal.
 
 How a pass is replayed (`GraphedPass`): the samples are sorted into kinds (their arguments' structure, each tensor's
 shape, strides and dtype, every other value), and the forward of each kind with at least two samples (at most
 `MAX_GRAPHS`, the largest kinds) is captured once a search on a side stream, after one eager warm-up call there, with
-its first sample's tensors copied into inputs of its own (a tensor that is the same object in every sample of the
-kind is used as it is). Each sample then, in the samples' order: a graphed one's tensors copied into its graph's
-inputs, the graph replayed, its output read (by the loss) before that graph's next replay, all on the current
-stream; a sample of a kind of its own runs eagerly as before. The graphs share one memory pool, the process's on
-that device (each graph's output stays alive while it is used; the rest is transient). The weights are read where they lie at capture, so the search writes each
-candidate's weights into the same tensors (child/backends/awq_search.py).
+its first sample's tensors copied into inputs of its own (a tensor that is the same object in every sample of the kind
+is used as it is). Each sample then, in the samples' order: a graphed one's tensors copied into its graph's inputs,
+the graph replayed, its output read (by the loss) before that graph's next replay, all on the current stream; a sample
+of a kind of its own runs eagerly as before. The graphs share one memory pool, the process's on that device (each
+graph's output stays alive while it is used; the rest is transient). The weights are read where they lie at capture,
+so the search writes each candidate's weights into the same tensors (child/backends/awq_search.py).
 
-Why the bits are the library's: a graph is the kernels eager launched for that kind of call, with the same shapes
-and layouts, reading each sample's values. That is checked rather than assumed: each graph's first sample is also run
-eagerly in every candidate's pass and compared with its replay bit for bit on the device (`same()`, one flag for the search, which comes to the
-host with the grid's losses, no extra wait). Where they differ (a tensor the forward reads that was replaced, not
-written in place; a library that picks kernels otherwise under capture), the search runs its grid again without the
-graph, and graphs are off for the process (`turn_off`, one line in the worker's log).
+Why the bits are the library's: a graph is the kernels eager launched for that kind of call, with the same shapes and
+layouts, reading each sample's values. That is checked rather than assumed: each graph's first sample is also run
+eagerly in every candidate's pass and compared with its replay bit for bit on the device (`same()`, one flag for the
+search, which comes to the host with the grid's losses, no extra wait). Where they differ (a tensor the forward reads
+that was replaced, not written in place; a library that picks kernels otherwise under capture), the search runs its
+grid again without the graph, and graphs are off for the process (`turn_off`, one line in the worker's log).
 
 Where it applies (`build` says why not, else None): on a CUDA device, for a parent that is more than one module with
-weights (a lone Linear, `o_proj` or `down_proj`, is one product a sample: GPU-bound, where the copies would only
-add), whose samples' arguments are tensors on the parent's device (not requiring grad; one of an expanded or sliced
-layout only where the samples share that very tensor) and plain values (numbers, strings, None, dtypes, devices) in dicts, lists and tuples, with at least two
-samples of one kind (a dataset whose every sample has its own length runs eagerly), and whose forward can be
-captured (no wait for the GPU inside it: an MoE block's routing cannot, nor can anything that
-reads a value back; a capture that fails turns graphs off for that kind of module, for the process).
+weights (a lone Linear, `o_proj` or `down_proj`, is one product a sample: GPU-bound, where the copies would only add),
+whose samples' arguments are tensors on the parent's device (not requiring grad; one of an expanded or sliced layout
+only where the samples share that very tensor) and plain values (numbers, strings, None, dtypes, devices) in dicts,
+lists and tuples, with at least two samples of one kind (a dataset whose every sample has its own length runs
+eagerly), and whose forward can be captured (no wait for the GPU inside it: an MoE block's routing cannot, nor can
+anything that reads a value back; a capture that fails turns graphs off for that kind of module, for the process).
 """
 from __future__ import annotations
 
@@ -117,28 +118,23 @@ def _signature(leaves: list, spec, device: torch.device) -> tuple | str:
     return tuple(key)
 
 
-def _kinds(batches: list[dict], device: torch.device) -> tuple[list[tuple[list, object]], dict]:
-    """Each sample's flattened arguments, and the samples of each graphable kind (index lists), or why none."""
+def _kinds(batches: list[dict], device: torch.device) -> tuple[list[tuple[list, object]], dict, str | None]:
+    """Each sample's flattened arguments, the samples of each kind (index lists), and why none can be graphed (else
+    None)."""
     flat = [tree_flatten(b) for b in batches]
     kinds: dict = {}
     for index, (leaves, spec) in enumerate(flat):
         key = _signature(leaves, spec, device)
         if isinstance(key, str):
-            return flat, {"why": key}
+            return flat, {}, key
         kinds.setdefault(key, []).append(index)
-    return flat, kinds
+    if all(len(samples) < 2 for samples in kinds.values()):
+        return flat, kinds, "no two samples alike (their lengths, layouts or other arguments differ)"
+    return flat, kinds, None
 
 
 def _why_not(module: nn.Module, batches: list[dict], device: torch.device) -> str | None:
-    why = applies(module, device)
-    if why is not None:
-        return why
-    _, kinds = _kinds(batches, device)
-    if "why" in kinds:
-        return kinds["why"]
-    if all(len(samples) < 2 for samples in kinds.values()):
-        return "no two samples alike (their lengths, layouts or other arguments differ)"
-    return None
+    return applies(module, device) or _kinds(batches, device)[2]
 
 
 def _first(output) -> torch.Tensor | None:
@@ -233,10 +229,9 @@ class GraphedPass:
     """`module` over `batches`, each sample of a kind that has a graph replayed from it, the rest run eagerly, in the
     samples' order (see the module docstring). Made by `build`."""
 
-    def __init__(self, module: nn.Module, batches: list[dict], device: torch.device):
+    def __init__(self, module: nn.Module, batches: list[dict], device: torch.device, flat: list, kinds: dict):
         self.module = module
         self.batches = batches
-        flat, kinds = _kinds(batches, device)
         self._leaves = [leaves for leaves, _ in flat]
         self._graph_of: list[_Graph | None] = [None] * len(batches)
         self._firsts: set[int] = set()  # each graph's first sample: also run eagerly, and compared, each pass
@@ -288,11 +283,14 @@ def build(module: nn.Module, batches: list[dict], device: torch.device) -> tuple
     docstring). A failed capture turns graphs off for that kind of module and is told once in the log."""
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
-    why = _why_not(module, batches, device)
+    why = applies(module, device)
+    if why is not None:
+        return None, why
+    flat, kinds, why = _kinds(batches, device)
     if why is not None:
         return None, why
     try:
-        graphed = GraphedPass(module, batches, device)
+        graphed = GraphedPass(module, batches, device, flat, kinds)
     except Exception as e:  # noqa: BLE001 - the forward could not be captured: its eager passes run
         kind = type(module).__qualname__
         with _lock:
