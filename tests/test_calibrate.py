@@ -199,6 +199,51 @@ def test_awq_lets_each_samples_attention_probabilities_go_before_the_next_pass(k
     assert all((ran > 0) == (kind != "llama") for _, ran in unscaled), unscaled
 
 
+@pytest.mark.parametrize("replays", ["right", "wrong"])
+def test_awq_uses_a_graphed_pass_where_it_is_checked_and_searches_again_eagerly_where_not(
+        replays, tiny_models, ids_dataset, tmp_path, monkeypatch):
+    """child/backends/awq_search.py with a graphed pass (child/backends/graphed_pass.py; on the CPU a stand-in that
+    gives the eager outputs, or wrong ones, and says so through `same()`): its outputs go into each candidate's loss,
+    it is closed after the grid, and where its check fails the grid runs again eagerly and the graphs go off for the
+    process. The export equals oneshot's either way. (Real graphs on a GPU: tests/gpu/test_graphed_pass_gpu.py.)"""
+    from child.backends import graphed_pass
+
+    made, closed = [], []
+
+    class StandIn:
+        def __init__(self, module, batches):
+            self.module, self.batches, self.yielded = module, batches, 0
+
+        def outputs(self):
+            for batch in self.batches:
+                out = self.module(**batch)
+                out = out[0] if isinstance(out, tuple) else out
+                self.yielded += 1
+                yield out if replays == "right" else torch.zeros_like(out)
+
+        def same(self):
+            return torch.tensor(replays == "right")
+
+        def close(self):
+            closed.append(self)
+
+    def build(module, batches, device):
+        made.append(StandIn(module, batches))
+        return made[-1], None
+
+    monkeypatch.setitem(graphed_pass._state, "off", None)
+    monkeypatch.setattr(graphed_pass, "applies", lambda module, device: graphed_pass._state["off"])  # any device
+    monkeypatch.setattr(graphed_pass, "build", build)
+    _awq_equals_oneshot(tiny_models("llama"), ids_dataset, tmp_path)
+    # the first layer's mappings (and, while the replays are right, every layer's) went through a stand-in
+    assert made and closed == made and all(m.yielded == 20 * N for m in made), [m.yielded for m in made]
+    if replays == "right":
+        # 2 layers x 3 mappings (v_proj -> o_proj is left out: grouped-query attention)
+        assert len(made) == 2 * 3 and graphed_pass.available() is None
+    else:
+        assert len(made) == 1 and "differed from its eager pass" in graphed_pass.available()
+
+
 @pytest.mark.parametrize("why", ["another llm-compressor", "switched off"])
 def test_awq_runs_the_librarys_own_search_and_hooks_under_another_llm_compressor_or_switched_off(
         why, tiny_models, ids_dataset, tmp_path, monkeypatch):
