@@ -165,7 +165,7 @@ s44c)  # after s44b, on the same machine: with bytecode for both tools the defau
   cbk 300 awq_graphed --method awq
   grep "worker logs" "$OUT/awq_graphed.txt"
   ;;
-s44e)  # s44d cut to what a short budget holds: the GPU tests, then ours alone (the default AWQ, bytecode, 8 layers of the
+s44e)  # not yet run (the forty-third session's device refused twice): s44d cut to what a short budget holds: the GPU tests, then ours alone (the default AWQ, bytecode, 8 layers of the
   # 8B shape): its seconds a layer and the GPU memory its tree holds (s44c: 31.15 GiB, a pool a search)
   t 100 graphed tests/gpu/test_graphed_pass_gpu.py -m gpu
   bytecode_both
@@ -173,7 +173,7 @@ s44e)  # s44d cut to what a short budget holds: the GPU tests, then ours alone (
   cbk 150 awq_graphed3 --method awq --skip kill,retry,oneshot
   grep "worker logs" "$OUT/awq_graphed3.txt"
   ;;
-s44d)  # after s44c (issue 34): the graphs' memory in one pool a process (s44c: 31.15 GiB held by the worker against
+s44d)  # not yet run (the device refused; next session's first call): the graphs' memory in one pool a process (s44c: 31.15 GiB held by the worker against
   # 19.62 without graphs), a failed capture's random generators settled: the GPU tests, then the default AWQ against
   # oneshot again (bytecode for both, 8 layers of the 8B shape, every tensor compared)
   t 100 graphed tests/gpu/test_graphed_pass_gpu.py -m gpu
@@ -182,7 +182,7 @@ s44d)  # after s44c (issue 34): the graphs' memory in one pool a process (s44c: 
   cbk 300 awq_graphed2 --method awq
   grep "worker logs" "$OUT/awq_graphed2.txt"
   ;;
-s44p)  # forty-third session (issue 34): where the attention pass's host time goes, the AWQ probe alone (s44a's first
+s44p)  # not run (the device refused; s44b's probe has the seconds to queue): where the attention pass's host time goes, the AWQ probe alone (s44a's first
   # half): each pass's seconds to queue beside its device seconds, and one pass of each parent under cProfile
   timeout 150 python3 bench/awq_probe.py --fused --untimed-passes --profile-pass 2 --host-profile --top 40 \
     --workdir /tmp/awqp 2>&1 | quiet | grep -v "^20..-..-..T\|Grid search\|Smoothing" > "$OUT/awq_host.txt"
