@@ -133,10 +133,6 @@ def _kinds(batches: list[dict], device: torch.device) -> tuple[list[tuple[list, 
     return flat, kinds, None
 
 
-def _why_not(module: nn.Module, batches: list[dict], device: torch.device) -> str | None:
-    return applies(module, device) or _kinds(batches, device)[2]
-
-
 def _first(output) -> torch.Tensor | None:
     out = output[0] if isinstance(output, tuple) else output  # as AWQ's _run_samples keeps it
     return out if isinstance(out, torch.Tensor) else None
