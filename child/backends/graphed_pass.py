@@ -6,18 +6,20 @@ AWQ runs each mapping's parent over every cached sample for each of its 20 candi
 (bench/awq_probe.py, docs/benchmarks.md forty-second session): once the one-kernel softmax and the rotary kernel made
 the GPU's part small, the pass waits on the Python that launches it (the module calls, their wrappers and hooks, about
 40 launches a sample). A graph launches the same kernels with their arguments fixed at capture: one call a sample.
-Measured on two H100s (docs/benchmarks.md, forty-third session): the attention's pass 0.119 s with graphs against 0.174
-eager on a slow host, 0.120 against 0.121 on a fast one; the default AWQ at 0.478x oneshot's wall, every tensor equal.
+Measured on two H100s (docs/benchmarks.md, forty-third session): the attention's pass 0.119 s with graphs against
+0.174 eager on a slow host, 0.120 against 0.121 on a fast one; the default AWQ at 0.478x oneshot's wall, every tensor
+equal.
 
 How a pass is replayed (`GraphedPass`): the samples are sorted into kinds (their arguments' structure, each tensor's
 shape, strides and dtype, every other value), and the forward of each kind with at least two samples (at most
-`MAX_GRAPHS`, the largest kinds) is captured once a search on a side stream, after one eager warm-up call there, with
-its first sample's tensors copied into inputs of its own (a tensor that is the same object in every sample of the kind
-is used as it is). Each sample then, in the samples' order: a graphed one's tensors copied into its graph's inputs,
-the graph replayed, its output read (by the loss) before that graph's next replay, all on the current stream; a sample
-of a kind of its own runs eagerly as before. The graphs share one memory pool, the process's on that device (each
-graph's output stays alive while it is used; the rest is transient). The weights are read where they lie at capture,
-so the search writes each candidate's weights into the same tensors (child/backends/awq_search.py).
+`MAX_GRAPHS`, the largest kinds) is captured once a search on a side stream (the process's, on that device), after one
+eager warm-up call there, with its first sample's tensors copied into inputs of its own (a tensor that is the same
+object in every sample of the kind is used as it is). Each sample then, in the samples' order: a graphed one's tensors
+copied into its graph's inputs, the graph replayed, its output read (by the loss) before that graph's next replay, all
+on the current stream; a sample of a kind of its own runs eagerly as before. The graphs share one memory pool, the
+process's on that device (each graph's output stays alive while it is used; the rest is transient). The weights are
+read where they lie at capture, so the search writes each candidate's weights into the same tensors
+(child/backends/awq_search.py).
 
 Why the bits are the library's: a graph is the kernels eager launched for that kind of call, with the same shapes and
 layouts, reading each sample's values. That is checked rather than assumed: each graph's first sample is also run
@@ -51,8 +53,8 @@ _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 _lock = threading.Lock()
 # why graphs are off for the process; the module kinds whose capture failed; whether the first graph was told; the
-# graphs' memory pool on each device
-_state: dict = {"off": None, "failed": set(), "told": False, "pools": {}}
+# graphs' memory pool and the side stream on each device
+_state: dict = {"off": None, "failed": set(), "told": False, "pools": {}, "streams": {}}
 
 
 def available() -> str | None:
@@ -158,6 +160,17 @@ def _pool(device: torch.device):
     return pool.id if pool is not None else torch.cuda.graph_pool_handle()  # a torch without MemPool: one a search
 
 
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The process's stream for warm-ups and captures on `device`, kept from one search to the next. The caching
+    allocator lets a freed block be taken again only on the stream it was allocated on, and `torch.cuda.Stream()` hands
+    out the next of a pool of streams: a stream a search would leave each warm-up's memory cached on another one."""
+    with _lock:
+        stream = _state["streams"].get(device)
+        if stream is None:
+            stream = _state["streams"][device] = torch.cuda.Stream(device)
+    return stream
+
+
 def _settle_generators() -> None:
     """After a capture that failed: one empty capture, begun and ended, so that the CUDA random generators PyTorch
     registered with the failed one leave their capturing state (a failed `capture_end` skips that, and the next
@@ -181,7 +194,7 @@ class _Graph:
                         for v, copied in zip(leaves, self._copied)]
         kwargs = tree_unflatten(self._inputs, spec)
         current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
+        side = _side_stream(device)
         side.wait_stream(current)
         try:
             with torch.cuda.stream(side):
