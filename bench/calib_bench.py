@@ -181,14 +181,14 @@ def run_supervisor(args, src: str, data: str, name: str, env: dict | None = None
     pool = next((e for e in events if e["type"] == "PoolStarted"), {})
     # the worker logs' lines on eager attention's fused prefix (child/backends/eager_attention.py) and the graphed
     # passes (child/backends/graphed_pass.py)
-    fused = set()
+    logged = set()
     for log in sorted(glob.glob(os.path.join(out, ".export", "logs", "worker-*.log"))):
         for x in open(log, errors="replace"):
             for prefix in ("fused attention:", "graphed passes:"):
                 if prefix in x:
-                    fused.add(x[x.index(prefix):].strip())
+                    logged.add(x[x.index(prefix):].strip())
     return {"wall": wall, "startup": first, "events": events, "rc": proc.returncode, "stderr": proc.stderr,
-            "fused": sorted(fused),
+            "logged": sorted(logged),
             "reused": pool.get("reused", False),
             "stages": mean_stages(layers),
             "per_layer": sum(e["seconds"] for e in layers) / max(len(layers), 1), "layers": layers,
@@ -484,8 +484,8 @@ def main() -> None:
     if table:
         print("\nper rank, mean seconds per layer (ours, W = %d):" % sup.get("world", 1))
         print("\n".join(table))
-    if sup.get("fused"):
-        print("ours, worker logs: " + "; ".join(sup["fused"]))
+    if sup.get("logged"):
+        print("ours, worker logs: " + "; ".join(sup["logged"]))
     if sup.get("stages"):
         print("supervisor, mean seconds per layer by stage: "
               + ", ".join(f"{k} {v:.3f}" for k, v in sup["stages"].items()))
